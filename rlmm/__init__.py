@@ -1,0 +1,1 @@
+"""rlmm: study and correct the training-inference mismatch in RL for LLMs."""

@@ -1,0 +1,57 @@
+"""Hydra entry points behind the `rlmm` subcommands."""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.errors import InstantiationException
+from omegaconf import DictConfig
+
+import rlmm.schema  # noqa: F401  (registers the schemas with Hydra)
+from rlmm.config import BUILD_TIME_ARGS, CONF_DIR, ConfigError, build, to_container, validate
+
+log = logging.getLogger("rlmm")
+
+
+def user_error(err: BaseException) -> str | None:
+    """The one-line message of an error caused by the user's input, or None for a bug."""
+    while isinstance(err, InstantiationException) and err.__cause__ is not None:
+        err = err.__cause__
+    if isinstance(err, (ConfigError, ValueError, FileNotFoundError, KeyError)):
+        return str(err).splitlines()[0] if str(err) else type(err).__name__
+    return None
+
+
+def _probe(cfg: DictConfig) -> None:
+    from rlmm.probe import run_probe
+
+    runtime = HydraConfig.get().runtime
+    choices = {k: v for k, v in runtime.choices.items() if k in BUILD_TIME_ARGS}
+    validate(cfg, choices)
+    run_dir = Path(runtime.output_dir)
+    logger = build(cfg.logger, run_config={"choices": choices, **to_container(cfg)}, run_dir=str(run_dir))
+    record = run_probe(cfg, run_dir, choices)
+    logger.summary({f"mismatch/{k}": v for k, v in record["sampler_vs_trainer"].items()})
+    logger.finish()
+    log.info("wrote %s", run_dir / "probe.json")
+
+
+TASKS = {"probe": _probe}
+
+
+def run_app(command: str, config_name: str) -> None:
+    task = TASKS[command]
+
+    def guarded(cfg: DictConfig) -> None:
+        try:
+            task(cfg)
+        except Exception as err:
+            message = user_error(err)
+            if message is None:
+                raise
+            print(f"rlmm: error: {message}", flush=True)
+            raise SystemExit(2) from None
+
+    hydra.main(config_path=str(CONF_DIR), config_name=config_name, version_base="1.3")(guarded)()

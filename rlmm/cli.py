@@ -1,0 +1,134 @@
+"""The `rlmm` command: `rlmm probe [overrides]` (more subcommands come with training and sweeps).
+
+Every subcommand is a Hydra app, so each axis is an override (`sampler=hf precision=fp16`) and
+`-m` sweeps any of them. Before Hydra starts, every override (and every combination of a sweep) is
+composed and validated, so a typo fails in one line before any model is loaded or job submitted.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+APPS = {"probe": "probe"}  # subcommand -> config name under conf/
+
+
+def _set_runtime_env() -> None:
+    """Environment that must be in place before torch or vLLM are imported."""
+    # In-process vLLM otherwise pins torch to one thread, halving the trainer's speed on CPU.
+    os.environ.setdefault("OMP_NUM_THREADS", str(len(os.sched_getaffinity(0))))
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+    os.environ.setdefault("WANDB_SILENT", "true")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    os.environ.setdefault("DS_ACCELERATOR", "cuda" if os.path.exists("/dev/nvidiactl") else "cpu")
+
+
+def fail(message: str) -> None:
+    print(f"rlmm: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def check_overrides(config_name: str, overrides: list[str]) -> None:
+    """Compose and validate the config for every combination of the (sweep) overrides."""
+    from hydra import compose, initialize_config_dir
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException, InstantiationException
+    from hydra.utils import instantiate
+    from omegaconf import open_dict
+    from omegaconf.errors import OmegaConfBaseException
+
+    import rlmm.schema  # noqa: F401  (registers the schemas)
+    from rlmm.config import ConfigError, group_options, validate
+
+    ours = [o for o in overrides if not o.lstrip("+~").startswith("hydra")]
+    try:
+        parsed = OverridesParser.create().parse_overrides(ours)
+    except HydraException as err:
+        fail(str(err).splitlines()[0])
+    for override in parsed:  # unknown option of a group: name it and list the choices
+        group = override.key_or_group
+        options = group_options(group)
+        if options and not override.is_delete():
+            values = list(override.sweep_string_iterator()) if override.is_sweep_override() else [override.value()]
+            for value in values:
+                if str(value) not in options:
+                    fail(f"unknown {group} '{value}' (allowed: {', '.join(options)})")
+    combinations = [batch for batches in BasicSweeper.split_arguments(parsed, None) for batch in batches]
+    from rlmm.config import CONF_DIR
+
+    for combination in combinations:
+        GlobalHydra.instance().clear()
+        try:
+            with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+                cfg = compose(config_name, overrides=combination, return_hydra_config=True)
+                choices = dict(cfg.hydra.runtime.choices)
+                with open_dict(cfg):
+                    del cfg["hydra"]
+                validate(cfg, choices)
+                # These constructors only check their arguments (paths, dtype names), so bad values
+                # surface here, before a sweep is submitted or an engine starts.
+                for group in ("model", "precision"):
+                    instantiate(cfg[group])
+        except ConfigError as err:
+            fail(str(err))
+        except InstantiationException as err:
+            fail(str(err.__cause__ or err).splitlines()[0])
+        except (HydraException, OmegaConfBaseException) as err:
+            fail(_one_line(err) + _allowed_keys_hint(config_name, combination, err))
+        finally:
+            GlobalHydra.instance().clear()
+
+
+def _one_line(err: BaseException) -> str:
+    """Hydra's composition errors span several lines; keep the headline and the reason."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    cause = err.__cause__
+    reason = str(cause).splitlines()[0].strip() if cause is not None and str(cause) else ""
+    if not reason:
+        reason = next((line for line in lines[1:] if not line.startswith(("full_key", "object_type", "To append"))), "")
+    return " ".join(filter(None, [lines[0] if lines else type(err).__name__, reason]))
+
+
+def _allowed_keys_hint(config_name: str, combination: list[str], err: BaseException) -> str:
+    """For `group.key=value` with an unknown key, list the keys the chosen option has."""
+    import re
+
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from rlmm.config import BUILD_TIME_ARGS, CONF_DIR
+
+    match = re.search(r"Could not override '(\w+)\.([\w.]+)'", str(err))
+    if not match or match.group(1) not in BUILD_TIME_ARGS:
+        return ""
+    group = match.group(1)
+    choices_only = [o for o in combination if "." not in o.split("=")[0]]
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        node = compose(config_name, overrides=choices_only)[group]
+    GlobalHydra.instance().clear()
+    return f" (allowed: {', '.join(k for k in node if k != '_target_')})"
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in APPS:
+        if argv and argv[0] not in ("-h", "--help"):
+            fail(f"unknown command '{argv[0]}' (allowed: {', '.join(APPS)})")
+        print("usage: rlmm {" + ",".join(APPS) + "} [hydra overrides]   e.g. rlmm probe precision=fp16 sampler=hf")
+        return
+    command, args = argv[0], argv[1:]
+    _set_runtime_env()
+    check_overrides(APPS[command], [a for a in args if not a.startswith("-")])
+    sys.argv = [f"rlmm {command}"] + args
+    from rlmm.apps import run_app
+
+    run_app(command, APPS[command])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,127 @@
+"""Config schemas and validation: every node is checked before any work starts.
+
+Each group option is one YAML whose `_target_` names a class; the class's constructor signature is
+the option's schema (torchtune's rule), so a value lives only in its YAML and the types only in the
+code. `validate` turns each node into a structured OmegaConf config built from that signature, which
+rejects unknown keys and wrong types, and reports any problem as one line naming the bad key or
+value and what is allowed. Arguments that the app passes at build time (the model path, the
+precision, the sampling options, the seed) are not part of a node's schema.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import inspect
+import types
+import typing
+from pathlib import Path
+from typing import Any, Optional
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+if not CONF_DIR.is_dir():  # installed without the source tree: configs ship inside the package
+    CONF_DIR = Path(__file__).resolve().parent / "conf"
+
+# Constructor arguments each group's components receive from the app rather than from their YAML.
+BUILD_TIME_ARGS: dict[str, set[str]] = {
+    "model": set(),
+    "task": set(),
+    "precision": set(),
+    "sampler": {"model_path", "precision", "sampling", "seed"},
+    "trainer": {"model_path", "precision", "sampling"},
+    "logger": {"run_config", "run_dir"},
+}
+
+
+class ConfigError(ValueError):
+    """A bad config value, with a one-line message meant for the user."""
+
+
+def group_options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+
+
+def _target_class(path: str, where: str):
+    module_name, _, attr = path.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as err:
+        raise ConfigError(f"{where}._target_: cannot import '{path}' ({err})") from None
+
+
+def _omegaconf_type(hint: Any) -> Any:
+    """Map a constructor annotation to a type OmegaConf can validate (Any when it cannot)."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        inner = _omegaconf_type(args[0]) if len(args) == 1 else Any
+        return Optional[inner] if type(None) in typing.get_args(hint) else inner
+    if origin in (list, tuple, typing.Sequence):
+        args = typing.get_args(hint)
+        return list[_omegaconf_type(args[0])] if args and args[0] in (str, int, float, bool) else list
+    if origin is dict or hint is dict:
+        return dict
+    return hint if hint in (str, int, float, bool) else Any
+
+
+def schema_of(cls: type, skip: set[str] = frozenset()) -> type:
+    """A dataclass mirroring `cls.__init__` (minus `skip`): required args stay required."""
+    hints = typing.get_type_hints(cls.__init__)
+    fields = [("_target_", str, dataclasses.field(default=f"{cls.__module__}.{cls.__qualname__}"))]
+    for name, param in inspect.signature(cls.__init__).parameters.items():
+        if name == "self" or name in skip or param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+            continue
+        kind = _omegaconf_type(hints.get(name, Any))
+        default = dataclasses.MISSING if param.default is param.empty else param.default
+        if isinstance(default, (list, dict)):
+            fields.append((name, kind, dataclasses.field(default_factory=lambda d=default: type(d)(d))))
+        else:
+            fields.append((name, kind, dataclasses.field(default=default)))
+    return dataclasses.make_dataclass(f"{cls.__name__}Schema", fields, kw_only=True)
+
+
+def _one_line(err: OmegaConfBaseException) -> str:
+    return str(err).splitlines()[0].strip()
+
+
+def validate_node(node: DictConfig, where: str, skip: set[str] = frozenset()) -> None:
+    """Check one `_target_` node against its class's constructor; raise ConfigError if it does not fit."""
+    if "_target_" not in node:
+        raise ConfigError(f"{where}: no _target_ (every option names the class that builds it)")
+    cls = _target_class(node._target_, where)
+    schema = schema_of(cls, skip)
+    allowed = [f.name for f in dataclasses.fields(schema) if f.name != "_target_"]
+    for key in node:
+        if key != "_target_" and key not in allowed:
+            raise ConfigError(f"{where}: unknown key '{key}' (allowed: {', '.join(allowed) or 'none'})")
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(schema), node)
+    except OmegaConfBaseException as err:
+        raise ConfigError(f"{where}: {_one_line(err)}") from None
+    missing = [k for k in allowed if OmegaConf.is_missing(merged, k)]
+    if missing:
+        raise ConfigError(f"{where}: missing required key(s) {', '.join(missing)}")
+
+
+def validate(cfg: DictConfig, choices: dict[str, str] | None = None) -> None:
+    """Validate every group node of a composed config (call before any work starts)."""
+    for group, skip in BUILD_TIME_ARGS.items():
+        if group in cfg and cfg[group] is not None:
+            name = f"{group}={choices[group]}" if choices and group in choices else group
+            validate_node(cfg[group], name, skip)
+
+
+def to_container(cfg: DictConfig) -> dict:
+    return OmegaConf.to_container(cfg, resolve=True)
+
+
+def build(node: DictConfig, **runtime: Any) -> Any:
+    """Instantiate a group node, passing run-time objects as they are.
+
+    (Given as instantiate kwargs, Hydra would turn dataclasses into configs.)
+    """
+    from hydra.utils import instantiate
+
+    return instantiate(node, _partial_=True)(**runtime)

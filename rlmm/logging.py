@@ -1,0 +1,70 @@
+"""Experiment loggers (`logger=` group): W&B, or nothing. The run's local record is always written.
+
+A logger has three calls: `log(metrics, step)`, `summary(metrics)`, `finish()`. `NoOpLogger` has the
+same API, so code that logs never checks whether logging is on (nanoGPT's trick), and non-zero ranks
+get one too.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+SECRET_MARKERS = ("api_key", "apikey", "token", "secret", "password")
+
+
+def redact(config: dict) -> dict:
+    """Drop values whose key looks like a credential, at any depth, before a config is saved or sent."""
+    out = {}
+    for key, value in config.items():
+        if any(marker in str(key).lower() for marker in SECRET_MARKERS):
+            out[key] = "<redacted>"
+        else:
+            out[key] = redact(value) if isinstance(value, dict) else value
+    return out
+
+
+class NoOpLogger:
+    def __init__(self, run_config: dict | None = None, run_dir: str | None = None):
+        pass
+
+    def log(self, metrics: dict, step: int | None = None) -> None:
+        pass
+
+    def summary(self, metrics: dict) -> None:
+        pass
+
+    def finish(self) -> None:
+        pass
+
+
+class WandbLogger:
+    """Weights & Biases, offline unless `mode` is online (needs WANDB_API_KEY in the environment).
+
+    Args:
+        project: W&B project.
+        mode: offline | online | disabled.
+        group: runs of one sweep share a group (null: none).
+        tags: extra tags; the run is also tagged with each axis choice (sampler=vllm, ...).
+    """
+
+    MODES = ("offline", "online", "disabled")
+
+    def __init__(self, run_config: dict, run_dir: str, project: str, mode: str, group: str | None = None,
+                 tags: list[str] | None = None):
+        if mode not in self.MODES:
+            raise ValueError(f"logger.mode: unknown mode '{mode}' (allowed: {', '.join(self.MODES)})")
+        import wandb
+
+        os.environ.setdefault("WANDB_SILENT", "true")
+        axis_tags = [f"{k}={v}" for k, v in run_config.get("choices", {}).items()]
+        self.run = wandb.init(project=project, mode=mode, group=group, dir=str(Path(run_dir)),
+                              config=redact(run_config), tags=[*(tags or []), *axis_tags][:64], reinit="finish_previous")
+
+    def log(self, metrics: dict, step: int | None = None) -> None:
+        self.run.log(metrics, step=step)
+
+    def summary(self, metrics: dict) -> None:
+        self.run.summary.update(metrics)
+
+    def finish(self) -> None:
+        self.run.finish()

@@ -1,0 +1,263 @@
+"""Training-inference mismatch metrics.
+
+The sampler (vLLM) draws a response and reports ``log pi_sampler`` of each sampled token; the
+trainer recomputes ``log pi_train`` for the same tokens. Everything here is a function of the
+per-token log-ratio
+
+    delta = log pi_train - log pi_sampler,    r = exp(delta) = pi_train / pi_sampler,
+
+so ``delta > 0`` means the trainer puts *more* mass on the sampled token than the sampler did,
+and ``r`` is the importance ratio that corrects sampler draws towards the trainer policy.
+
+Sources:
+  * Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training"
+    (truncated importance sampling, TIS): probability gaps between vLLM and the trainer.
+  * Liu et al. 2025, "When Speed Kills Stability: Demystifying RL Collapse from the
+    Training-Inference Mismatch": sequence-level and geometric-mean ratios, chi^2 as the
+    variance of importance weights, sampler-vs-trainer KL and perplexity.
+  * MiniMax-M1 technical report 2025: Pearson correlation of train vs. sampler token
+    probabilities (0.987 -> 0.997 with an FP32 LM head).
+  * Qi et al. 2025, "Defeating the Training-Inference Mismatch via FP16".
+  * Schulman 2020, "Approximating KL Divergence" (k1, k2, k3 estimators).
+  * Kong 1992, "A note on importance sampling using standardized weights" (effective sample size).
+
+All arithmetic is float64 whatever the input dtype: bf16/fp16 log-probs convert to float64
+exactly, so the numbers reported are the mismatch of the inputs, not rounding of the metric.
+See docs/metrics.md for what each number tells a researcher.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = ["mismatch_metrics", "position_profile", "METRIC_KEYS"]
+
+METRIC_KEYS = (
+    "num_tokens",
+    "num_sequences",
+    "prob_abs_diff_mean",
+    "prob_abs_diff_max",
+    "prob_abs_diff_std",
+    "logprob_abs_diff_mean",
+    "logprob_abs_diff_max",
+    "prob_pearson",
+    "kl_k1",
+    "kl_k2",
+    "kl_k3",
+    "ppl_train",
+    "ppl_sampler",
+    "ppl_ratio",
+    "chi2_token",
+    "chi2_seq",
+    "seq_logratio_mean",
+    "seq_logratio_abs_max",
+    "seq_geo_logratio_mean",
+    "seq_geo_logratio_abs_max",
+    "ratio_mean",
+    "ratio_std",
+    "ratio_min",
+    "ratio_max",
+    "ess_token",
+    "ess_seq",
+    "frac_ratio_outside",
+)
+
+
+def _gather(
+    train_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Return ``(log pi_train, log pi_sampler, mask)`` as float64/float64/bool ``[B, T]``.
+
+    Padding positions are set to 0 (ratio 1) so that garbage there (inf, nan) can never leak into
+    a sum: ``0 * nan`` is nan, whereas ``where`` discards the unselected branch entirely.
+    """
+    if train_logprobs.dim() != 2 or not (
+        train_logprobs.shape == sampler_logprobs.shape == mask.shape
+    ):
+        raise ValueError(
+            "expected train_logprobs, sampler_logprobs and mask of equal shape [B, T], got "
+            f"{tuple(train_logprobs.shape)}, {tuple(sampler_logprobs.shape)}, {tuple(mask.shape)}"
+        )
+    device = train_logprobs.device
+    m = mask.to(device) != 0
+    zero = torch.zeros((), dtype=torch.float64, device=device)
+    lt = torch.where(m, train_logprobs.detach().to(device, torch.float64), zero)
+    ls = torch.where(m, sampler_logprobs.detach().to(device, torch.float64), zero)
+    return lt, ls, m
+
+
+def _pearson(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Pearson correlation; NaN when either side is constant (correlation undefined)."""
+    xc, yc = x - x.mean(), y - y.mean()
+    # sqrt of the product (not product of sqrts) so identical inputs give exactly 1.
+    corr = ((xc * yc).sum() / ((xc * xc).sum() * (yc * yc).sum()).sqrt()).clamp(-1.0, 1.0)
+    # A constant column's centred values are not exactly 0 after the rounded mean, so test directly.
+    constant = (x.max() == x.min()) | (y.max() == y.min())
+    return torch.where(constant, torch.full_like(corr, math.nan), corr)
+
+
+def _ess(log_w: torch.Tensor) -> torch.Tensor:
+    """Normalised ESS (sum w)^2 / (n sum w^2) of weights ``exp(log_w)``, in (0, 1].
+
+    ESS is scale-invariant, so shifting by the max log-weight keeps every weight in (0, 1]: the
+    sequence ratios exp(sum delta) overflow float64 long before the ESS itself is degenerate.
+    """
+    w = (log_w - log_w.max()).exp()
+    return w.sum() ** 2 / (w.numel() * (w * w).sum())
+
+
+def mismatch_metrics(
+    train_logprobs: torch.Tensor,
+    sampler_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    ratio_cap: float = 2.0,
+) -> dict[str, float]:
+    """Summarise the training-inference mismatch of one batch of sampled responses.
+
+    Args:
+        train_logprobs: ``[B, T]`` log pi_train of the sampled token at each response position.
+        sampler_logprobs: ``[B, T]`` log pi_sampler of the same tokens (e.g. vLLM's logprobs).
+        mask: ``[B, T]`` bool or 0/1, true on real response tokens (right-padded).
+        ratio_cap: C for ``frac_ratio_outside``; must be >= 1.
+
+    With delta_t = log pi_train - log pi_sampler over the n masked tokens, r_t = exp(delta_t),
+    p = exp(logprob), and per non-empty sequence i with length L_i, S_i = sum_t delta_t:
+
+    * ``prob_abs_diff_{mean,max,std}`` = stats of |p_train - p_sampler|
+      (Yao et al. 2025; Qi et al. 2025). Std is the population std (divides by n).
+    * ``logprob_abs_diff_{mean,max}`` = stats of |delta|.
+    * ``prob_pearson`` = Pearson corr(p_train, p_sampler) over tokens (MiniMax-M1 2025).
+    * ``kl_k1`` = mean(-delta), ``kl_k2`` = mean(delta^2 / 2), ``kl_k3`` = mean(r - 1 - delta):
+      Schulman's (2020) estimators of KL(pi_sampler || pi_train) from sampler draws.
+    * ``ppl_train`` = exp(-mean log pi_train), ``ppl_sampler`` = exp(-mean log pi_sampler),
+      ``ppl_ratio`` = ppl_train / ppl_sampler (= exp(kl_k1)) (Liu et al. 2025).
+    * ``chi2_token`` = mean((r - 1)^2), ``chi2_seq`` = mean_i((exp(S_i) - 1)^2): estimates of
+      chi^2(pi_train || pi_sampler), the variance of token / sequence importance weights
+      (Liu et al. 2025). ``chi2_seq`` is inf once some S_i > ~354.9, because exp(S_i)^2
+      overflows float64; nothing is clamped, the inf is the honest answer.
+    * ``seq_logratio_{mean,abs_max}`` over S_i; ``seq_geo_logratio_{mean,abs_max}`` over S_i / L_i,
+      the log of the geometric-mean ratio (Liu et al. 2025 geometric RS; GSPO-style normalisation).
+    * ``ratio_{mean,std,min,max}`` over r (population std); ``ess_token`` = (sum r)^2 / (n sum r^2)
+      and ``ess_seq`` the same over exp(S_i) (Kong 1992); both in (0, 1], 1 = no mismatch.
+    * ``frac_ratio_outside`` = fraction of tokens with r < 1/C or r > C (the tokens a TIS/MIS
+      threshold of C would touch; Yao et al. 2025).
+
+    Only masked tokens count; sequences with no response token are ignored. Counts are ints,
+    all else plain floats. An empty mask returns ``num_tokens`` 0 and NaN elsewhere; undefined
+    values (e.g. correlation of a constant) are NaN. Non-finite log-probs on *real* tokens are
+    propagated, not hidden.
+    """
+    if not ratio_cap >= 1.0:
+        raise ValueError(f"ratio_cap must be >= 1, got {ratio_cap}")
+    lt, ls, m = _gather(train_logprobs, sampler_logprobs, mask)
+    lengths = m.sum(dim=1)
+    nonempty = lengths > 0
+    num_tokens, num_sequences = int(lengths.sum()), int(nonempty.sum())
+    if num_tokens == 0:
+        return {k: math.nan for k in METRIC_KEYS} | {"num_tokens": 0, "num_sequences": 0}
+
+    t, s = lt[m], ls[m]
+    d = t - s
+    p_diff = (t.exp() - s.exp()).abs()
+    r = d.exp()
+    seq = (lt - ls).sum(dim=1)[nonempty]  # padding is 0, so this sums response tokens only
+    geo = seq / lengths[nonempty]
+    ppl_train, ppl_sampler = (-t.mean()).exp(), (-s.mean()).exp()
+
+    stats = {
+        "prob_abs_diff_mean": p_diff.mean(),
+        "prob_abs_diff_max": p_diff.max(),
+        "prob_abs_diff_std": p_diff.std(correction=0),
+        "logprob_abs_diff_mean": d.abs().mean(),
+        "logprob_abs_diff_max": d.abs().max(),
+        "prob_pearson": _pearson(t.exp(), s.exp()),
+        "kl_k1": (-d).mean(),
+        "kl_k2": (d * d / 2).mean(),
+        # expm1 keeps r - 1 accurate when delta ~ 1e-8, the typical bf16-vs-fp32 gap.
+        "kl_k3": (torch.expm1(d) - d).mean(),
+        "ppl_train": ppl_train,
+        "ppl_sampler": ppl_sampler,
+        "ppl_ratio": ppl_train / ppl_sampler,
+        "chi2_token": torch.expm1(d).square().mean(),
+        "chi2_seq": torch.expm1(seq).square().mean(),
+        "seq_logratio_mean": seq.mean(),
+        "seq_logratio_abs_max": seq.abs().max(),
+        "seq_geo_logratio_mean": geo.mean(),
+        "seq_geo_logratio_abs_max": geo.abs().max(),
+        "ratio_mean": r.mean(),
+        "ratio_std": r.std(correction=0),
+        "ratio_min": r.min(),
+        "ratio_max": r.max(),
+        "ess_token": _ess(d),
+        "ess_seq": _ess(seq),
+        "frac_ratio_outside": ((r < 1.0 / ratio_cap) | (r > ratio_cap)).double().mean(),
+    }
+    # One device->host copy instead of one sync per metric.
+    values = torch.stack(list(stats.values())).tolist()
+    return {"num_tokens": num_tokens, "num_sequences": num_sequences} | dict(zip(stats, values))
+
+
+def position_profile(
+    train_logprobs: torch.Tensor,
+    sampler_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    num_buckets: int = 8,
+    bucket_size: int | None = None,
+) -> dict[str, list]:
+    """Mismatch as a function of position in the response.
+
+    Position t counts from 0 at each sequence's first response token. Buckets are either
+    fixed-width ``[k * bucket_size, (k + 1) * bucket_size)`` for k = 0 .. ceil(L / bucket_size) - 1,
+    or (when ``bucket_size`` is None) ``num_buckets`` equal-width buckets spanning [0, L), where
+    L is the longest response in the batch. Equal-width edges are L * k / num_buckets rounded up,
+    which selects exactly the integer positions of the real-valued bucket; when L < num_buckets
+    some buckets are necessarily empty.
+
+    Returns equal-length lists ``bucket_start``, ``bucket_end`` (exclusive), ``num_tokens`` and,
+    per bucket, the token means ``logprob_abs_diff_mean`` = mean |delta|,
+    ``prob_abs_diff_mean`` = mean |p_train - p_sampler| and ``kl_k3`` = mean(r - 1 - delta)
+    (Schulman 2020), with the conventions of :func:`mismatch_metrics`. Empty buckets hold NaN
+    with ``num_tokens`` 0; an empty mask gives ``num_buckets`` empty buckets [0, 0), or no buckets
+    with ``bucket_size``. Liu et al. 2025 find the mismatch concentrates in long responses,
+    which is what this profile makes visible.
+    """
+    lt, ls, m = _gather(train_logprobs, sampler_logprobs, mask)
+    cols = torch.arange(m.shape[1], device=m.device)
+    first = torch.where(m, cols, m.shape[1]).min(dim=1, keepdim=True).values
+    pos = (cols - first)[m]
+    length = int(pos.max()) + 1 if pos.numel() else 0
+
+    if bucket_size is not None:
+        if bucket_size < 1:
+            raise ValueError(f"bucket_size must be >= 1, got {bucket_size}")
+        n_b = -(-length // bucket_size)
+        edges = [k * bucket_size for k in range(n_b + 1)]
+        idx = pos // bucket_size
+    else:
+        if num_buckets < 1:
+            raise ValueError(f"num_buckets must be >= 1, got {num_buckets}")
+        n_b = num_buckets
+        edges = [-(-k * length // n_b) for k in range(n_b + 1)]  # ceil(k * L / n_b), exact ints
+        idx = pos * n_b // max(length, 1)
+
+    t, s = lt[m], ls[m]
+    d = t - s
+    per_token = torch.stack(
+        [torch.ones_like(d), d.abs(), (t.exp() - s.exp()).abs(), torch.expm1(d) - d]
+    )
+    sums = torch.zeros(4, n_b, dtype=torch.float64, device=d.device).index_add_(1, idx, per_token)
+    means = sums[1:] / sums[0]  # 0 / 0 = NaN for empty buckets, as documented
+    counts = sums[0].long().tolist()
+    abs_d, abs_p, k3 = means.tolist()
+    return {
+        "bucket_start": edges[:-1],
+        "bucket_end": edges[1:],
+        "num_tokens": counts,
+        "logprob_abs_diff_mean": abs_d,
+        "prob_abs_diff_mean": abs_p,
+        "kl_k3": k3,
+    }

@@ -1,0 +1,171 @@
+"""The built-in model: a tiny Qwen2 causal LM with a character-level tokenizer, warm-started on a task.
+
+A random-init model samples near-uniform tokens, whose mismatch statistics look nothing like a real
+policy's. A short supervised warm start on the task's training split makes the distributions peaked
+(partially competent, not perfect), so that RL has something to improve and the mismatch is
+measured where it matters: on confident tokens. The result is a normal Hugging Face checkpoint
+directory that vLLM and transformers both load, cached under a hash of everything that determines it.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import shutil
+import string
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>", "<unk>"]
+# Printable ASCII covers the arithmetic task and English word problems alike.
+CHARACTERS = [c for c in string.printable if c not in "\t\r\x0b\x0c"]
+# Bump when the builder's code changes what it produces, so stale caches are not reused.
+BUILDER_VERSION = 1
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("RLMM_CACHE", Path.home() / ".cache" / "rlmm"))
+
+
+def build_char_tokenizer():
+    """Character-level tokenizer in Hugging Face format (one token per character)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + CHARACTERS)}
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    core.decoder = decoders.Fuse()
+    # <bos> is added by the tokenizer itself, so vLLM, transformers and rlmm encode prompts alike.
+    core.post_processor = processors.TemplateProcessing(
+        single="<bos> $A", special_tokens=[("<bos>", vocab["<bos>"])])
+    return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", bos_token="<bos>",
+                                   eos_token="<eos>", unk_token="<unk>", padding_side="left")
+
+
+class TinyModel:
+    """Build (once) and cache the built-in tiny Qwen2 model, warm-started on the run's task.
+
+    Args:
+        hidden_size, num_layers, num_heads, num_kv_heads, intermediate_size, max_position: the
+            Qwen2 architecture (defaults give about 3M parameters).
+        seed: initialisation and data-order seed.
+        warm_start_steps: supervised steps on the task's train split (0: random init).
+        warm_start_lr: peak AdamW learning rate (linear warm-up, cosine decay).
+        warm_start_batch_size: examples per supervised step.
+        cache_dir: where built models live; null means $RLMM_CACHE or ~/.cache/rlmm.
+    """
+
+    def __init__(self, hidden_size: int, num_layers: int, num_heads: int, num_kv_heads: int,
+                 intermediate_size: int, max_position: int, seed: int, warm_start_steps: int,
+                 warm_start_lr: float, warm_start_batch_size: int, cache_dir: str | None = None):
+        if hidden_size % num_heads or num_heads % num_kv_heads:
+            raise ValueError(f"model: hidden_size={hidden_size} must divide by num_heads={num_heads}, "
+                             f"and num_heads by num_kv_heads={num_kv_heads}")
+        self.arch = dict(hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads,
+                         num_kv_heads=num_kv_heads, intermediate_size=intermediate_size,
+                         max_position=max_position)
+        self.seed = seed
+        self.warm_start = dict(steps=warm_start_steps, lr=warm_start_lr, batch_size=warm_start_batch_size)
+        self.cache_dir = Path(cache_dir) if cache_dir else default_cache_dir()
+
+    def cache_key(self, task_config: dict) -> str:
+        blob = json.dumps({"arch": self.arch, "seed": self.seed, "warm_start": self.warm_start,
+                           "task": task_config, "version": BUILDER_VERSION}, sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+    def resolve(self, task, task_config: dict) -> str:
+        """Return the checkpoint directory, building and warm-starting it if it is not cached."""
+        path = self.cache_dir / "models" / f"tiny-{self.cache_key(task_config)}"
+        if (path / "rlmm_model.json").exists():
+            return str(path)
+        log.info("building the tiny model in %s (cached for later runs)", path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # Build in a temporary directory and rename, so concurrent runs never see half a model.
+        tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=".building-"))
+        try:
+            report = self._build(task, tmp)
+            (tmp / "rlmm_model.json").write_text(json.dumps(
+                {"arch": self.arch, "seed": self.seed, "warm_start": self.warm_start,
+                 "task": task_config, **report}, indent=2))
+            try:
+                tmp.rename(path)
+            except OSError:  # another process finished first; use theirs
+                shutil.rmtree(tmp, ignore_errors=True)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return str(path)
+
+    def _build(self, task, out: Path) -> dict:
+        from transformers import Qwen2Config, Qwen2ForCausalLM
+
+        tokenizer = build_char_tokenizer()
+        torch.manual_seed(self.seed)
+        config = Qwen2Config(
+            vocab_size=len(tokenizer), hidden_size=self.arch["hidden_size"],
+            intermediate_size=self.arch["intermediate_size"], num_hidden_layers=self.arch["num_layers"],
+            num_attention_heads=self.arch["num_heads"], num_key_value_heads=self.arch["num_kv_heads"],
+            max_position_embeddings=self.arch["max_position"], tie_word_embeddings=False,
+            bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id, torch_dtype="float32")
+        model = Qwen2ForCausalLM(config)
+        report = warm_start(model, tokenizer, task, seed=self.seed, **self.warm_start)
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
+        model.save_pretrained(out)
+        tokenizer.save_pretrained(out)
+        report["num_parameters"] = sum(p.numel() for p in model.parameters())
+        return report
+
+
+def warm_start(model, tokenizer, task, *, steps: int, lr: float, batch_size: int, seed: int) -> dict:
+    """Supervised fine-tuning on `prompt + target + <eos>`, loss on the target tokens only."""
+    from tqdm.auto import tqdm
+
+    if steps <= 0:
+        return {"warm_start_loss": None}
+    examples = task.examples("train", steps * batch_size)
+    generator = torch.Generator().manual_seed(seed)
+    order = torch.randperm(len(examples), generator=generator).tolist()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.98))
+    warmup = max(1, steps // 20)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / steps))))
+    model.train()
+    loss_ema = None
+    bar = tqdm(range(steps), desc="warm start", leave=False, disable=None)
+    for step in bar:
+        batch = [examples[i] for i in order[step * batch_size:(step + 1) * batch_size]]
+        input_ids, labels = _sft_batch(tokenizer, task, batch)
+        loss = model(input_ids=input_ids, attention_mask=(input_ids != tokenizer.pad_token_id).long(),
+                     labels=labels).loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+        loss_ema = loss.item() if loss_ema is None else 0.95 * loss_ema + 0.05 * loss.item()
+        bar.set_postfix(loss=f"{loss_ema:.3f}")
+    model.eval()
+    return {"warm_start_loss": loss_ema}
+
+
+def _sft_batch(tokenizer, task, batch):
+    """Right-padded ids with labels -100 on the prompt and padding (no loss there)."""
+    rows, labels = [], []
+    for example in batch:
+        prompt = tokenizer.encode(example.prompt)
+        target = tokenizer.encode(task.target(example), add_special_tokens=False) + [tokenizer.eos_token_id]
+        rows.append(prompt + target)
+        labels.append([-100] * len(prompt) + target)
+    width = max(map(len, rows))
+    pad = tokenizer.pad_token_id
+    ids = torch.tensor([r + [pad] * (width - len(r)) for r in rows])
+    lab = torch.tensor([l + [-100] * (width - len(l)) for l in labels])
+    return ids, lab

@@ -1,0 +1,207 @@
+"""`rlmm probe`: measure the training-inference mismatch of one (model, sampler, trainer, precision).
+
+Reads top to bottom:
+  1. build the task, the model checkpoint, the precision policy, the sampler and the trainer;
+  2. check that each engine really runs the precision it was asked for;
+  3. sample rollouts and score them on both sides -> mismatch metrics and the per-position profile;
+  4. decompose: trainer vs itself at two micro-batch sizes; sampler vs itself, greedy, with the
+     same prompts alone and inside larger batches (Thinking Machines 2025, "Defeating
+     Nondeterminism in LLM Inference": 80 unique completions of 1000 without batch-invariant kernels);
+  5. print a table, write `probe.json` and `probe.png` into the run directory, log to the logger.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+import torch
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from rlmm.config import build, to_container
+from rlmm.logging import redact
+from rlmm.metrics import mismatch_metrics, position_profile
+from rlmm.samplers.base import Rollouts, SamplingOptions, pad_right
+
+log = logging.getLogger(__name__)
+
+# The numbers shown in the printed table (all of them go to the JSON record).
+HEADLINE = ("logprob_abs_diff_mean", "logprob_abs_diff_max", "prob_abs_diff_mean", "prob_abs_diff_max",
+            "prob_pearson", "kl_k3", "ppl_ratio", "chi2_token", "seq_logratio_abs_max", "ess_seq",
+            "frac_ratio_outside")
+
+
+def run_probe(cfg: DictConfig, run_dir: Path, choices: dict[str, str]) -> dict:
+    started = time.perf_counter()
+    options = cfg.probe
+    task = instantiate(cfg.task)
+    model_path = instantiate(cfg.model).resolve(task, to_container(cfg.task))
+    precision = instantiate(cfg.precision)
+    sampling = SamplingOptions(**cfg.sampling)
+    sampler = build(cfg.sampler, model_path=model_path, precision=precision.sampler, sampling=sampling, seed=cfg.seed)
+    trainer = build(cfg.trainer, model_path=model_path, precision=precision.trainer, sampling=sampling)
+    precision_report = check_precision(precision, sampler.actual_precision, trainer.actual_precision)
+
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    examples = task.examples(options.split, options.num_prompts)
+    prompt_ids = [tokenizer(e.prompt).input_ids for e in examples]
+
+    rollouts = sampler.generate(prompt_ids, n=options.samples_per_prompt)
+    completions = tokenizer.batch_decode(rollouts.response_ids, skip_special_tokens=True)
+    rewards = [task.reward(examples[i // options.samples_per_prompt], text) for i, text in enumerate(completions)]
+    sampler_logprobs, mask = rollouts.padded_sampler_logprobs()
+    train_logprobs = trainer.logprobs(rollouts)
+    sampler_vs_trainer = mismatch_metrics(train_logprobs, sampler_logprobs, mask, ratio_cap=options.ratio_cap)
+    profile = position_profile(train_logprobs, sampler_logprobs, mask, num_buckets=options.position_buckets)
+
+    small, large = options.trainer_micro_batch_sizes
+    trainer_vs_itself = mismatch_metrics(trainer.logprobs(rollouts, large), trainer.logprobs(rollouts, small), mask,
+                                         ratio_cap=options.ratio_cap)
+    sampler_vs_itself = batch_invariance(sampler, task, tokenizer, options)
+
+    record = {
+        "choices": choices,
+        "model_path": model_path,
+        "precision": precision_report,
+        "rollouts": {"num": len(rollouts), "mean_reward": sum(rewards) / len(rewards),
+                     "mean_response_length": mask.sum().item() / len(rollouts),
+                     "frac_truncated": rollouts.finish_reasons.count("length") / len(rollouts)},
+        "sampler_vs_trainer": sampler_vs_trainer,
+        "position_profile": profile,
+        "trainer_vs_itself": {"micro_batch_sizes": [small, large], **trainer_vs_itself},
+        "sampler_vs_itself": sampler_vs_itself,
+        "seconds": time.perf_counter() - started,
+        "config": redact(to_container(cfg)),
+    }
+    (run_dir / "probe.json").write_text(json.dumps(record, indent=2, default=float))
+    plot_probe(record, run_dir / "probe.png")
+    print_probe(record)
+    return record
+
+
+def check_precision(policy, sampler_actual: dict, trainer_actual: dict) -> dict:
+    """Compare what each engine runs in with what was asked; warn loudly about silent casts."""
+    report = {"requested": {"sampler": str(policy.sampler), "trainer": str(policy.trainer)},
+              "actual": {"sampler": sampler_actual, "trainer": trainer_actual}, "silent_casts": []}
+    for side, asked, actual in (("sampler", policy.sampler, sampler_actual), ("trainer", policy.trainer, trainer_actual)):
+        if actual["dtype"] != asked.dtype:
+            report["silent_casts"].append(f"{side}: asked for {asked.dtype}, engine runs {actual['dtype']}")
+        if asked.fp32_head and actual["head_dtype"] != "fp32":
+            report["silent_casts"].append(f"{side}: asked for an fp32 LM head, engine computes it in {actual['head_dtype']}")
+    for line in report["silent_casts"]:
+        log.warning("precision mismatch: %s", line)
+    return report
+
+
+def batch_invariance(sampler, task, tokenizer, options) -> dict:
+    """Greedy decoding of the same prompts alone and inside larger batches.
+
+    - `unique_greedy_completions`: one prompt decoded `num_completions` times, each time inside a batch
+      of a different size (filled with other prompts); a batch-invariant engine gives 1.
+    - for `num_prompts` prompts, completion alone vs inside one batch of `max_batch_size`: fraction
+      identical, first diverging token index, and |delta| between the two runs' log-probs over the
+      common prefix (the sampler's disagreement with itself).
+    """
+    settings = options.batch_invariance
+    fillers = [tokenizer(e.prompt).input_ids for e in task.examples("train", settings.max_batch_size)]
+    targets = [tokenizer(e.prompt).input_ids for e in task.examples(options.split, settings.num_prompts)]
+
+    sizes = torch.linspace(1, settings.max_batch_size, settings.num_completions).round().int().tolist()
+    repeated = [tuple(sampler.generate([targets[0]] + fillers[:size - 1], greedy=True).response_ids[0]) for size in sizes]
+
+    alone = Rollouts([], [], [], [])
+    for prompt in targets:
+        one = sampler.generate([prompt], greedy=True)
+        alone.response_ids += one.response_ids
+        alone.sampler_logprobs += one.sampler_logprobs
+    batched = sampler.generate(targets + fillers[:max(0, settings.max_batch_size - len(targets))], greedy=True)
+
+    first_divergence, prefix_a, prefix_b = [], [], []
+    for i in range(len(targets)):
+        a, b = alone.response_ids[i], batched.response_ids[i]
+        common = next((t for t, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        if a != b:
+            first_divergence.append(common)
+        # Compare log-probs only where both runs saw the same prefix (and emitted the same token).
+        prefix_a.append(alone.sampler_logprobs[i][:common])
+        prefix_b.append(batched.sampler_logprobs[i][:common])
+    lp_a, mask = pad_right(prefix_a)
+    lp_b, _ = pad_right(prefix_b)
+    prefix_metrics = mismatch_metrics(lp_b, lp_a, mask)
+    return {
+        "unique_greedy_completions": len(set(repeated)),
+        "num_greedy_completions": len(repeated),
+        "batch_sizes": sizes,
+        "frac_identical_alone_vs_batched": 1 - len(first_divergence) / len(targets),
+        "first_divergence_index": first_divergence,
+        "logprob_abs_diff_mean": prefix_metrics["logprob_abs_diff_mean"],
+        "logprob_abs_diff_max": prefix_metrics["logprob_abs_diff_max"],
+    }
+
+
+def print_probe(record: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    choices = record["choices"]
+    title = " ".join(f"{k}={v}" for k, v in choices.items() if k in ("model", "sampler", "trainer", "precision"))
+    table = Table(title=f"mismatch: {title}", title_justify="left")
+    table.add_column("metric")
+    table.add_column("sampler vs trainer", justify="right")
+    table.add_column(f"trainer vs itself (mb {record['trainer_vs_itself']['micro_batch_sizes']})", justify="right")
+    for key in HEADLINE:
+        table.add_row(key, _fmt(record["sampler_vs_trainer"][key]), _fmt(record["trainer_vs_itself"][key]))
+    console.print(table)
+    inv = record["sampler_vs_itself"]
+    precision = record["precision"]
+    console.print(f"engines run: sampler {precision['actual']['sampler']}, trainer {precision['actual']['trainer']}")
+    for line in precision["silent_casts"]:
+        console.print(f"[bold red]precision mismatch:[/] {line}")
+    console.print(f"sampler vs itself (greedy): {inv['unique_greedy_completions']} unique of "
+                  f"{inv['num_greedy_completions']} completions across batch sizes; alone vs batched identical for "
+                  f"{inv['frac_identical_alone_vs_batched']:.0%} of prompts; |delta| mean {_fmt(inv['logprob_abs_diff_mean'])}")
+    rollouts = record["rollouts"]
+    console.print(f"rollouts: {rollouts['num']}, mean reward {rollouts['mean_reward']:.3f}, mean length "
+                  f"{rollouts['mean_response_length']:.1f}; {record['seconds']:.1f} s")
+
+
+def _fmt(value) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, int):
+        return str(value)
+    return f"{value:.3e}" if value != 0 and (abs(value) < 1e-2 or abs(value) >= 1e4) else f"{value:.4f}"
+
+
+def plot_probe(record: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    profile = record["position_profile"]
+    centers = [(s + e) / 2 for s, e in zip(profile["bucket_start"], profile["bucket_end"])]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    axes[0].plot(centers, profile["logprob_abs_diff_mean"], marker="o", label="mean |δ|")
+    axes[0].plot(centers, profile["kl_k3"], marker="s", label="KL k3")
+    axes[0].set_xlabel("response position (tokens)")
+    axes[0].set_ylabel("sampler vs trainer")
+    axes[0].set_yscale("symlog", linthresh=1e-6)
+    axes[0].set_title("mismatch by response position")
+    axes[0].legend()
+    ax = axes[1]
+    tokens = [profile["num_tokens"][i] for i in range(len(centers))]
+    ax.bar(centers, tokens, width=max(1.0, (centers[1] - centers[0]) * 0.8) if len(centers) > 1 else 1.0, color="0.7")
+    ax.set_xlabel("response position (tokens)")
+    ax.set_ylabel("tokens in bucket")
+    ax.set_title("tokens per position bucket")
+    choices = record["choices"]
+    fig.suptitle(" ".join(f"{k}={v}" for k, v in choices.items()), fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

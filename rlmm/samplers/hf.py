@@ -1,0 +1,88 @@
+"""`sampler=hf`: transformers `generate` with a KV cache, as a reference engine beside vLLM."""
+from __future__ import annotations
+
+import torch
+
+from rlmm.logprobs import token_logprobs
+from rlmm.models.loading import load_causal_lm, model_precision
+from rlmm.precision import SidePrecision
+from rlmm.samplers.base import Rollouts, SamplingOptions, truncate_at_eos
+
+
+class HFSampler:
+    """Sample with `model.generate` under the sampler's precision.
+
+    Log-probs come from the raw next-token logits generate returns (fp32, as transformers casts
+    them), passed through the same `token_logprobs` the trainer uses, so that both sides share one
+    definition of "processed"; the token itself was drawn by transformers' own warpers, which apply
+    temperature, top-k and top-p in that same order.
+
+    Args:
+        batch_size: prompts per `generate` call (0: all at once). Batch shape changes the numerics.
+    """
+
+    def __init__(self, model_path: str, precision: SidePrecision, sampling: SamplingOptions, seed: int,
+                 batch_size: int = 0):
+        from transformers import AutoTokenizer
+
+        self.sampling = sampling
+        self.batch_size = batch_size
+        self.seed = seed
+        self.calls = 0
+        self.model = load_causal_lm(model_path, precision)
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        eos = self.model.generation_config.eos_token_id
+        self.eos_ids = set(eos if isinstance(eos, list) else [eos if eos is not None else tokenizer.eos_token_id])
+        self.actual_precision = model_precision(self.model)
+
+    @torch.no_grad()
+    def generate(self, prompt_ids: list[list[int]], *, n: int = 1, greedy: bool = False) -> Rollouts:
+        from transformers import GenerationConfig
+
+        config = GenerationConfig(
+            do_sample=not greedy, temperature=self.sampling.temperature if not greedy else None,
+            top_k=self.sampling.top_k if not greedy else None,
+            top_p=self.sampling.top_p if not greedy else None,
+            max_new_tokens=self.sampling.max_new_tokens, num_return_sequences=n,
+            output_logits=True, return_dict_in_generate=True,
+            pad_token_id=self.pad_id, eos_token_id=sorted(self.eos_ids))
+        # Each call draws from its own seeded stream, so a run is reproducible call by call.
+        torch.manual_seed(self.seed + self.calls)
+        self.calls += 1
+        step = self.batch_size or len(prompt_ids)
+        out = Rollouts([], [], [], [])
+        for start in range(0, len(prompt_ids), step):
+            self._generate_batch(prompt_ids[start:start + step], config, n, greedy, out)
+        return out
+
+    def _generate_batch(self, prompts, config, n, greedy, out: Rollouts) -> None:
+        width = max(map(len, prompts))
+        # Left padding keeps every prompt's last token in the last column; generate derives the
+        # position ids from the attention mask, so padded rows see the positions vLLM uses.
+        ids = torch.tensor([[self.pad_id] * (width - len(p)) + p for p in prompts])
+        attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        result = self.model.generate(input_ids=ids, attention_mask=attention, generation_config=config)
+        generated = result.sequences[:, width:]
+        logits = torch.stack(result.logits, dim=1)  # [B*n, T, V], fp32
+        options = self.sampling if not greedy else None
+        for row in range(generated.size(0)):
+            tokens, reason = truncate_at_eos(generated[row].tolist(), self.eos_ids)
+            length = len(tokens)
+            if options is None:  # greedy: report log-probs of the untempered distribution
+                lp = logits[row, :length].float().log_softmax(-1).gather(-1, generated[row, :length, None])[:, 0]
+            else:
+                lp = token_logprobs(logits[row, :length], generated[row, :length], options)
+            out.prompt_ids.append(prompts[row // n])
+            out.response_ids.append(tokens)
+            out.sampler_logprobs.append(lp.float())
+            out.finish_reasons.append(reason)
+
+    def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Copy Hugging Face-named weights into the model (cast to each parameter's own dtype)."""
+        params = dict(self.model.named_parameters())
+        with torch.no_grad():
+            for name, tensor in state_dict.items():
+                if name not in params:
+                    raise KeyError(f"sampler=hf: weight '{name}' is not a parameter of the model")
+                params[name].copy_(tensor)

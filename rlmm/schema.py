@@ -1,0 +1,54 @@
+"""Typed schemas of the top-level configs, registered with Hydra's ConfigStore.
+
+The apps' YAML files (conf/*.yaml) hold every value; these dataclasses only fix the keys and types,
+so a typo such as `sampling.temprature=0.7` or `probe.num_prompts=many` fails at composition. Group
+nodes (model, sampler, ...) are typed `Any` here and checked against their own `_target_` class by
+`rlmm.config.validate`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+from rlmm.samplers.base import SamplingOptions
+
+
+@dataclass
+class BatchInvarianceOptions:
+    num_prompts: int = MISSING
+    num_completions: int = MISSING
+    max_batch_size: int = MISSING
+
+
+@dataclass
+class ProbeOptions:
+    split: str = MISSING
+    num_prompts: int = MISSING
+    samples_per_prompt: int = MISSING
+    ratio_cap: float = MISSING
+    position_buckets: int = MISSING
+    trainer_micro_batch_sizes: list[int] = MISSING
+    batch_invariance: BatchInvarianceOptions = field(default_factory=BatchInvarianceOptions)
+
+
+@dataclass
+class ProbeConfig:
+    model: Any = MISSING
+    task: Any = MISSING
+    sampler: Any = MISSING
+    trainer: Any = MISSING
+    precision: Any = MISSING
+    logger: Any = MISSING
+    seed: int = MISSING
+    sampling: SamplingOptions = MISSING
+    probe: ProbeOptions = field(default_factory=ProbeOptions)
+
+
+def register() -> None:
+    ConfigStore.instance().store(name="probe_schema", node=ProbeConfig)
+
+
+register()

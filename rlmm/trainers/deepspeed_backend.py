@@ -1,0 +1,85 @@
+"""`trainer=deepspeed`: the training model wrapped in a DeepSpeed engine (CPU accelerator here, CUDA on GPUs)."""
+from __future__ import annotations
+
+import os
+import socket
+
+import torch
+
+from rlmm.models.loading import install_fp32_head, model_precision
+from rlmm.precision import SidePrecision
+from rlmm.samplers.base import Rollouts, SamplingOptions
+from rlmm.trainers.scoring import score_rollouts
+
+
+def init_single_process_group() -> None:
+    """Start torch.distributed for a lone process unless a launcher (torchrun, SLURM) already did."""
+    import deepspeed
+    import torch.distributed as dist
+
+    # DeepSpeed checks these even when a process group exists (in-process vLLM creates its own).
+    for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}.items():
+        os.environ.setdefault(key, value)
+    if dist.is_available() and dist.is_initialized():
+        return
+    if "MASTER_PORT" not in os.environ:
+        with socket.socket() as s:  # a free port, so parallel runs on one node do not collide
+            s.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    deepspeed.init_distributed(dist_backend=backend, verbose=False)
+
+
+class DeepSpeedTrainer:
+    """Args:
+        micro_batch_size: rollouts per forward pass when scoring.
+        zero_stage: ZeRO stage 0-3.
+    """
+
+    def __init__(self, model_path: str, precision: SidePrecision, sampling: SamplingOptions, micro_batch_size: int,
+                 zero_stage: int = 0):
+        import deepspeed
+        from deepspeed.accelerator import get_accelerator
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        if micro_batch_size < 1:
+            raise ValueError(f"trainer.micro_batch_size: must be >= 1, got {micro_batch_size}")
+        if zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"trainer.zero_stage: unknown stage {zero_stage} (allowed: 0, 1, 2, 3)")
+        accelerator = get_accelerator()
+        if precision.dtype == "fp16" and not accelerator.is_fp16_supported():
+            raise ValueError(f"precision: DeepSpeed's {accelerator.device_name()} accelerator cannot run fp16 "
+                             f"on this machine (allowed here: fp32, bf16{'' if accelerator.is_bf16_supported() else ' (no)'})")
+        self.sampling = sampling
+        self.micro_batch_size = micro_batch_size
+        init_single_process_group()
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+        fp32_head = model.get_output_embeddings().weight.detach().clone() if precision.fp32_head else None
+        config = {
+            "train_micro_batch_size_per_gpu": micro_batch_size,
+            "gradient_accumulation_steps": 1,
+            "bf16": {"enabled": precision.dtype == "bf16"},
+            "fp16": {"enabled": precision.dtype == "fp16"},
+            "zero_optimization": {"stage": zero_stage},
+        }
+        self.engine, *_ = deepspeed.initialize(model=model, config=config)
+        if fp32_head is not None:
+            # DeepSpeed casts the whole module to 16 bits; put the checkpoint's fp32 head back.
+            install_fp32_head(self.engine.module, fp32_head)
+        self.engine.eval()
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.actual_precision = model_precision(self.engine.module)
+
+    def _forward(self, ids: torch.Tensor, attention: torch.Tensor, keep: int) -> torch.Tensor:
+        device = self.engine.device
+        return self.engine(input_ids=ids.to(device), attention_mask=attention.to(device), logits_to_keep=keep,
+                           use_cache=False).logits.cpu()
+
+    def logprobs(self, rollouts: Rollouts, micro_batch_size: int | None = None) -> torch.Tensor:
+        return score_rollouts(self._forward, rollouts, self.sampling, micro_batch_size or self.micro_batch_size,
+                              self.pad_id)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach() for k, v in self.engine.module.state_dict().items()}
