@@ -1,0 +1,50 @@
+"""Shared fixtures. Engines are real (vLLM CPU build, transformers, DeepSpeed's CPU accelerator);
+the model is a small tiny-Qwen2 built once per test session into a temporary cache."""
+from __future__ import annotations
+
+import os
+
+# Before torch/vLLM are imported anywhere (see rlmm.cli._set_runtime_env for why).
+os.environ.setdefault("OMP_NUM_THREADS", str(len(os.sched_getaffinity(0))))
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("WANDB_SILENT", "true")
+
+import pytest  # noqa: E402
+
+from rlmm.samplers.base import SamplingOptions  # noqa: E402
+
+
+def sampling(**overrides) -> SamplingOptions:
+    values = dict(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=8, logprobs="processed")
+    values.update(overrides)
+    return SamplingOptions(**values)
+
+
+@pytest.fixture(scope="session")
+def arithmetic_task():
+    from rlmm.tasks import ArithmeticTask
+
+    return ArithmeticTask(seed=0)
+
+
+@pytest.fixture(scope="session")
+def small_model_path(tmp_path_factory, arithmetic_task) -> str:
+    """A 2-layer tiny model with a short warm start, built in seconds (head_dim 64: vLLM's CPU attention
+    kernels support 32, 64, 80, 96, 112, 128, 160, 192, 224, 256 and 512)."""
+    from rlmm.models.tiny import TinyModel
+
+    spec = TinyModel(hidden_size=128, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=256,
+                     max_position=128, seed=0, warm_start_steps=60, warm_start_lr=3e-3, warm_start_batch_size=32,
+                     cache_dir=str(tmp_path_factory.mktemp("rlmm-cache")))
+    return spec.resolve(arithmetic_task, {"test": "small"})
+
+
+@pytest.fixture(scope="session")
+def prompts(small_model_path, arithmetic_task) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(small_model_path)
+    return [tokenizer(e.prompt).input_ids for e in arithmetic_task.examples("test", 6)]

@@ -1,0 +1,95 @@
+"""Every file under conf/ composes, validates against its class's signature, and builds."""
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from hydra.utils import instantiate
+from omegaconf import OmegaConf, open_dict
+
+import rlmm.schema  # noqa: F401
+from rlmm.config import BUILD_TIME_ARGS, CONF_DIR, ConfigError, group_options, schema_of, validate, validate_node
+
+APPS = sorted(p.stem for p in CONF_DIR.glob("*.yaml"))
+OPTIONS = sorted((p.parent.name, p.stem) for p in CONF_DIR.glob("*/*.yaml"))
+
+
+def _compose(app: str, overrides: list[str]):
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose(app, overrides=overrides, return_hydra_config=True)
+    choices = dict(cfg.hydra.runtime.choices)
+    with open_dict(cfg):
+        del cfg["hydra"]
+    GlobalHydra.instance().clear()
+    return cfg, choices
+
+
+def test_every_group_is_an_axis_with_options():
+    assert set(BUILD_TIME_ARGS) <= {p.name for p in CONF_DIR.iterdir() if p.is_dir()}
+    for group in BUILD_TIME_ARGS:
+        assert group_options(group), group
+
+
+@pytest.mark.parametrize("app", APPS)
+def test_app_default_composes_and_validates(app):
+    cfg, choices = _compose(app, [])
+    validate(cfg, choices)
+    assert not OmegaConf.missing_keys(cfg)
+
+
+@pytest.mark.parametrize("group,option", OPTIONS, ids=[f"{g}={o}" for g, o in OPTIONS])
+def test_every_option_composes_validates_and_builds(group, option, tmp_path):
+    overrides = [f"{group}={option}"]
+    if (group, option) == ("model", "hf"):  # a real checkpoint directory stands in for a hub id
+        (tmp_path / "config.json").write_text("{}")
+        overrides.append(f"model.path={tmp_path}")
+    if (group, option) == ("task", "gsm8k"):
+        overrides.append(f"task.path={Path(__file__).parent / 'data' / 'gsm8k_sample.jsonl'}")
+    cfg, choices = _compose("probe", overrides)
+    validate(cfg, choices)
+    if group in ("model", "precision", "task"):  # cheap constructors: build them for real
+        assert instantiate(cfg[group]) is not None
+
+
+def test_unknown_key_is_rejected_with_the_allowed_ones():
+    cfg, choices = _compose("probe", ["+sampler.temprature=1"])
+    with pytest.raises(ConfigError, match=r"sampler=vllm: unknown key 'temprature' \(allowed: batch_invariant, "):
+        validate(cfg, choices)
+
+
+def test_wrong_type_is_rejected():
+    node = OmegaConf.create({"_target_": "rlmm.trainers.torch_backend.TorchTrainer", "micro_batch_size": "big"})
+    with pytest.raises(ConfigError, match="trainer: Value 'big' of type 'str' could not be converted to Integer"):
+        validate_node(node, "trainer", BUILD_TIME_ARGS["trainer"])
+
+
+def test_missing_required_key_is_reported():
+    node = OmegaConf.create({"_target_": "rlmm.models.pretrained.PretrainedModel"})
+    with pytest.raises(ConfigError, match="missing required key"):
+        validate_node(node, "model=hf")
+
+
+def test_unimportable_target_is_reported():
+    node = OmegaConf.create({"_target_": "rlmm.nowhere.Thing"})
+    with pytest.raises(ConfigError, match="cannot import 'rlmm.nowhere.Thing'"):
+        validate_node(node, "sampler")
+
+
+def test_schema_mirrors_the_constructor():
+    class Component:
+        def __init__(self, model_path: str, size: int, name: str | None = None, items: list[str] | None = None):
+            pass
+
+    schema = OmegaConf.structured(schema_of(Component, {"model_path"}))
+    assert set(schema) == {"_target_", "size", "name", "items"}
+    assert OmegaConf.is_missing(schema, "size")
+    with pytest.raises(Exception):
+        schema.size = "x"
+
+
+def test_top_level_typo_fails_at_composition():
+    from hydra.errors import ConfigCompositionException
+
+    with pytest.raises(ConfigCompositionException):
+        _compose("probe", ["sampling.temprature=0.5"])

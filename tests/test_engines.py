@@ -1,0 +1,152 @@
+"""The real engines on a small model: vLLM (CPU build), transformers generate, plain torch and DeepSpeed.
+
+With fp32 on both sides, sampler and trainer must agree on every sampled token's log-prob up to
+kernel rounding, under the same definition (processed: after temperature/top-k/top-p; raw: before).
+"""
+import pytest
+import torch
+
+from rlmm.precision import SidePrecision
+from rlmm.samplers.base import pad_right
+from rlmm.samplers.hf import HFSampler
+from rlmm.trainers.torch_backend import TorchTrainer
+from tests.conftest import sampling
+
+FP32 = SidePrecision("fp32", False)
+SHARP = dict(temperature=0.7, top_k=8, top_p=0.9)  # every transformation of the logits active
+
+
+@pytest.fixture(scope="module")
+def vllm_fp32(small_model_path):
+    from rlmm.samplers.vllm import VLLMSampler
+
+    return VLLMSampler(small_model_path, FP32, sampling(**SHARP), seed=0)
+
+
+def _max_abs_delta(rollouts, trainer_logprobs):
+    sampler_lp, mask = rollouts.padded_sampler_logprobs()
+    return (trainer_logprobs - sampler_lp)[mask].abs().max().item()
+
+
+def test_vllm_rollouts_have_the_interface_shape(vllm_fp32, prompts):
+    rollouts = vllm_fp32.generate(prompts, n=3)
+    assert len(rollouts) == 3 * len(prompts)
+    assert rollouts.prompt_ids[:3] == [prompts[0]] * 3  # grouped by prompt
+    for ids, lp, reason in zip(rollouts.response_ids, rollouts.sampler_logprobs, rollouts.finish_reasons):
+        assert lp.dtype == torch.float32 and len(lp) == len(ids) >= 1
+        assert reason in ("stop", "length")
+        assert (lp <= 0).all()
+        if reason == "stop":
+            assert ids[-1] in vllm_fp32.eos_ids
+    assert vllm_fp32.actual_precision["dtype"] == "fp32"
+
+
+def test_vllm_fp32_matches_fp32_trainer_processed(vllm_fp32, small_model_path, prompts):
+    trainer = TorchTrainer(small_model_path, FP32, sampling(**SHARP), micro_batch_size=4)
+    rollouts = vllm_fp32.generate(prompts, n=4)
+    assert _max_abs_delta(rollouts, trainer.logprobs(rollouts)) < 1e-4
+
+
+def test_trainer_with_the_wrong_definition_disagrees(vllm_fp32, small_model_path, prompts):
+    """Scoring processed sampler log-probs with raw trainer log-probs biases every ratio."""
+    trainer = TorchTrainer(small_model_path, FP32, sampling(**SHARP, logprobs="raw"), micro_batch_size=4)
+    rollouts = vllm_fp32.generate(prompts, n=4)
+    assert _max_abs_delta(rollouts, trainer.logprobs(rollouts)) > 1e-2
+
+
+def test_vllm_weight_reload_in_place(vllm_fp32, small_model_path, prompts):
+    trainer = TorchTrainer(small_model_path, FP32, sampling(**SHARP), micro_batch_size=4)
+    before = vllm_fp32.generate(prompts[:2], greedy=True)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in trainer.model.parameters():
+            p.add_(torch.randn(p.shape, generator=generator) * 0.05)
+    vllm_fp32.load_weights(trainer.state_dict())
+    rollouts = vllm_fp32.generate(prompts, n=2)
+    assert _max_abs_delta(rollouts, trainer.logprobs(rollouts)) < 1e-4
+    after = vllm_fp32.generate(prompts[:2], greedy=True)
+    assert [lp.tolist() for lp in before.sampler_logprobs] != [lp.tolist() for lp in after.sampler_logprobs]
+
+
+def test_hf_sampler_fp32_matches_fp32_trainer(small_model_path, prompts):
+    sampler = HFSampler(small_model_path, FP32, sampling(**SHARP), seed=0)
+    trainer = TorchTrainer(small_model_path, FP32, sampling(**SHARP), micro_batch_size=3)
+    rollouts = sampler.generate(prompts, n=2)
+    assert len(rollouts) == 2 * len(prompts)
+    assert _max_abs_delta(rollouts, trainer.logprobs(rollouts)) < 1e-4
+
+
+def test_hf_sampler_raw_logprobs_match_raw_trainer(small_model_path, prompts):
+    options = sampling(temperature=0.5, logprobs="raw")
+    rollouts = HFSampler(small_model_path, FP32, options, seed=0).generate(prompts)
+    trainer = TorchTrainer(small_model_path, FP32, options, micro_batch_size=8)
+    assert _max_abs_delta(rollouts, trainer.logprobs(rollouts)) < 1e-4
+
+
+def test_hf_sampler_is_reproducible_and_seeded(small_model_path, prompts):
+    a = HFSampler(small_model_path, FP32, sampling(), seed=1).generate(prompts, n=2)
+    b = HFSampler(small_model_path, FP32, sampling(), seed=1).generate(prompts, n=2)
+    c = HFSampler(small_model_path, FP32, sampling(), seed=2).generate(prompts, n=2)
+    assert a.response_ids == b.response_ids
+    assert a.response_ids != c.response_ids
+
+
+def test_hf_sampler_weight_update(small_model_path, prompts):
+    sampler = HFSampler(small_model_path, SidePrecision("bf16", True), sampling(), seed=0)
+    trainer = TorchTrainer(small_model_path, FP32, sampling(), micro_batch_size=8)
+    state = {k: v + 0.01 for k, v in trainer.state_dict().items()}
+    sampler.load_weights(state)
+    params = dict(sampler.model.named_parameters())
+    assert params["lm_head.weight"].dtype == torch.float32  # the fp32 head stays fp32
+    assert torch.equal(params["lm_head.weight"], state["lm_head.weight"])
+    assert torch.equal(params["model.norm.weight"], state["model.norm.weight"].bfloat16())
+
+
+def test_trainer_micro_batch_size_changes_only_rounding(small_model_path, prompts):
+    sampler = HFSampler(small_model_path, FP32, sampling(), seed=0)
+    rollouts = sampler.generate(prompts, n=3)
+    _, mask = rollouts.padded_sampler_logprobs()
+    trainer = TorchTrainer(small_model_path, SidePrecision("bf16", False), sampling(), micro_batch_size=1)
+    one, many = trainer.logprobs(rollouts, 1), trainer.logprobs(rollouts, len(rollouts))
+    assert one.shape == many.shape == mask.shape
+    assert (one - many)[mask].abs().max().item() < 0.1
+
+
+def test_deepspeed_fp32_scoring_equals_plain_torch(small_model_path, prompts):
+    from rlmm.trainers.deepspeed_backend import DeepSpeedTrainer
+
+    rollouts = HFSampler(small_model_path, FP32, sampling(), seed=0).generate(prompts, n=2)
+    torch_lp = TorchTrainer(small_model_path, FP32, sampling(), micro_batch_size=4).logprobs(rollouts)
+    ds = DeepSpeedTrainer(small_model_path, FP32, sampling(), micro_batch_size=4, zero_stage=0)
+    assert ds.actual_precision == {"dtype": "fp32", "head_dtype": "fp32"}
+    _, mask = rollouts.padded_sampler_logprobs()
+    assert (ds.logprobs(rollouts) - torch_lp)[mask].abs().max().item() < 1e-5
+
+
+def test_deepspeed_bf16_with_fp32_head_keeps_the_checkpoint_head(small_model_path):
+    from safetensors.torch import load_file
+
+    from rlmm.trainers.deepspeed_backend import DeepSpeedTrainer
+
+    ds = DeepSpeedTrainer(small_model_path, SidePrecision("bf16", True), sampling(), micro_batch_size=4)
+    assert ds.actual_precision == {"dtype": "bf16", "head_dtype": "fp32"}
+    checkpoint = load_file(f"{small_model_path}/model.safetensors")
+    assert torch.equal(ds.engine.module.lm_head.weight, checkpoint["lm_head.weight"])
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_16_bit_sampler_differs_from_fp32_trainer_but_stays_close(small_model_path, prompts, dtype):
+    from rlmm.metrics import mismatch_metrics
+
+    sampler = HFSampler(small_model_path, SidePrecision(dtype, False), sampling(), seed=0)
+    assert sampler.actual_precision["dtype"] == dtype
+    rollouts = sampler.generate(prompts, n=4)
+    trainer = TorchTrainer(small_model_path, FP32, sampling(), micro_batch_size=8)
+    sampler_lp, mask = rollouts.padded_sampler_logprobs()
+    metrics = mismatch_metrics(trainer.logprobs(rollouts), sampler_lp, mask)
+    assert 1e-6 < metrics["logprob_abs_diff_mean"] < 0.2
+
+
+def test_pad_right_layout():
+    out, mask = pad_right([torch.tensor([1.0, 2.0]), torch.tensor([3.0])])
+    assert out.tolist() == [[1.0, 2.0], [3.0, 0.0]] and mask.tolist() == [[True, True], [True, False]]
