@@ -16,12 +16,22 @@ log = logging.getLogger("rlmm")
 
 
 def user_error(err: BaseException) -> str | None:
-    """The one-line message of an error caused by the user's input, or None for a bug."""
+    """The one-line message of an error caused by the user's input, or None for a bug.
+
+    rlmm's components raise ValueError (or ConfigError) with a one-line message for bad input; the
+    same type raised inside a library is a bug or an environment problem and keeps its traceback.
+    """
     while isinstance(err, InstantiationException) and err.__cause__ is not None:
         err = err.__cause__
-    if isinstance(err, (ConfigError, ValueError, FileNotFoundError, KeyError)):
-        return str(err).splitlines()[0] if str(err) else type(err).__name__
-    return None
+    if not isinstance(err, (ConfigError, ValueError, FileNotFoundError)):
+        return None
+    frame = err.__traceback__
+    while frame is not None and frame.tb_next is not None:
+        frame = frame.tb_next
+    raised_in = frame.tb_frame.f_code.co_filename if frame is not None else ""
+    if not raised_in.startswith(str(Path(__file__).resolve().parent)):
+        return None
+    return str(err).splitlines()[0] if str(err) else type(err).__name__
 
 
 def _probe(cfg: DictConfig) -> None:

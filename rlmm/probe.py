@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -33,15 +34,30 @@ HEADLINE = ("logprob_abs_diff_mean", "logprob_abs_diff_max", "prob_abs_diff_mean
             "frac_ratio_outside")
 
 
+@contextmanager
+def timed(seconds: dict[str, float], stage: str):
+    """Add the wall-clock time of the block to `seconds[stage]`."""
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        seconds[stage] = seconds.get(stage, 0.0) + time.perf_counter() - start
+
+
 def run_probe(cfg: DictConfig, run_dir: Path, choices: dict[str, str]) -> dict:
     started = time.perf_counter()
+    stage_seconds: dict[str, float] = {}
     options = cfg.probe
     task = instantiate(cfg.task)
-    model_path = instantiate(cfg.model).resolve(task, to_container(cfg.task))
+    with timed(stage_seconds, "model"):
+        model_path = instantiate(cfg.model).resolve(task, to_container(cfg.task))
     precision = instantiate(cfg.precision)
     sampling = SamplingOptions(**cfg.sampling)
-    sampler = build(cfg.sampler, model_path=model_path, precision=precision.sampler, sampling=sampling, seed=cfg.seed)
-    trainer = build(cfg.trainer, model_path=model_path, precision=precision.trainer, sampling=sampling)
+    with timed(stage_seconds, "sampler_init"):
+        sampler = build(cfg.sampler, model_path=model_path, precision=precision.sampler, sampling=sampling,
+                        seed=cfg.seed)
+    with timed(stage_seconds, "trainer_init"):
+        trainer = build(cfg.trainer, model_path=model_path, precision=precision.trainer, sampling=sampling)
     precision_report = check_precision(precision, sampler.actual_precision, trainer.actual_precision)
 
     from transformers import AutoTokenizer
@@ -50,18 +66,24 @@ def run_probe(cfg: DictConfig, run_dir: Path, choices: dict[str, str]) -> dict:
     examples = task.examples(options.split, options.num_prompts)
     prompt_ids = [tokenizer(e.prompt).input_ids for e in examples]
 
-    rollouts = sampler.generate(prompt_ids, n=options.samples_per_prompt)
+    with timed(stage_seconds, "generate"):
+        rollouts = sampler.generate(prompt_ids, n=options.samples_per_prompt)
     completions = tokenizer.batch_decode(rollouts.response_ids, skip_special_tokens=True)
     rewards = [task.reward(examples[i // options.samples_per_prompt], text) for i, text in enumerate(completions)]
     sampler_logprobs, mask = rollouts.padded_sampler_logprobs()
-    train_logprobs = trainer.logprobs(rollouts)
+    with timed(stage_seconds, "score"):
+        train_logprobs = trainer.logprobs(rollouts)
     sampler_vs_trainer = mismatch_metrics(train_logprobs, sampler_logprobs, mask, ratio_cap=options.ratio_cap)
     profile = position_profile(train_logprobs, sampler_logprobs, mask, num_buckets=options.position_buckets)
 
     small, large = options.trainer_micro_batch_sizes
-    trainer_vs_itself = mismatch_metrics(trainer.logprobs(rollouts, large), trainer.logprobs(rollouts, small), mask,
-                                         ratio_cap=options.ratio_cap)
-    sampler_vs_itself = batch_invariance(sampler, task, tokenizer, options)
+    with timed(stage_seconds, "trainer_vs_itself"):
+        trainer_vs_itself = mismatch_metrics(trainer.logprobs(rollouts, large), trainer.logprobs(rollouts, small),
+                                             mask, ratio_cap=options.ratio_cap)
+    with timed(stage_seconds, "sampler_vs_itself"):
+        sampler_vs_itself = batch_invariance(sampler, task, tokenizer, options)
+    trainer.close()
+    sampler.close()
 
     record = {
         "choices": choices,
@@ -75,6 +97,7 @@ def run_probe(cfg: DictConfig, run_dir: Path, choices: dict[str, str]) -> dict:
         "trainer_vs_itself": {"micro_batch_sizes": [small, large], **trainer_vs_itself},
         "sampler_vs_itself": sampler_vs_itself,
         "seconds": time.perf_counter() - started,
+        "stage_seconds": stage_seconds,
         "config": redact(to_container(cfg)),
     }
     (run_dir / "probe.json").write_text(json.dumps(record, indent=2, default=float))
@@ -167,7 +190,8 @@ def print_probe(record: dict) -> None:
                   f"{inv['frac_identical_alone_vs_batched']:.0%} of prompts; |delta| mean {_fmt(inv['logprob_abs_diff_mean'])}")
     rollouts = record["rollouts"]
     console.print(f"rollouts: {rollouts['num']}, mean reward {rollouts['mean_reward']:.3f}, mean length "
-                  f"{rollouts['mean_response_length']:.1f}; {record['seconds']:.1f} s")
+                  f"{rollouts['mean_response_length']:.1f}; {record['seconds']:.1f} s ("
+                  + ", ".join(f"{k} {v:.1f}" for k, v in record["stage_seconds"].items()) + ")")
 
 
 def _fmt(value) -> str:

@@ -92,6 +92,10 @@ class Sampler(Protocol):
         """Replace the engine's weights in place with a Hugging Face-named state dict."""
         ...
 
+    def close(self) -> None:
+        """Release the engine (memory, process groups) so another can start in this process."""
+        ...
+
 
 def truncate_at_eos(token_ids: list[int], eos_ids: set[int]) -> tuple[list[int], str]:
     """Cut a generated sequence after its first end-of-sequence token (kept: it was sampled)."""

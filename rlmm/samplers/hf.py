@@ -86,3 +86,6 @@ class HFSampler:
                 if name not in params:
                     raise KeyError(f"sampler=hf: weight '{name}' is not a parameter of the model")
                 params[name].copy_(tensor)
+
+    def close(self) -> None:
+        del self.model

@@ -110,3 +110,12 @@ class VLLMSampler:
         """Reload weights in place (vLLM repacks them for its CPU/GPU kernels as on first load)."""
         self._model_runner().reload_weights(weights_iterator=iter(state_dict.items()))
         self.llm.reset_prefix_cache()
+
+    def close(self) -> None:
+        """Shut the engine down and tear down the process group it created, so that another engine
+        (the next job of an in-process sweep) can start in this process."""
+        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+        self.llm.llm_engine.engine_core.shutdown()
+        del self.llm
+        cleanup_dist_env_and_memory()

@@ -83,3 +83,16 @@ class DeepSpeedTrainer:
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {k: v.detach() for k, v in self.engine.module.state_dict().items()}
+
+    def close(self) -> None:
+        """Release the engine and DeepSpeed's handle on the process group (which may be the one
+        in-process vLLM created and is about to destroy)."""
+        import deepspeed.comm.comm as ds_comm
+        from deepspeed.utils import groups
+
+        self.engine.destroy()
+        del self.engine
+        ds_comm.cdb = None
+        # DeepSpeed caches process groups in module globals; a later engine must not reuse them.
+        for name in [n for n in vars(groups) if n.endswith(("_GROUP", "_GROUP_RANKS"))]:
+            setattr(groups, name, {} if isinstance(getattr(groups, name), dict) else None)

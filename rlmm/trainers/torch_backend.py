@@ -35,3 +35,6 @@ class TorchTrainer:
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {k: v.detach() for k, v in self.model.state_dict().items()}
+
+    def close(self) -> None:
+        del self.model
