@@ -73,6 +73,7 @@ def check_overrides(config_name: str, overrides: list[str]) -> None:
                 # surface here, before a sweep is submitted or an engine starts.
                 for group in ("model", "precision"):
                     instantiate(cfg[group])
+                check_engines_support(cfg)
         except ConfigError as err:
             fail(str(err))
         except InstantiationException as err:
@@ -81,6 +82,19 @@ def check_overrides(config_name: str, overrides: list[str]) -> None:
             fail(_one_line(err) + _allowed_keys_hint(config_name, combination, err))
         finally:
             GlobalHydra.instance().clear()
+
+
+def check_engines_support(cfg) -> None:
+    """Ask each engine class whether it can run its side's precision here (classes that can tell
+    define a static `unsupported(side_precision) -> str | None`)."""
+    from hydra.utils import get_class, instantiate
+
+    policy = instantiate(cfg.precision)
+    for group, side in (("sampler", policy.sampler), ("trainer", policy.trainer)):
+        unsupported = getattr(get_class(cfg[group]._target_), "unsupported", None)
+        problem = unsupported(side) if unsupported else None
+        if problem:
+            fail(problem)
 
 
 def _one_line(err: BaseException) -> str:

@@ -42,3 +42,14 @@ def test_unknown_command():
 def test_help_lists_commands():
     result = run_cli("--help")
     assert result.returncode == 0 and "probe" in result.stdout
+
+
+def test_precision_the_trainer_cannot_run_fails_before_any_work():
+    from deepspeed.accelerator import get_accelerator
+
+    if get_accelerator().is_fp16_supported():
+        pytest.skip("this machine's DeepSpeed accelerator runs fp16")
+    result = run_cli("probe", "precision=fp16", "trainer=deepspeed")
+    assert result.returncode == 2
+    assert result.stderr.strip() == ("rlmm: error: precision: trainer=deepspeed cannot run fp16 on this machine's cpu "
+                                     "accelerator (allowed here: fp32, bf16; trainer=torch runs any)")

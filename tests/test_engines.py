@@ -20,7 +20,9 @@ SHARP = dict(temperature=0.7, top_k=8, top_p=0.9)  # every transformation of the
 def vllm_fp32(small_model_path):
     from rlmm.samplers.vllm import VLLMSampler
 
-    return VLLMSampler(small_model_path, FP32, sampling(**SHARP), seed=0)
+    sampler = VLLMSampler(small_model_path, FP32, sampling(**SHARP), seed=0)
+    yield sampler
+    sampler.close()
 
 
 def _max_abs_delta(rollouts, trainer_logprobs):
@@ -150,3 +152,15 @@ def test_16_bit_sampler_differs_from_fp32_trainer_but_stays_close(small_model_pa
 def test_pad_right_layout():
     out, mask = pad_right([torch.tensor([1.0, 2.0]), torch.tensor([3.0])])
     assert out.tolist() == [[1.0, 2.0], [3.0, 0.0]] and mask.tolist() == [[True, True], [True, False]]
+
+
+def test_silent_cast_is_caught_and_reported():
+    from rlmm.precision import PrecisionPolicy
+    from rlmm.probe import check_precision
+
+    policy = PrecisionPolicy("fp16", "fp32", sampler_fp32_head=True)
+    report = check_precision(policy, {"dtype": "bf16", "head_dtype": "bf16"}, {"dtype": "fp32", "head_dtype": "fp32"})
+    assert report["silent_casts"] == ["sampler: asked for fp16, engine runs bf16",
+                                      "sampler: asked for an fp32 LM head, engine computes it in bf16"]
+    clean = check_precision(policy, {"dtype": "fp16", "head_dtype": "fp32"}, {"dtype": "fp32", "head_dtype": "fp32"})
+    assert clean["silent_casts"] == []

@@ -138,7 +138,7 @@ def warm_start(model, tokenizer, task, *, steps: int, lr: float, batch_size: int
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / steps))))
     model.train()
-    loss_ema = None
+    loss_ema, initial_loss = None, None
     bar = tqdm(range(steps), desc="warm start", leave=False, disable=None)
     for step in bar:
         batch = [examples[i] for i in order[step * batch_size:(step + 1) * batch_size]]
@@ -150,10 +150,11 @@ def warm_start(model, tokenizer, task, *, steps: int, lr: float, batch_size: int
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         schedule.step()
+        initial_loss = loss.item() if initial_loss is None else initial_loss
         loss_ema = loss.item() if loss_ema is None else 0.95 * loss_ema + 0.05 * loss.item()
         bar.set_postfix(loss=f"{loss_ema:.3f}")
     model.eval()
-    return {"warm_start_loss": loss_ema}
+    return {"initial_loss": initial_loss, "warm_start_loss": loss_ema}
 
 
 def _sft_batch(tokenizer, task, batch):

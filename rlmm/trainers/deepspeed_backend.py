@@ -40,17 +40,15 @@ class DeepSpeedTrainer:
     def __init__(self, model_path: str, precision: SidePrecision, sampling: SamplingOptions, micro_batch_size: int,
                  zero_stage: int = 0):
         import deepspeed
-        from deepspeed.accelerator import get_accelerator
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         if micro_batch_size < 1:
             raise ValueError(f"trainer.micro_batch_size: must be >= 1, got {micro_batch_size}")
         if zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"trainer.zero_stage: unknown stage {zero_stage} (allowed: 0, 1, 2, 3)")
-        accelerator = get_accelerator()
-        if precision.dtype == "fp16" and not accelerator.is_fp16_supported():
-            raise ValueError(f"precision: DeepSpeed's {accelerator.device_name()} accelerator cannot run fp16 "
-                             f"on this machine (allowed here: fp32, bf16{'' if accelerator.is_bf16_supported() else ' (no)'})")
+        problem = self.unsupported(precision)
+        if problem:
+            raise ValueError(problem)
         self.sampling = sampling
         self.micro_batch_size = micro_batch_size
         init_single_process_group()
@@ -71,6 +69,20 @@ class DeepSpeedTrainer:
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.actual_precision = model_precision(self.engine.module)
+
+    @staticmethod
+    def unsupported(precision: SidePrecision) -> str | None:
+        """Why DeepSpeed's accelerator on this machine cannot run `precision` (None when it can)."""
+        from deepspeed.accelerator import get_accelerator
+
+        accelerator = get_accelerator()
+        supported = ["fp32"] + [name for name, ok in (("bf16", accelerator.is_bf16_supported()),
+                                                      ("fp16", accelerator.is_fp16_supported())) if ok]
+        if precision.dtype not in supported:
+            return (f"precision: trainer=deepspeed cannot run {precision.dtype} on this machine's "
+                    f"{accelerator.device_name()} accelerator (allowed here: {', '.join(supported)}; "
+                    f"trainer=torch runs any)")
+        return None
 
     def _forward(self, ids: torch.Tensor, attention: torch.Tensor, keep: int) -> torch.Tensor:
         device = self.engine.device
