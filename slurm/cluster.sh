@@ -292,13 +292,14 @@ start_slurm_daemon() {
 # Stop one daemon, but only the process this script started (pid recorded at start, name checked).
 # Returns 1 when a daemon of that name runs that this script did not start (left alone).
 stop_daemon() {
-    local name="$1" pid i
+    local name="$1" pidfile="${2:-}" pid i
     pid="$(pid_from_file "$name" "$STATE_DIR/$name.pid")" || {
-        rm -f "$STATE_DIR/$name.pid"
+        rm -f "$STATE_DIR/$name.pid" 2>/dev/null || true
         if running "$name"; then
             log "$name (pid $(pids_named "$name" | paste -sd,)) was not started by this script; left alone"
             return 1
         fi
+        [[ -z "$pidfile" ]] || rm -f "$pidfile" 2>/dev/null || true  # stale: its daemon is gone
         return 0
     }
     log "stopping $name (pid $pid)"
@@ -311,7 +312,11 @@ stop_daemon() {
         log "$name did not exit in 10 s; killing it"
         kill -KILL "$pid" 2>/dev/null || true
     fi
-    rm -f "$STATE_DIR/$name.pid"
+    rm -f "$STATE_DIR/$name.pid" 2>/dev/null || true
+    # slurmctld, running as SlurmUser, cannot delete its pid file in /run; a stale one makes the
+    # Debian package's prerm call scancel and fail, so apt could not remove or upgrade slurmctld.
+    [[ -z "$pidfile" ]] || rm -f "$pidfile" 2>/dev/null || true
+    return 0
 }
 
 # ---- cluster state -----------------------------------------------------------------------------
@@ -406,7 +411,7 @@ cmd_start() {
     if ((changed)) && { running slurmctld || running slurmd; }; then
         # New node size or partition: daemons read slurm.conf only at start.
         log "configuration changed; restarting slurmd and slurmctld"
-        stop_daemon slurmd && stop_daemon slurmctld \
+        stop_daemon slurmd "$SLURMD_PIDFILE" && stop_daemon slurmctld "$CTLD_PIDFILE" \
             || die 1 "cannot restart SLURM for the new $SLURM_CONF: stop the daemons listed above, then start again"
     fi
     if cluster_usable; then
@@ -421,10 +426,9 @@ cmd_start() {
 }
 
 cmd_stop() {
-    local name
-    for name in slurmd slurmctld munged; do
-        stop_daemon "$name" || true
-    done
+    stop_daemon slurmd "$SLURMD_PIDFILE" || true
+    stop_daemon slurmctld "$CTLD_PIDFILE" || true
+    stop_daemon munged "$MUNGE_PIDFILE" || true
     log "stopped"
 }
 
