@@ -20,7 +20,8 @@ readonly PACKAGES=(slurmctld slurmd slurm-client munge)
 readonly PARTITION="${RLMM_SLURM_PARTITION:-rlmm}"
 readonly TIMEOUT="${RLMM_SLURM_TIMEOUT:-60}"
 export SLURM_CONF="${SLURM_CONF:-/etc/slurm/slurm.conf}"
-readonly CGROUP_CONF="$(dirname "$SLURM_CONF")/cgroup.conf"  # slurmd reads it next to slurm.conf
+CGROUP_CONF="$(dirname "$SLURM_CONF")/cgroup.conf"  # slurmd reads it next to slurm.conf
+readonly CGROUP_CONF
 
 readonly LOG_DIR=/var/log/slurm
 readonly CTLD_LOG="$LOG_DIR/slurmctld.log"
@@ -173,6 +174,8 @@ SelectTypeParameters=CR_Core_Memory
 AccountingStorageType=accounting_storage/none
 JobAcctGatherType=jobacct_gather/none
 JobCompType=jobcomp/none
+# No mail server here; the default /bin/mail is absent and slurmctld logs an error for it.
+MailProg=/bin/true
 # A node that went down (e.g. slurmd restarted) comes back by itself once it registers again.
 ReturnToService=2
 SlurmdTimeout=300
@@ -292,7 +295,7 @@ start_slurm_daemon() {
 # Stop one daemon, but only the process this script started (pid recorded at start, name checked).
 # Returns 1 when a daemon of that name runs that this script did not start (left alone).
 stop_daemon() {
-    local name="$1" pidfile="${2:-}" pid i
+    local name="$1" pidfile="${2:-}" pid
     pid="$(pid_from_file "$name" "$STATE_DIR/$name.pid")" || {
         rm -f "$STATE_DIR/$name.pid" 2>/dev/null || true
         if running "$name"; then
@@ -304,7 +307,7 @@ stop_daemon() {
     }
     log "stopping $name (pid $pid)"
     kill -TERM "$pid" 2>/dev/null || die 1 "cannot signal $name (pid $pid): run as root"
-    for i in $(seq 100); do
+    for _ in $(seq 100); do
         alive "$pid" || break
         sleep 0.1
     done
@@ -411,8 +414,9 @@ cmd_start() {
     if ((changed)) && { running slurmctld || running slurmd; }; then
         # New node size or partition: daemons read slurm.conf only at start.
         log "configuration changed; restarting slurmd and slurmctld"
-        stop_daemon slurmd "$SLURMD_PIDFILE" && stop_daemon slurmctld "$CTLD_PIDFILE" \
-            || die 1 "cannot restart SLURM for the new $SLURM_CONF: stop the daemons listed above, then start again"
+        if ! { stop_daemon slurmd "$SLURMD_PIDFILE" && stop_daemon slurmctld "$CTLD_PIDFILE"; }; then
+            die 1 "cannot restart SLURM for the new $SLURM_CONF: stop the daemons listed above, then start again"
+        fi
     fi
     if cluster_usable; then
         log "already running; node $NODE usable"

@@ -41,6 +41,7 @@ export OMP_NUM_THREADS="${SLURM_CPUS_PER_TASK:-${OMP_NUM_THREADS:-1}}"
 
 echo "job ${SLURM_JOB_ID:-?} on $(hostname -s) at $(date -Is): rlmm $*"
 
+# shellcheck disable=SC2317  # called by the trap below
 on_usr1() {
     # rlmm has no checkpoint/resume hook yet: record that the end is near, so a job cut at its
     # time limit is recognisable in slurm-<id>.out. To have it start over instead, requeue it:

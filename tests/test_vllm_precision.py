@@ -16,3 +16,14 @@ def test_vllm_runs_the_precision_it_is_asked_for(small_model_path, dtype, fp32_h
         assert sampler.actual_precision["head_dtype"] == ("fp32" if fp32_head else dtype)
     finally:
         sampler.close()
+
+
+def test_batch_invariant_mode_is_refused_without_a_gpu(small_model_path):
+    import torch
+
+    from rlmm.samplers.vllm import VLLMSampler
+
+    if torch.cuda.is_available():
+        pytest.skip("GPU machine: batch-invariant kernels can run")
+    with pytest.raises(ValueError, match=r"sampler.batch_invariant: .*need a GPU .*\(allowed here: false\)"):
+        VLLMSampler(small_model_path, SidePrecision("bf16", False), sampling(), seed=0, batch_invariant=True)

