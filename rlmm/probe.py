@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -74,7 +75,9 @@ def run_probe(cfg: DictConfig, run_dir: Path, choices: dict[str, str]) -> dict:
     with timed(stage_seconds, "score"):
         train_logprobs = trainer.logprobs(rollouts)
     sampler_vs_trainer = mismatch_metrics(train_logprobs, sampler_logprobs, mask, ratio_cap=options.ratio_cap)
-    profile = position_profile(train_logprobs, sampler_logprobs, mask, num_buckets=options.position_buckets)
+    # Whole-token buckets of equal width, so short answers get one bucket per position.
+    bucket_size = max(1, math.ceil(mask.sum(1).max().item() / options.position_buckets))
+    profile = position_profile(train_logprobs, sampler_logprobs, mask, bucket_size=bucket_size)
 
     small, large = options.trainer_micro_batch_sizes
     with timed(stage_seconds, "trainer_vs_itself"):
@@ -209,18 +212,18 @@ def plot_probe(record: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     profile = record["position_profile"]
-    centers = [(s + e) / 2 for s, e in zip(profile["bucket_start"], profile["bucket_end"])]
+    starts, ends = profile["bucket_start"], profile["bucket_end"]
+    centers = [(s + e) / 2 for s, e in zip(starts, ends)]
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
     axes[0].plot(centers, profile["logprob_abs_diff_mean"], marker="o", label="mean |δ|")
-    axes[0].plot(centers, profile["kl_k3"], marker="s", label="KL k3")
+    axes[0].plot(centers, profile["kl_k3"], marker="s", label="KL k3 (per token)")
     axes[0].set_xlabel("response position (tokens)")
     axes[0].set_ylabel("sampler vs trainer")
     axes[0].set_yscale("symlog", linthresh=1e-6)
     axes[0].set_title("mismatch by response position")
     axes[0].legend()
     ax = axes[1]
-    tokens = [profile["num_tokens"][i] for i in range(len(centers))]
-    ax.bar(centers, tokens, width=max(1.0, (centers[1] - centers[0]) * 0.8) if len(centers) > 1 else 1.0, color="0.7")
+    ax.bar(starts, profile["num_tokens"], width=[(e - s) * 0.9 for s, e in zip(starts, ends)], align="edge", color="0.7")
     ax.set_xlabel("response position (tokens)")
     ax.set_ylabel("tokens in bucket")
     ax.set_title("tokens per position bucket")

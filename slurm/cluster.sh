@@ -61,10 +61,11 @@ EOF
 
 # ---- processes ---------------------------------------------------------------------------------
 
-# A live process (a zombie, dead but not yet reaped by its parent, does not count).
+# A live process (a zombie, dead but not yet reaped by its parent, does not count). `read`, not
+# `cat`: these run for every process in /proc, and a fork each is slow.
 alive() {
     local stat
-    stat="$(cat "/proc/$1/stat" 2>/dev/null)" || return 1
+    { read -r stat <"/proc/$1/stat"; } 2>/dev/null || return 1
     stat="${stat##*) }"  # the fields after "pid (comm) "; the first is the state letter
     [[ "${stat:0:1}" != Z ]]
 }
@@ -73,7 +74,7 @@ alive() {
 pids_named() {
     local d comm
     for d in /proc/[0-9]*; do
-        comm="$(cat "$d/comm" 2>/dev/null)" || continue
+        { read -r comm <"$d/comm"; } 2>/dev/null || continue
         [[ "$comm" == "$1" ]] && alive "${d#/proc/}" && echo "${d#/proc/}"
     done
     return 0
@@ -93,8 +94,8 @@ pid_from_file() {
 # by name: the daemons fork twice, and a scan can catch the short-lived middle process. Retries, as
 # the file appears a moment after the launching process returns.
 record_started() {
-    local name="$1" pidfile="$2" pid="" i
-    for i in $(seq 100); do
+    local name="$1" pidfile="$2" pid=""
+    for _ in $(seq 100); do
         pid="$(pid_from_file "$name" "$pidfile")" && break
         sleep 0.1
     done
@@ -353,10 +354,12 @@ cmd_status() {
             echo "$name: not running"
         fi
     done
-    if command -v sinfo >/dev/null 2>&1; then
-        echo "sinfo: $(timeout 10 sinfo -h -o '%P %a %D %t %N' 2>&1 | paste -sd';' || true)"
-    else
+    if ! command -v sinfo >/dev/null 2>&1; then
         echo "sinfo: not installed"
+    elif ours "$SLURM_CONF" && ! running slurmctld; then
+        echo "sinfo: skipped (no local slurmctld; sinfo would retry for 10 s)"
+    else
+        echo "sinfo: $(timeout 10 sinfo -h -o '%P %a %D %t %N' 2>&1 | paste -sd';' || true)"
     fi
     if cluster_usable; then
         echo "cluster: usable (config $SLURM_CONF)"
