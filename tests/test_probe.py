@@ -1,6 +1,7 @@
 """`rlmm probe` end to end: the real CLI, the built-in tiny model, real engines."""
 import json
 import subprocess
+from pathlib import Path
 import sys
 
 import pytest
@@ -36,8 +37,24 @@ def test_default_probe_vllm_deepspeed(tmp_path):
     assert "WANDB_API_KEY" not in (tmp_path / "probe.json").read_text()
 
 
-def test_fp32_hf_sampler_vs_fp32_trainer_is_near_zero(tmp_path):
-    record = run_probe(tmp_path, "sampler=hf", "trainer=torch", "precision=fp32", "logger=none")
+def test_fp32_hf_sampler_vs_fp32_trainer_is_near_zero(tmp_path, small_model_path):
+    """Any Hugging Face checkpoint directory works as model=hf."""
+    record = run_probe(tmp_path, f"model=hf", f"model.path={small_model_path}", "sampler=hf", "trainer=torch",
+                       "precision=fp32", "logger=none")
+    assert record["model_path"] == small_model_path
     assert record["precision"]["actual"]["sampler"] == {"dtype": "fp32", "head_dtype": "fp32"}
     assert record["sampler_vs_trainer"]["logprob_abs_diff_max"] < 1e-4
     assert record["sampler_vs_itself"]["unique_greedy_completions"] >= 1
+
+
+def test_gsm8k_task_with_longer_answers(tmp_path, small_model_path):
+    """Word problems from a local JSONL file (the arithmetic-trained model answers them badly, which is
+    fine: the probe measures mismatch, not skill)."""
+    data = Path(__file__).parent / "data" / "gsm8k_sample.jsonl"
+    record = run_probe(tmp_path, "model=hf", f"model.path={small_model_path}", "task=gsm8k", f"task.path={data}",
+                       "sampler=hf", "trainer=torch", "precision=bf16_sampler_fp32_trainer", "logger=none",
+                       "sampling.max_new_tokens=32", "probe.num_prompts=2", "probe.split=test")
+    profile = record["position_profile"]
+    assert sum(profile["num_tokens"]) == record["sampler_vs_trainer"]["num_tokens"]  # every token in a bucket
+    assert len(profile["bucket_start"]) <= 8
+    assert record["sampler_vs_trainer"]["logprob_abs_diff_mean"] > 0
