@@ -1,0 +1,40 @@
+"""Sequence-level masked importance sampling (Seq-MIS)."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from rlmm.corrections.base import CorrectionOutput, finish, log_ratios
+
+
+class SequenceMask:
+    """Sequence-level masked importance sampling (``correction=seq_mis``).
+
+    old = log pi_train,  keep_i = [exp(S_i) <= C],  w_{i,t} = exp(S_i) on every token of a kept sequence,
+    and 0 (with mask False) on every token of a rejected one.
+
+    Liu et al. 2025, "When Speed Kills Stability: Demystifying RL Collapse from the Training-Inference
+    Mismatch", Seq-MIS: the sequence importance weight rho(y) = pi_train(y) / pi_sampler(y) times the indicator
+    [rho(y) <= C]. Where Seq-TIS would cap an outlier sequence at C and still learn from it, Seq-MIS rejects it
+    outright, the argument being that a huge ratio marks a response the trainer would almost never produce (a
+    "toxic tail"), whose gradient is noise whatever its weight. Kept sequences keep their full, untruncated
+    weight (at most C). The rejection is one-sided, as in the paper: sequences with tiny ratios are kept with
+    their tiny weight. A NaN S_i is rejected.
+
+    Args:
+        cap: C, the largest accepted sequence ratio; finite and >= 1.
+    """
+
+    def __init__(self, cap: float):
+        if not (math.isfinite(cap) and cap >= 1.0):
+            raise ValueError(f"correction.cap: must be a finite number >= 1, got {cap}")
+        self.cap = float(cap)
+
+    def __call__(self, train_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor,
+                 mask: torch.Tensor) -> CorrectionOutput:
+        delta, m = log_ratios(train_logprobs, sampler_logprobs, mask)
+        seq_ratio = delta.sum(dim=1, keepdim=True).exp()  # [B, 1]; padding is 0 in delta
+        keep = seq_ratio <= self.cap
+        return finish(old_logprobs=train_logprobs, weights=seq_ratio.expand_as(delta), keep=keep, delta=delta,
+                      mask=m)

@@ -1,0 +1,46 @@
+"""Sequence-level truncated importance sampling."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from rlmm.corrections.base import CorrectionOutput, finish, log_ratios, masked_mean
+
+
+class SequenceTIS:
+    """Sequence-level truncated importance sampling (``correction=seq_tis``).
+
+    old = log pi_train,  w_{i,t} = min(exp(S_i), C)  for every token t of sequence i,  S_i = sum_t delta_{i,t},
+    mask unchanged.
+
+    The importance weight of a whole response, pi_train(y) / pi_sampler(y), is the product of its token ratios;
+    truncating it at C is the sequence-level TIS of Liu et al. 2025 ("When Speed Kills Stability", Seq-TIS;
+    verl ``rollout_is="sequence"``). Unbiased at the sequence level before truncation, but its variance grows
+    with length (chi^2 of the product of token ratios), which the cap bounds at the price of bias. exp(S_i) is
+    taken in float64, so S_i > ~709.8 overflows to inf and is then capped to C. Logs
+    ``frac_sequences_truncated`` (non-empty sequences with exp(S_i) > C) and ``frac_tokens_truncated`` (the
+    response tokens in them).
+
+    Args:
+        cap: C, the largest weight a sequence can get; finite and >= 1.
+    """
+
+    def __init__(self, cap: float):
+        if not (math.isfinite(cap) and cap >= 1.0):
+            raise ValueError(f"correction.cap: must be a finite number >= 1, got {cap}")
+        self.cap = float(cap)
+
+    def __call__(self, train_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor,
+                 mask: torch.Tensor) -> CorrectionOutput:
+        delta, m = log_ratios(train_logprobs, sampler_logprobs, mask)
+        seq_ratio = delta.sum(dim=1, keepdim=True).exp()  # [B, 1]; padding is 0 in delta
+        truncated = seq_ratio > self.cap
+        return finish(
+            old_logprobs=train_logprobs, weights=seq_ratio.clamp(max=self.cap).expand_as(delta), keep=m,
+            delta=delta, mask=m,
+            extra={
+                "frac_tokens_truncated": masked_mean(truncated.expand_as(m).double(), m),
+                "frac_sequences_truncated": masked_mean(truncated.squeeze(1).double(), m.any(dim=1)),
+            },
+        )
