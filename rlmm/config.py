@@ -32,6 +32,8 @@ BUILD_TIME_ARGS: dict[str, set[str]] = {
     "sampler": {"model_path", "precision", "sampling", "seed"},
     "trainer": {"model_path", "precision", "sampling"},
     "logger": {"run_config", "run_dir"},
+    "correction": set(),
+    "algo": set(),
 }
 
 

@@ -26,7 +26,7 @@ def _compose(app: str, overrides: list[str]):
 
 
 def test_every_group_is_an_axis_with_options():
-    assert set(BUILD_TIME_ARGS) <= {p.name for p in CONF_DIR.iterdir() if p.is_dir()}
+    assert set(BUILD_TIME_ARGS) == {p.name for p in CONF_DIR.iterdir() if p.is_dir()}
     for group in BUILD_TIME_ARGS:
         assert group_options(group), group
 
@@ -40,6 +40,13 @@ def test_app_default_composes_and_validates(app):
 
 @pytest.mark.parametrize("group,option", OPTIONS, ids=[f"{g}={o}" for g, o in OPTIONS])
 def test_every_option_composes_validates_and_builds(group, option, tmp_path):
+    if group not in _compose("probe", [])[0]:
+        # Groups the probe app does not use (correction, algo: for training) are checked on their own
+        # until an app composes them.
+        node = OmegaConf.load(CONF_DIR / group / f"{option}.yaml")
+        validate_node(node, f"{group}={option}", BUILD_TIME_ARGS[group])
+        assert instantiate(node) is not None
+        return
     overrides = [f"{group}={option}"]
     if (group, option) == ("model", "hf"):  # a real checkpoint directory stands in for a hub id
         (tmp_path / "config.json").write_text("{}")
