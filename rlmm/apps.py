@@ -48,7 +48,20 @@ def _probe(cfg: DictConfig) -> None:
     log.info("wrote %s", run_dir / "probe.json")
 
 
-TASKS = {"probe": _probe}
+def _train(cfg: DictConfig) -> None:
+    from rlmm.train import run_train
+
+    runtime = HydraConfig.get().runtime
+    choices = {k: v for k, v in runtime.choices.items() if k in BUILD_TIME_ARGS}
+    validate(cfg, choices)
+    run_dir = Path(runtime.output_dir)
+    logger = build(cfg.logger, run_config={"choices": choices, **to_container(cfg)}, run_dir=str(run_dir))
+    run_train(cfg, run_dir, choices, logger)
+    logger.finish()
+    log.info("run record in %s", run_dir)
+
+
+TASKS = {"probe": _probe, "train": _train}
 
 
 def run_app(command: str, config_name: str) -> None:

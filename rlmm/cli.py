@@ -1,4 +1,4 @@
-"""The `rlmm` command: `rlmm probe [overrides]` (more subcommands come with training and sweeps).
+"""The `rlmm` command: `rlmm train [overrides]` and `rlmm probe [overrides]`.
 
 Every subcommand is a Hydra app, so each axis is an override (`sampler=hf precision=fp16`) and
 `-m` sweeps any of them. Before Hydra starts, every override (and every combination of a sweep) is
@@ -10,7 +10,7 @@ import logging
 import os
 import sys
 
-APPS = {"probe": "probe"}  # subcommand -> config name under conf/
+APPS = {"train": "train", "probe": "probe"}  # subcommand -> config name under conf/
 
 
 def _set_runtime_env() -> None:

@@ -30,7 +30,7 @@ BUILD_TIME_ARGS: dict[str, set[str]] = {
     "task": set(),
     "precision": set(),
     "sampler": {"model_path", "precision", "sampling", "seed"},
-    "trainer": {"model_path", "precision", "sampling"},
+    "trainer": {"model_path", "precision", "sampling", "accumulation_steps"},
     "logger": {"run_config", "run_dir"},
     "correction": set(),
     "algo": set(),

@@ -47,8 +47,34 @@ class ProbeConfig:
     probe: ProbeOptions = field(default_factory=ProbeOptions)
 
 
+@dataclass
+class TrainOptions:
+    steps: int = MISSING
+    prompts_per_step: int = MISSING
+    eval_every: int = MISSING
+    eval_prompts: int = MISSING
+    ratio_cap: float = MISSING
+
+
+@dataclass
+class TrainConfig:
+    model: Any = MISSING
+    task: Any = MISSING
+    sampler: Any = MISSING
+    trainer: Any = MISSING
+    precision: Any = MISSING
+    correction: Any = MISSING
+    algo: Any = MISSING
+    logger: Any = MISSING
+    seed: int = MISSING
+    sampling: SamplingOptions = MISSING
+    train: TrainOptions = field(default_factory=TrainOptions)
+
+
 def register() -> None:
-    ConfigStore.instance().store(name="probe_schema", node=ProbeConfig)
+    store = ConfigStore.instance()
+    store.store(name="probe_schema", node=ProbeConfig)
+    store.store(name="train_schema", node=TrainConfig)
 
 
 register()

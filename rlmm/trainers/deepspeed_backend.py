@@ -9,7 +9,7 @@ import torch
 from rlmm.models.loading import install_fp32_head, model_precision
 from rlmm.precision import SidePrecision
 from rlmm.samplers.base import Rollouts, SamplingOptions
-from rlmm.trainers.scoring import score_rollouts
+from rlmm.trainers.scoring import LossFn, accumulate_gradients, score_rollouts
 
 
 def init_single_process_group() -> None:
@@ -33,12 +33,16 @@ def init_single_process_group() -> None:
 
 class DeepSpeedTrainer:
     """Args:
-        micro_batch_size: rollouts per forward pass when scoring.
+        micro_batch_size: rollouts per forward pass.
         zero_stage: ZeRO stage 0-3.
+        lr, weight_decay: AdamW (torch's implementation, so it runs on CPU too).
+        grad_clip: clip the global gradient norm to this (0: off).
+        accumulation_steps: micro-batches per optimizer step (set by the app from the minibatch size).
     """
 
     def __init__(self, model_path: str, precision: SidePrecision, sampling: SamplingOptions, micro_batch_size: int,
-                 zero_stage: int = 0):
+                 zero_stage: int = 0, lr: float = 1e-4, weight_decay: float = 0.0, grad_clip: float = 1.0,
+                 accumulation_steps: int = 1):
         import deepspeed
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -56,16 +60,19 @@ class DeepSpeedTrainer:
         fp32_head = model.get_output_embeddings().weight.detach().clone() if precision.fp32_head else None
         config = {
             "train_micro_batch_size_per_gpu": micro_batch_size,
-            "gradient_accumulation_steps": 1,
+            "gradient_accumulation_steps": accumulation_steps,
+            "gradient_clipping": grad_clip,
+            "optimizer": {"type": "AdamW", "params": {"lr": lr, "weight_decay": weight_decay, "torch_adam": True}},
             "bf16": {"enabled": precision.dtype == "bf16"},
             "fp16": {"enabled": precision.dtype == "fp16"},
             "zero_optimization": {"stage": zero_stage},
+            "steps_per_print": 1 << 30,
         }
-        self.engine, *_ = deepspeed.initialize(model=model, config=config)
+        self.engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
         if fp32_head is not None:
             # DeepSpeed casts the whole module to 16 bits; put the checkpoint's fp32 head back.
             install_fp32_head(self.engine.module, fp32_head)
-        self.engine.eval()
+        self.engine.eval()  # no dropout: scoring and training see the same function
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.actual_precision = model_precision(self.engine.module)
@@ -92,6 +99,27 @@ class DeepSpeedTrainer:
     def logprobs(self, rollouts: Rollouts, micro_batch_size: int | None = None) -> torch.Tensor:
         return score_rollouts(self._forward, rollouts, self.sampling, micro_batch_size or self.micro_batch_size,
                               self.pad_id)
+
+    def update(self, rollouts: Rollouts, rows: list[int], loss_fn: LossFn) -> dict[str, float]:
+        """One optimizer step on the minibatch `rows` (exactly `accumulation_steps` micro-batches)."""
+        own_norm = []
+
+        def backward(loss: torch.Tensor) -> None:
+            # loss_fn already normalises by the whole minibatch: no extra 1/accumulation_steps.
+            self.engine.backward(loss, scale_wrt_gas=False)
+            if self.engine.is_gradient_accumulation_boundary() and self.engine.zero_optimization_stage() == 0:
+                # DeepSpeed reports no norm for plain fp32 without ZeRO: take it before it clips.
+                grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
+                own_norm.append(torch.linalg.vector_norm(torch.stack([g.float().norm() for g in grads])).item())
+            self.engine.step()  # DeepSpeed only steps the optimizer at the accumulation boundary
+
+        metrics = accumulate_gradients(self._forward, backward, rollouts, rows, self.sampling, self.pad_id,
+                                       self.micro_batch_size, loss_fn)
+        if self.engine.micro_steps % self.engine.gradient_accumulation_steps() != 0:
+            raise RuntimeError("DeepSpeedTrainer.update: the minibatch did not fill accumulation_steps micro-batches")
+        norm = self.engine.get_global_grad_norm()
+        metrics["grad_norm"] = float(norm) if norm is not None else (own_norm[-1] if own_norm else float("nan"))
+        return metrics
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {k: v.detach() for k, v in self.engine.module.state_dict().items()}

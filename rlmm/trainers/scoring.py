@@ -1,4 +1,4 @@
-"""Trainer-side log-probs of sampled responses, recomputed in micro-batches.
+"""Trainer-side log-probs of sampled responses, recomputed in micro-batches, and the update loop.
 
 Each micro-batch packs `prompt + response` rows right-padded to the micro-batch's own longest row,
 so position ids are the plain 0..L-1 that the sampler used, and padding only follows real tokens
@@ -11,28 +11,27 @@ from typing import Callable
 
 import torch
 
-from rlmm.logprobs import token_logprobs
+from rlmm.logprobs import mask_logits, token_logprobs
 from rlmm.samplers.base import Rollouts, SamplingOptions, pad_right
 
 # forward(input_ids [B, L], attention_mask [B, L], logits_to_keep) -> logits [B, K, V]
 ForwardFn = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
+# loss_fn(rows, logprobs [b, T], entropy [b, T]) -> (loss, metrics); rows index the rollouts
+LossFn = Callable[[list[int], torch.Tensor, torch.Tensor], tuple[torch.Tensor, dict[str, float]]]
 
 
-@torch.no_grad()
-def score_rollouts(forward: ForwardFn, rollouts: Rollouts, options: SamplingOptions, micro_batch_size: int,
-                   pad_id: int) -> torch.Tensor:
-    """[B, T] float32 log π_train of each response token, laid out like `rollouts.padded_sampler_logprobs()`."""
-    if micro_batch_size < 1:
-        raise ValueError(f"trainer.micro_batch_size: must be >= 1, got {micro_batch_size}")
-    rows: list[torch.Tensor] = []
-    for start in range(0, len(rollouts), micro_batch_size):
-        prompts = rollouts.prompt_ids[start:start + micro_batch_size]
-        responses = rollouts.response_ids[start:start + micro_batch_size]
-        rows.extend(_score_micro_batch(forward, prompts, responses, options, pad_id))
-    return pad_right(rows)[0]
+def micro_batches(rows: list[int], size: int) -> list[list[int]]:
+    if size < 1:
+        raise ValueError(f"trainer.micro_batch_size: must be >= 1, got {size}")
+    return [rows[i:i + size] for i in range(0, len(rows), size)]
 
 
-def _score_micro_batch(forward, prompts, responses, options, pad_id) -> list[torch.Tensor]:
+def response_logprobs(forward: ForwardFn, rollouts: Rollouts, rows: list[int], options: SamplingOptions, pad_id: int,
+                      with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """[b, T] log π of each response token of `rows` (T = their longest response), and optionally the
+    per-token entropy of the same (processed) distribution. Differentiable when grad is enabled."""
+    prompts = [rollouts.prompt_ids[i] for i in rows]
+    responses = [rollouts.response_ids[i] for i in rows]
     full = [p + r for p, r in zip(prompts, responses)]
     width = max(map(len, full))
     ids = torch.tensor([row + [pad_id] * (width - len(row)) for row in full])
@@ -40,11 +39,48 @@ def _score_micro_batch(forward, prompts, responses, options, pad_id) -> list[tor
     # Logits at position t predict token t+1: response token j of row i is predicted at
     # len(prompt_i) - 1 + j. Keep enough trailing positions to cover the earliest of them.
     keep = width - min(len(p) for p in prompts) + 1
-    logits = forward(ids, attention, keep)  # [B, keep, V]
+    logits = forward(ids, attention, keep)  # [b, keep, V]
     offset = width - keep
-    out = []
+    length = max(len(r) for r in responses)
+    index = torch.zeros(len(rows), length, dtype=torch.long)  # where each response token's logits sit
+    tokens = torch.zeros(len(rows), length, dtype=torch.long)
     for i, (prompt, response) in enumerate(zip(prompts, responses)):
         first = len(prompt) - 1 - offset
-        row_logits = logits[i, first:first + len(response)]
-        out.append(token_logprobs(row_logits, torch.tensor(response, dtype=torch.long), options))
-    return out
+        index[i, :len(response)] = torch.arange(first, first + len(response))
+        tokens[i, :len(response)] = torch.tensor(response)
+    gathered = logits.gather(1, index.to(logits.device)[..., None].expand(-1, -1, logits.size(-1)))
+    logprobs = token_logprobs(gathered, tokens.to(logits.device), options)
+    entropy = None
+    if with_entropy:
+        processed = mask_logits(gathered, options) if options.logprobs == "processed" else gathered.float()
+        entropy = torch.special.entr(processed.softmax(-1)).sum(-1)
+    return logprobs, entropy
+
+
+@torch.no_grad()
+def score_rollouts(forward: ForwardFn, rollouts: Rollouts, options: SamplingOptions, micro_batch_size: int,
+                   pad_id: int) -> torch.Tensor:
+    """[B, T] float32 log π_train of each response token, laid out like `rollouts.padded_sampler_logprobs()`."""
+    pieces = []
+    for rows in micro_batches(list(range(len(rollouts))), micro_batch_size):
+        logprobs, _ = response_logprobs(forward, rollouts, rows, options, pad_id)
+        pieces.extend(lp[:len(rollouts.response_ids[i])].float().cpu() for i, lp in zip(rows, logprobs))
+    return pad_right(pieces)[0]
+
+
+def accumulate_gradients(forward: ForwardFn, backward: Callable[[torch.Tensor], None], rollouts: Rollouts,
+                         rows: list[int], options: SamplingOptions, pad_id: int, micro_batch_size: int,
+                         loss_fn: LossFn) -> dict[str, float]:
+    """Forward and backward every micro-batch of `rows`; the caller steps the optimizer once after.
+
+    `loss_fn` must normalise each micro-batch's loss by the whole minibatch (e.g. a fixed token
+    count), so the accumulated gradient equals the gradient of the minibatch loss.
+    """
+    totals: dict[str, float] = {}
+    for chunk in micro_batches(rows, micro_batch_size):
+        logprobs, entropy = response_logprobs(forward, rollouts, chunk, options, pad_id, with_entropy=True)
+        loss, metrics = loss_fn(chunk, logprobs, entropy)
+        backward(loss)
+        for key, value in metrics.items():  # weighted by share of rows, so means stay means
+            totals[key] = totals.get(key, 0.0) + value * len(chunk) / len(rows)
+    return totals

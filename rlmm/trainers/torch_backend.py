@@ -1,4 +1,9 @@
-"""`trainer=torch`: the training model in plain PyTorch (a baseline to compare DeepSpeed against)."""
+"""`trainer=torch`: the training model in plain PyTorch (a baseline to compare DeepSpeed against).
+
+Weights live in the trainer's dtype (no fp32 master copy): in bf16/fp16 this is "pure" low-precision
+training, which is what a plain-PyTorch loop does without extra machinery. DeepSpeed keeps fp32
+master weights; compare the two with `trainer=torch` vs `trainer=deepspeed`.
+"""
 from __future__ import annotations
 
 import torch
@@ -6,22 +11,30 @@ import torch
 from rlmm.models.loading import load_causal_lm, model_precision
 from rlmm.precision import SidePrecision
 from rlmm.samplers.base import Rollouts, SamplingOptions
-from rlmm.trainers.scoring import score_rollouts
+from rlmm.trainers.scoring import LossFn, accumulate_gradients, score_rollouts
 
 
 class TorchTrainer:
     """Args:
-        micro_batch_size: rollouts per forward pass when scoring (batch shape changes the numerics).
+        micro_batch_size: rollouts per forward pass (batch shape changes the numerics).
+        lr, weight_decay: AdamW.
+        grad_clip: clip the global gradient norm to this (0: off).
     """
 
-    def __init__(self, model_path: str, precision: SidePrecision, sampling: SamplingOptions, micro_batch_size: int):
+    def __init__(self, model_path: str, precision: SidePrecision, sampling: SamplingOptions, micro_batch_size: int,
+                 lr: float = 1e-4, weight_decay: float = 0.0, grad_clip: float = 1.0, accumulation_steps: int = 1):
         from transformers import AutoTokenizer
 
         if micro_batch_size < 1:
             raise ValueError(f"trainer.micro_batch_size: must be >= 1, got {micro_batch_size}")
+        if not lr > 0:
+            raise ValueError(f"trainer.lr: must be > 0, got {lr}")
         self.sampling = sampling
         self.micro_batch_size = micro_batch_size
-        self.model = load_causal_lm(model_path, precision)
+        self.grad_clip = grad_clip
+        self.model = load_causal_lm(model_path, precision, trainable=True)
+        self.model.eval()  # no dropout: scoring and training see the same function
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay)
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.actual_precision = model_precision(self.model)
@@ -33,8 +46,18 @@ class TorchTrainer:
         return score_rollouts(self._forward, rollouts, self.sampling, micro_batch_size or self.micro_batch_size,
                               self.pad_id)
 
+    def update(self, rollouts: Rollouts, rows: list[int], loss_fn: LossFn) -> dict[str, float]:
+        """One optimizer step on the minibatch `rows`: forward/backward per micro-batch, clip, step."""
+        self.optimizer.zero_grad(set_to_none=True)
+        metrics = accumulate_gradients(self._forward, torch.Tensor.backward, rollouts, rows, self.sampling,
+                                       self.pad_id, self.micro_batch_size, loss_fn)
+        max_norm = self.grad_clip if self.grad_clip > 0 else float("inf")
+        metrics["grad_norm"] = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm).item()
+        self.optimizer.step()
+        return metrics
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {k: v.detach() for k, v in self.model.state_dict().items()}
 
     def close(self) -> None:
-        del self.model
+        del self.model, self.optimizer

@@ -1,0 +1,68 @@
+"""The run's local record: what tables and plots are built from (W&B is optional, this is not).
+
+    <run dir>/config.yaml     resolved config (credentials redacted)
+    <run dir>/steps.jsonl     one JSON object per step, flushed and fsynced as it is written
+    <run dir>/summary.json    written at the end of a run that finished
+
+A reader tolerates a truncated last line (a job killed mid-write), so a killed run's record stays
+readable up to its last complete step.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from rlmm.logging import redact
+
+
+def _plain(value):
+    """JSON-safe: NaN/inf become None (JSON has no such numbers), tensors become floats."""
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if hasattr(value, "item"):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+class RunRecord:
+    def __init__(self, run_dir: str | Path, config: dict):
+        self.dir = Path(run_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        OmegaConf.save(OmegaConf.create(redact(config)), self.dir / "config.yaml")
+        self._steps = open(self.dir / "steps.jsonl", "a", encoding="utf-8")
+
+    def log(self, metrics: dict, step: int) -> None:
+        self._steps.write(json.dumps(_plain({"step": step, **metrics})) + "\n")
+        self._steps.flush()
+        os.fsync(self._steps.fileno())
+
+    def summary(self, summary: dict) -> None:
+        path = self.dir / "summary.json"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(_plain(summary), indent=2))
+        tmp.replace(path)
+
+    def close(self) -> None:
+        self._steps.close()
+
+
+def read_steps(run_dir: str | Path) -> list[dict]:
+    """Every complete step of a run's record (a torn last line is skipped)."""
+    rows = []
+    path = Path(run_dir) / "steps.jsonl"
+    if not path.exists():
+        return rows
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            break
+    return rows

@@ -1,0 +1,215 @@
+"""`rlmm train`: GRPO with a vLLM (or transformers) sampler and a DeepSpeed (or torch) trainer.
+
+One RL step, top to bottom (`rl_step`):
+  sample rollouts -> rewards -> trainer log-probs of the rollouts (no grad) -> mismatch metrics ->
+  advantages -> correction (old log-probs, per-token weights, kept tokens) -> epochs x minibatches of
+  PPO updates -> weight sync trainer -> sampler -> log.
+Every stage is a call on a component Hydra built; the loop never asks which engine, backend or
+correction it holds. Metric namespaces: rollout/, mismatch/, correction/, loss/, perf/, eval/.
+
+Departures from the papers, on purpose: the old-policy log-probs come from the correction (the
+trainer's recomputation for most methods, the sampler's for `bypass`), and with one epoch of one
+minibatch the policy that is updated is the one that scored the rollouts, so PPO's ratio starts at 1
+and only the correction's weights carry the mismatch.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from hydra.utils import instantiate
+from omegaconf import DictConfig
+
+from rlmm.config import build, to_container
+from rlmm.metrics import mismatch_metrics
+from rlmm.probe import check_precision, timed
+from rlmm.records import RunRecord
+from rlmm.samplers.base import Rollouts, SamplingOptions
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Components:
+    task: object
+    tokenizer: object
+    sampler: object
+    trainer: object
+    correction: object
+    algo: object
+    sampling: SamplingOptions
+
+
+def build_components(cfg: DictConfig) -> tuple[Components, dict]:
+    task = instantiate(cfg.task)
+    model_path = instantiate(cfg.model).resolve(task, to_container(cfg.task))
+    precision = instantiate(cfg.precision)
+    sampling = SamplingOptions(**cfg.sampling)
+    algo = instantiate(cfg.algo)
+    rows_per_minibatch = cfg.train.prompts_per_step * algo.group_size // algo.minibatches
+    accumulation_steps = math.ceil(rows_per_minibatch / cfg.trainer.micro_batch_size)
+    sampler = build(cfg.sampler, model_path=model_path, precision=precision.sampler, sampling=sampling, seed=cfg.seed)
+    trainer = build(cfg.trainer, model_path=model_path, precision=precision.trainer, sampling=sampling,
+                    accumulation_steps=accumulation_steps)
+    from transformers import AutoTokenizer
+
+    components = Components(task=task, tokenizer=AutoTokenizer.from_pretrained(model_path), sampler=sampler,
+                            trainer=trainer, correction=instantiate(cfg.correction), algo=algo, sampling=sampling)
+    return components, check_precision(precision, sampler.actual_precision, trainer.actual_precision)
+
+
+def rl_step(c: Components, prompts: list, ratio_cap: float) -> dict[str, float]:
+    seconds: dict[str, float] = {}
+    algo = c.algo
+    with timed(seconds, "generate"):
+        prompt_ids = [c.tokenizer(e.prompt).input_ids for e in prompts]
+        rollouts = c.sampler.generate(prompt_ids, n=algo.group_size)
+    with timed(seconds, "reward"):
+        texts = c.tokenizer.batch_decode(rollouts.response_ids, skip_special_tokens=True)
+        rewards = torch.tensor([c.task.reward(prompts[i // algo.group_size], t) for i, t in enumerate(texts)])
+    with timed(seconds, "trainer_logprobs"):
+        train_logprobs = c.trainer.logprobs(rollouts)
+    sampler_logprobs, mask = rollouts.padded_sampler_logprobs()
+    mismatch = mismatch_metrics(train_logprobs, sampler_logprobs, mask, ratio_cap=ratio_cap)
+    advantages = algo.advantages(rewards)
+    corrected = c.correction(train_logprobs, sampler_logprobs, mask)
+
+    with timed(seconds, "train"):
+        losses = []
+        for _ in range(algo.epochs):
+            for rows in minibatch_rows(len(rollouts), algo.minibatches, seed=len(losses)):
+                normalizer = algo.loss_normalizer(corrected.mask[rows], max_length=c.sampling.max_new_tokens)
+
+                def loss_fn(chunk, logprobs, entropy):
+                    width = logprobs.size(1)
+                    return algo.policy_loss(logprobs, corrected.old_logprobs[chunk, :width], advantages[chunk],
+                                            corrected.mask[chunk, :width], corrected.weights[chunk, :width],
+                                            entropy=entropy, max_length=c.sampling.max_new_tokens,
+                                            normalizer=normalizer)
+
+                losses.append(c.trainer.update(rollouts, rows, loss_fn))
+    with timed(seconds, "weight_sync"):
+        c.sampler.load_weights(c.trainer.state_dict())
+
+    lengths = mask.sum(1).float()
+    return {
+        **{f"rollout/{k}": v for k, v in {
+            "reward_mean": rewards.mean().item(), "response_length_mean": lengths.mean().item(),
+            "frac_truncated": rollouts.finish_reasons.count("length") / len(rollouts)}.items()},
+        **{f"mismatch/{k}": v for k, v in mismatch.items()},
+        **{f"correction/{k}": v for k, v in corrected.metrics.items()},
+        **{f"loss/{k}": sum(m[k] for m in losses) / len(losses) for k in losses[0]},
+        **{f"perf/{k}_seconds": v for k, v in seconds.items()},
+        "perf/tokens_per_second": lengths.sum().item() / max(sum(seconds.values()), 1e-9),
+    }
+
+
+def minibatch_rows(num_rows: int, minibatches: int, seed: int) -> list[list[int]]:
+    """Split rollout rows into shuffled minibatches (one minibatch: all rows, in order)."""
+    if minibatches == 1:
+        return [list(range(num_rows))]
+    order = torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed)).tolist()
+    size = num_rows // minibatches
+    return [order[i * size:(i + 1) * size] for i in range(minibatches)]
+
+
+def evaluate(c: Components, examples: list) -> float:
+    """Greedy accuracy on held-out prompts, with the sampler (the policy as deployed)."""
+    rollouts: Rollouts = c.sampler.generate([c.tokenizer(e.prompt).input_ids for e in examples], greedy=True)
+    texts = c.tokenizer.batch_decode(rollouts.response_ids, skip_special_tokens=True)
+    return sum(c.task.reward(e, t) for e, t in zip(examples, texts)) / len(examples)
+
+
+def run_train(cfg: DictConfig, run_dir: Path, choices: dict[str, str], logger) -> dict:
+    from tqdm.auto import tqdm
+
+    started = time.perf_counter()
+    options = cfg.train
+    torch.manual_seed(cfg.seed)
+    components, precision_report = build_components(cfg)
+    record = RunRecord(run_dir, {"choices": choices, **to_container(cfg)})
+    train_examples = components.task.examples("train", options.steps * options.prompts_per_step)
+    eval_examples = components.task.examples("test", options.eval_prompts)
+
+    accuracy = {0: evaluate(components, eval_examples)}
+    record.log({"eval/accuracy": accuracy[0]}, step=0)
+    logger.log({"eval/accuracy": accuracy[0]}, step=0)
+    history = []
+    bar = tqdm(range(1, options.steps + 1), desc="rlmm train", unit="step", disable=None)
+    for step in bar:
+        prompts = train_examples[(step - 1) * options.prompts_per_step: step * options.prompts_per_step]
+        metrics = rl_step(components, prompts, options.ratio_cap)
+        if step % options.eval_every == 0 or step == options.steps:
+            accuracy[step] = metrics["eval/accuracy"] = evaluate(components, eval_examples)
+        record.log(metrics, step)
+        logger.log(metrics, step=step)
+        history.append({"step": step, **metrics})
+        bar.set_postfix(reward=f"{metrics['rollout/reward_mean']:.3f}",
+                        kl_k3=f"{metrics['mismatch/kl_k3']:.1e}", acc=f"{accuracy[max(accuracy)]:.3f}")
+    summary = {
+        "choices": choices, "precision": precision_report, "steps": options.steps,
+        "eval_accuracy_start": accuracy[0], "eval_accuracy_end": accuracy[options.steps],
+        "eval_accuracy_best": max(accuracy.values()),
+        "reward_first": history[0]["rollout/reward_mean"], "reward_last": history[-1]["rollout/reward_mean"],
+        "mismatch_kl_k3_mean": sum(h["mismatch/kl_k3"] for h in history) / len(history),
+        "mismatch_logprob_abs_diff_mean": sum(h["mismatch/logprob_abs_diff_mean"] for h in history) / len(history),
+        "seconds": time.perf_counter() - started,
+        "step_seconds_median": sorted(sum(v for k, v in h.items() if k.startswith("perf/") and k.endswith("_seconds"))
+                                      for h in history)[len(history) // 2],
+    }
+    record.summary(summary)
+    record.close()
+    logger.summary(summary)
+    components.trainer.close()
+    components.sampler.close()
+    plot_training(history, accuracy, run_dir / "training.png", choices)
+    print_summary(summary)
+    return summary
+
+
+def print_summary(summary: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="rlmm train: " + " ".join(f"{k}={v}" for k, v in summary["choices"].items()),
+                  title_justify="left")
+    table.add_column("")
+    table.add_column("value", justify="right")
+    for key in ("eval_accuracy_start", "eval_accuracy_end", "eval_accuracy_best", "reward_first", "reward_last",
+                "mismatch_logprob_abs_diff_mean", "mismatch_kl_k3_mean", "step_seconds_median", "seconds"):
+        value = summary[key]
+        table.add_row(key, f"{value:.3e}" if 0 < abs(value) < 1e-2 else f"{value:.3f}")
+    Console().print(table)
+
+
+def plot_training(history: list[dict], accuracy: dict[int, float], path: Path, choices: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [h["step"] for h in history]
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    axes[0].plot(steps, [h["rollout/reward_mean"] for h in history], label="rollout reward")
+    axes[0].plot(list(accuracy), list(accuracy.values()), marker="o", label="greedy eval accuracy")
+    axes[0].set_title("reward")
+    axes[0].legend()
+    axes[1].plot(steps, [h["mismatch/logprob_abs_diff_mean"] for h in history], label="mean |δ|")
+    axes[1].plot(steps, [h["mismatch/kl_k3"] for h in history], label="KL k3")
+    axes[1].set_yscale("log")
+    axes[1].set_title("sampler vs trainer mismatch")
+    axes[1].legend()
+    axes[2].plot(steps, [h["correction/weight_mean"] for h in history], label="mean IS weight")
+    axes[2].plot(steps, [h["loss/clipfrac"] for h in history], label="clip fraction")
+    axes[2].set_title("correction and clipping")
+    axes[2].legend()
+    for ax in axes:
+        ax.set_xlabel("step")
+    fig.suptitle(" ".join(f"{k}={v}" for k, v in choices.items()), fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

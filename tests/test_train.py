@@ -1,0 +1,149 @@
+"""`rlmm train`: the RL step on real engines; every correction runs 2 steps; the main job end to end."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+
+from rlmm.config import CONF_DIR
+from rlmm.precision import PrecisionPolicy, SidePrecision
+from rlmm.train import Components, rl_step
+from tests.conftest import sampling
+
+CORRECTIONS = sorted(p.stem for p in (CONF_DIR / "correction").glob("*.yaml"))
+ALGO = dict(group_size=4, normalize_std=True, clip_low=0.2, clip_high=0.28, loss_aggregation="token", kl_coef=0.0,
+            kl_estimator="k3", entropy_coef=0.0, epochs=1, minibatches=1)
+
+
+def make_components(model_path, task, sampler_name, trainer_name, precision_name, accumulation_steps=2):
+    from transformers import AutoTokenizer
+
+    from rlmm.algos import GRPO
+
+    policy = instantiate(OmegaConf.load(CONF_DIR / "precision" / f"{precision_name}.yaml"))
+    options = sampling(max_new_tokens=6)
+    if sampler_name == "vllm":
+        from rlmm.samplers.vllm import VLLMSampler
+
+        sampler = VLLMSampler(model_path, policy.sampler, options, seed=0)
+    else:
+        from rlmm.samplers.hf import HFSampler
+
+        sampler = HFSampler(model_path, policy.sampler, options, seed=0)
+    if trainer_name == "deepspeed":
+        from rlmm.trainers.deepspeed_backend import DeepSpeedTrainer
+
+        trainer = DeepSpeedTrainer(model_path, policy.trainer, options, micro_batch_size=8, lr=1e-4,
+                                   accumulation_steps=accumulation_steps)
+    else:
+        from rlmm.trainers.torch_backend import TorchTrainer
+
+        trainer = TorchTrainer(model_path, policy.trainer, options, micro_batch_size=8, lr=1e-4)
+    return Components(task=task, tokenizer=AutoTokenizer.from_pretrained(model_path), sampler=sampler,
+                      trainer=trainer, correction=None, algo=GRPO(**ALGO), sampling=options)
+
+
+class ParityTask:
+    """Arithmetic prompts with a reward that varies inside every group (odd-length completions win), so
+    each step has non-zero advantages and really moves the weights."""
+
+    def __init__(self, task):
+        self.task = task
+
+    def examples(self, split, n):
+        return self.task.examples(split, n)
+
+    def reward(self, example, completion):
+        return float(len(completion) % 2)
+
+
+COMBINATIONS = [(s, t, p) for s in ("vllm", "hf") for t in ("deepspeed", "torch")
+                for p in ("bf16", "fp16", "fp32", "bf16_fp32head")]
+QUICK = {("vllm", "deepspeed", "bf16"), ("hf", "torch", "fp32"), ("vllm", "torch", "bf16_fp32head"),
+         ("hf", "deepspeed", "fp32")}
+
+
+@pytest.mark.parametrize("sampler_name,trainer_name,precision_name", [
+    pytest.param(*combo, marks=() if combo in QUICK else pytest.mark.slow) for combo in COMBINATIONS])
+def test_every_correction_runs_two_steps(small_model_path, arithmetic_task, sampler_name, trainer_name,
+                                         precision_name):
+    from rlmm.trainers.deepspeed_backend import DeepSpeedTrainer
+
+    policy = instantiate(OmegaConf.load(CONF_DIR / "precision" / f"{precision_name}.yaml"))
+    if trainer_name == "deepspeed" and DeepSpeedTrainer.unsupported(policy.trainer):
+        pytest.skip(DeepSpeedTrainer.unsupported(policy.trainer))
+    c = make_components(small_model_path, ParityTask(arithmetic_task), sampler_name, trainer_name, precision_name)
+    prompts = arithmetic_task.examples("train", 4)  # 4 prompts x 4 samples = 16 rows = 2 micro-batches
+    try:
+        for name in CORRECTIONS:
+            c.correction = instantiate(OmegaConf.load(CONF_DIR / "correction" / f"{name}.yaml"))
+            before = {k: v.clone() for k, v in c.trainer.state_dict().items()}
+            for _ in range(2):
+                metrics = rl_step(c, prompts, ratio_cap=2.0)
+            assert all(k.split("/")[0] in ("rollout", "mismatch", "correction", "loss", "perf") for k in metrics)
+            assert metrics["mismatch/num_tokens"] > 0 and torch.isfinite(torch.tensor(metrics["loss/loss"]))
+            after = c.trainer.state_dict()
+            assert any(not torch.equal(before[k], after[k]) for k in before), f"{name}: weights did not change"
+            # the sampler has the trainer's new weights: fp32 engines agree to rounding after the sync
+            if precision_name == "fp32":
+                rollouts = c.sampler.generate([c.tokenizer(e.prompt).input_ids for e in prompts])
+                sampler_lp, mask = rollouts.padded_sampler_logprobs()
+                assert (c.trainer.logprobs(rollouts) - sampler_lp)[mask].abs().max() < 1e-4, name
+    finally:
+        c.trainer.close()
+        c.sampler.close()
+
+
+def test_fp32_none_and_tis_give_identical_updates(small_model_path, arithmetic_task):
+    """With fp32 on both sides the TIS weights are 1 up to rounding, so the update is PPO's."""
+    from rlmm.samplers.hf import HFSampler
+    from rlmm.trainers.torch_backend import TorchTrainer
+    from rlmm.train import Components
+    from rlmm.algos import GRPO
+    from rlmm.corrections.none import NoCorrection
+    from rlmm.corrections.tis import TokenTIS
+    from transformers import AutoTokenizer
+
+    fp32 = SidePrecision("fp32", False)
+    options = sampling(max_new_tokens=6)
+    prompts = arithmetic_task.examples("train", 4)
+    results = {}
+    for name, correction in (("none", NoCorrection()), ("tis", TokenTIS(cap=2.0))):
+        torch.manual_seed(0)
+        trainer = TorchTrainer(small_model_path, fp32, options, micro_batch_size=8, lr=1e-3, grad_clip=0.0)
+        # SGD with lr 1 makes the update exactly minus the gradient (Adam's 1/sqrt(v) would magnify
+        # rounding-level differences wherever a gradient is ~0).
+        trainer.optimizer = torch.optim.SGD(trainer.model.parameters(), lr=1.0)
+        initial = {k: v.clone() for k, v in trainer.state_dict().items()}
+        c = Components(task=ParityTask(arithmetic_task), tokenizer=AutoTokenizer.from_pretrained(small_model_path),
+                       sampler=HFSampler(small_model_path, fp32, options, seed=0), trainer=trainer,
+                       correction=correction, algo=GRPO(**ALGO), sampling=options)
+        metrics = rl_step(c, prompts, ratio_cap=2.0)
+        results[name] = (metrics, {k: v - initial[k] for k, v in trainer.state_dict().items()})
+    (none_metrics, none_update), (tis_metrics, tis_update) = results["none"], results["tis"]
+    assert abs(tis_metrics["correction/weight_mean"] - 1) < 1e-5
+    assert none_metrics["rollout/reward_mean"] == tis_metrics["rollout/reward_mean"]  # same rollouts
+    largest = max(u.abs().max().item() for u in none_update.values())
+    assert largest > 0  # the update is not trivially zero
+    for key in none_update:
+        torch.testing.assert_close(tis_update[key], none_update[key], rtol=1e-4, atol=1e-5 * largest)
+
+
+def test_main_job_end_to_end(tmp_path):
+    """`rlmm train` with the built-in default (shortened): record, plots, summary, W&B offline."""
+    result = subprocess.run([sys.executable, "-m", "rlmm.cli", "train", "train.steps=2", "train.eval_every=1",
+                             "train.eval_prompts=16", "train.prompts_per_step=4", f"hydra.run.dir={tmp_path}"],
+                            capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    steps = [json.loads(line) for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in steps] == [0, 1, 2]
+    assert {k.split("/")[0] for k in steps[1]} >= {"rollout", "mismatch", "correction", "loss", "perf"}
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["choices"]["correction"] == "tis" and summary["choices"]["sampler"] == "vllm"
+    assert (tmp_path / "training.png").stat().st_size > 10_000
+    assert (tmp_path / "config.yaml").exists() and list((tmp_path / "wandb").glob("offline-run-*"))
+    assert "eval_accuracy_end" in result.stdout
