@@ -15,7 +15,7 @@ CASES = [
     (["precision.sampler_dtype=fp8"], "precision.sampler_dtype: unknown precision 'fp8' (allowed: fp32, bf16, fp16)"),
     (["sampling.temprature=0.7"], "Key 'temprature' not in 'SamplingOptions'"),
     (["sampler.kv_cache=2"], "(allowed: batch_invariant, kv_cache_gb,"),
-    (["+trainer.zero=3"], "trainer=deepspeed: unknown key 'zero' (allowed: micro_batch_size, zero_stage)"),
+    (["+trainer.zero=3"], "trainer=deepspeed: unknown key 'zero' (allowed: micro_batch_size, zero_stage, lr,"),
     (["trainer.zero_stage=three"], "trainer=deepspeed: Value 'three' of type 'str' could not be converted to Integer"),
     (["probe.num_prompts=many"], "Value 'many' of type 'str' could not be converted to Integer"),
 ]

@@ -34,15 +34,19 @@ def make_components(model_path, task, sampler_name, trainer_name, precision_name
         from rlmm.samplers.hf import HFSampler
 
         sampler = HFSampler(model_path, policy.sampler, options, seed=0)
-    if trainer_name == "deepspeed":
-        from rlmm.trainers.deepspeed_backend import DeepSpeedTrainer
+    try:
+        if trainer_name == "deepspeed":
+            from rlmm.trainers.deepspeed_backend import DeepSpeedTrainer
 
-        trainer = DeepSpeedTrainer(model_path, policy.trainer, options, micro_batch_size=8, lr=1e-4,
-                                   accumulation_steps=accumulation_steps)
-    else:
-        from rlmm.trainers.torch_backend import TorchTrainer
+            trainer = DeepSpeedTrainer(model_path, policy.trainer, options, micro_batch_size=8, lr=1e-4,
+                                       accumulation_steps=accumulation_steps)
+        else:
+            from rlmm.trainers.torch_backend import TorchTrainer
 
-        trainer = TorchTrainer(model_path, policy.trainer, options, micro_batch_size=8, lr=1e-4)
+            trainer = TorchTrainer(model_path, policy.trainer, options, micro_batch_size=8, lr=1e-4)
+    except BaseException:
+        sampler.close()  # one engine per process at a time: never leave a vLLM engine behind
+        raise
     return Components(task=task, tokenizer=AutoTokenizer.from_pretrained(model_path), sampler=sampler,
                       trainer=trainer, correction=None, algo=GRPO(**ALGO), sampling=options)
 

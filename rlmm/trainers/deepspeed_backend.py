@@ -12,6 +12,24 @@ from rlmm.samplers.base import Rollouts, SamplingOptions
 from rlmm.trainers.scoring import LossFn, accumulate_gradients, score_rollouts
 
 
+def forget_stale_groups() -> None:
+    """Drop DeepSpeed's cached process groups when they no longer belong to torch's current world.
+
+    DeepSpeed caches groups in module globals; if the default group was destroyed and re-created since
+    (in-process vLLM does both when engines come and go), the cache points at dead groups."""
+    import deepspeed.comm.comm as ds_comm
+    import torch.distributed as dist
+    from deepspeed.utils import groups
+
+    live = dist.distributed_c10d._world.pg_group_ranks if dist.is_initialized() else {}
+    cached = [getattr(groups, n) for n in vars(groups) if n.endswith("_GROUP")]
+    stale = [g for g in cached if g is not None and not isinstance(g, dict) and g not in live]
+    if stale or not dist.is_initialized():
+        for name in [n for n in vars(groups) if n.endswith(("_GROUP", "_GROUP_RANKS"))]:
+            setattr(groups, name, {} if isinstance(getattr(groups, name), dict) else None)
+        ds_comm.cdb = None
+
+
 def init_single_process_group() -> None:
     """Start torch.distributed for a lone process unless a launcher (torchrun, SLURM) already did."""
     import deepspeed
@@ -55,6 +73,7 @@ class DeepSpeedTrainer:
             raise ValueError(problem)
         self.sampling = sampling
         self.micro_batch_size = micro_batch_size
+        forget_stale_groups()
         init_single_process_group()
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
         fp32_head = model.get_output_embeddings().weight.detach().clone() if precision.fp32_head else None
@@ -133,6 +152,5 @@ class DeepSpeedTrainer:
         self.engine.destroy()
         del self.engine
         ds_comm.cdb = None
-        # DeepSpeed caches process groups in module globals; a later engine must not reuse them.
         for name in [n for n in vars(groups) if n.endswith(("_GROUP", "_GROUP_RANKS"))]:
             setattr(groups, name, {} if isinstance(getattr(groups, name), dict) else None)
