@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 import hydra
@@ -10,6 +11,7 @@ from hydra.errors import InstantiationException
 from omegaconf import DictConfig
 
 import rlmm.schema  # noqa: F401  (registers the schemas with Hydra)
+from rlmm.logging import NoOpLogger
 from rlmm.config import BUILD_TIME_ARGS, CONF_DIR, ConfigError, build, to_container, validate
 
 log = logging.getLogger("rlmm")
@@ -55,7 +57,10 @@ def _train(cfg: DictConfig) -> None:
     choices = {k: v for k, v in runtime.choices.items() if k in BUILD_TIME_ARGS}
     validate(cfg, choices)
     run_dir = Path(runtime.output_dir)
-    logger = build(cfg.logger, run_config={"choices": choices, **to_container(cfg)}, run_dir=str(run_dir))
+    if int(os.environ.get("RANK", "0")) == 0:
+        logger = build(cfg.logger, run_config={"choices": choices, **to_container(cfg)}, run_dir=str(run_dir))
+    else:  # one W&B run per training run, not per rank
+        logger = NoOpLogger()
     run_train(cfg, run_dir, choices, logger)
     logger.finish()
     log.info("run record in %s", run_dir)

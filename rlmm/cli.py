@@ -137,6 +137,13 @@ def main(argv: list[str] | None = None) -> None:
         return
     command, args = argv[0], argv[1:]
     _set_runtime_env()
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not any(a.startswith("hydra.run.dir=") for a in args):
+        # Ranks start at slightly different times: give them one run directory, not one per second.
+        import time
+
+        run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+        run_id = run_id if run_id != "none" else os.environ.get("MASTER_PORT", "0")
+        args.append(f"hydra.run.dir=outputs/{command}/{time.strftime('%Y-%m-%d')}/ranks-{run_id}")
     check_overrides(APPS[command], [a for a in args if not a.startswith("-")])
     sys.argv = [f"rlmm {command}"] + args
     from rlmm.apps import run_app

@@ -54,6 +54,19 @@ class RunRecord:
         self._steps.close()
 
 
+class NullRecord:
+    """Stands in for RunRecord on ranks that do not write one."""
+
+    def log(self, metrics: dict, step: int) -> None:
+        pass
+
+    def summary(self, summary: dict) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 def read_steps(run_dir: str | Path) -> list[dict]:
     """Every complete step of a run's record (a torn last line is skipped)."""
     rows = []

@@ -7,6 +7,13 @@ One RL step, top to bottom (`rl_step`):
 Every stage is a call on a component Hydra built; the loop never asks which engine, backend or
 correction it holds. Metric namespaces: rollout/, mismatch/, correction/, loss/, perf/, eval/.
 
+Several ranks (`torchrun --nproc_per_node N -m rlmm.cli train ...`, or SLURM tasks): every rank holds
+a full sampler (an in-process vLLM engine, sharing the ranks' process group) and a DeepSpeed replica.
+Each rank samples and scores its own share of the step's prompts (whole GRPO groups, so advantages
+need no communication), DeepSpeed averages the gradients, and after the step every rank reloads its
+own sampler from its own (ZeRO-3: gathered) weights. Only rank 0 evaluates, logs and writes the record;
+logged metrics are means over ranks.
+
 Departures from the papers, on purpose: the old-policy log-probs come from the correction (the
 trainer's recomputation for most methods, the sampler's for `bypass`), and with one epoch of one
 minibatch the policy that is updated is the one that scored the rollouts, so PPO's ratio starts at 1
@@ -27,7 +34,7 @@ from omegaconf import DictConfig
 from rlmm.config import build, to_container
 from rlmm.metrics import mismatch_metrics
 from rlmm.probe import check_precision, timed
-from rlmm.records import RunRecord
+from rlmm.records import NullRecord, RunRecord
 from rlmm.samplers.base import Rollouts, SamplingOptions
 
 log = logging.getLogger(__name__)
@@ -50,7 +57,10 @@ def build_components(cfg: DictConfig) -> tuple[Components, dict]:
     precision = instantiate(cfg.precision)
     sampling = SamplingOptions(**cfg.sampling)
     algo = instantiate(cfg.algo)
-    rows_per_minibatch = cfg.train.prompts_per_step * algo.group_size // algo.minibatches
+    import torch.distributed as dist
+
+    ranks = dist.get_world_size() if dist.is_initialized() else 1
+    rows_per_minibatch = cfg.train.prompts_per_step // ranks * algo.group_size // algo.minibatches
     accumulation_steps = math.ceil(rows_per_minibatch / cfg.trainer.micro_batch_size)
     sampler = build(cfg.sampler, model_path=model_path, precision=precision.sampler, sampling=sampling, seed=cfg.seed)
     trainer = build(cfg.trainer, model_path=model_path, precision=precision.trainer, sampling=sampling,
@@ -124,34 +134,59 @@ def evaluate(c: Components, examples: list) -> float:
     return sum(c.task.reward(e, t) for e, t in zip(examples, texts)) / len(examples)
 
 
+def mean_over_ranks(metrics: dict[str, float]) -> dict[str, float]:
+    """Average every metric over the ranks (one all-reduce); the identity with one rank."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return metrics
+    keys = sorted(metrics)
+    values = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64)
+    dist.all_reduce(values)
+    return dict(zip(keys, (values / dist.get_world_size()).tolist()))
+
+
 def run_train(cfg: DictConfig, run_dir: Path, choices: dict[str, str], logger) -> dict:
+    import torch.distributed as dist
     from tqdm.auto import tqdm
+
+    from rlmm.logging import NoOpLogger
+    from rlmm.trainers.deepspeed_backend import init_process_group
 
     started = time.perf_counter()
     options = cfg.train
+    # Before any engine: in-process vLLM joins an existing process group instead of making its own.
+    init_process_group()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if options.prompts_per_step % world:
+        raise ValueError(f"train.prompts_per_step: {options.prompts_per_step} does not split over {world} ranks")
     torch.manual_seed(cfg.seed)
     components, precision_report = build_components(cfg)
-    record = RunRecord(run_dir, {"choices": choices, **to_container(cfg)})
+    record = RunRecord(run_dir, {"choices": choices, **to_container(cfg)}) if rank == 0 else NullRecord()
+    logger = logger if rank == 0 else NoOpLogger()
     train_examples = components.task.examples("train", options.steps * options.prompts_per_step)
     eval_examples = components.task.examples("test", options.eval_prompts)
 
-    accuracy = {0: evaluate(components, eval_examples)}
+    def evaluate_on_rank_zero() -> float:
+        return evaluate(components, eval_examples) if rank == 0 else float("nan")
+
+    accuracy = {0: evaluate_on_rank_zero()}
     record.log({"eval/accuracy": accuracy[0]}, step=0)
     logger.log({"eval/accuracy": accuracy[0]}, step=0)
     history = []
-    bar = tqdm(range(1, options.steps + 1), desc="rlmm train", unit="step", disable=None)
+    bar = tqdm(range(1, options.steps + 1), desc="rlmm train", unit="step", disable=None if rank == 0 else True)
     for step in bar:
-        prompts = train_examples[(step - 1) * options.prompts_per_step: step * options.prompts_per_step]
-        metrics = rl_step(components, prompts, options.ratio_cap)
+        step_prompts = train_examples[(step - 1) * options.prompts_per_step: step * options.prompts_per_step]
+        metrics = mean_over_ranks(rl_step(components, step_prompts[rank::world], options.ratio_cap))
         if step % options.eval_every == 0 or step == options.steps:
-            accuracy[step] = metrics["eval/accuracy"] = evaluate(components, eval_examples)
+            accuracy[step] = metrics["eval/accuracy"] = evaluate_on_rank_zero()
         record.log(metrics, step)
         logger.log(metrics, step=step)
         history.append({"step": step, **metrics})
         bar.set_postfix(reward=f"{metrics['rollout/reward_mean']:.3f}",
                         kl_k3=f"{metrics['mismatch/kl_k3']:.1e}", acc=f"{accuracy[max(accuracy)]:.3f}")
     summary = {
-        "choices": choices, "precision": precision_report, "steps": options.steps,
+        "choices": choices, "precision": precision_report, "steps": options.steps, "ranks": world,
         "eval_accuracy_start": accuracy[0], "eval_accuracy_end": accuracy[options.steps],
         "eval_accuracy_best": max(accuracy.values()),
         "reward_first": history[0]["rollout/reward_mean"], "reward_last": history[-1]["rollout/reward_mean"],
@@ -166,8 +201,9 @@ def run_train(cfg: DictConfig, run_dir: Path, choices: dict[str, str], logger) -
     logger.summary(summary)
     components.trainer.close()
     components.sampler.close()
-    plot_training(history, accuracy, run_dir / "training.png", choices)
-    print_summary(summary)
+    if rank == 0:
+        plot_training(history, accuracy, run_dir / "training.png", choices)
+        print_summary(summary)
     return summary
 
 

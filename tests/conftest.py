@@ -48,3 +48,10 @@ def prompts(small_model_path, arithmetic_task) -> list[list[int]]:
 
     tokenizer = AutoTokenizer.from_pretrained(small_model_path)
     return [tokenizer(e.prompt).input_ids for e in arithmetic_task.examples("test", 6)]
+
+
+def subprocess_env(**extra: str) -> dict[str, str]:
+    """This environment minus the process-group variables an in-process DeepSpeed engine set
+    (a child would otherwise try to join, or bind, this process's rendezvous port)."""
+    drop = {"MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"}
+    return {**{k: v for k, v in os.environ.items() if k not in drop}, **extra}

@@ -4,6 +4,8 @@ import sys
 
 import pytest
 
+from tests.conftest import subprocess_env
+
 CASES = [
     (["sampler=vlm"], "unknown sampler 'vlm' (allowed: hf, vllm)"),
     (["precision=fp8"], "unknown precision 'fp8' (allowed: bf16, bf16_fp32head,"),
@@ -22,7 +24,8 @@ CASES = [
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "rlmm.cli", *args], capture_output=True, text=True, timeout=120)
+    return subprocess.run([sys.executable, "-m", "rlmm.cli", *args], capture_output=True, text=True, timeout=120,
+                          env=subprocess_env())
 
 
 @pytest.mark.parametrize("args,message", CASES, ids=[" ".join(a) for a, _ in CASES])

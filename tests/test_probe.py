@@ -6,6 +6,8 @@ import sys
 
 import pytest
 
+from tests.conftest import subprocess_env
+
 SMALL = ["probe.num_prompts=8", "probe.samples_per_prompt=2", "probe.trainer_micro_batch_sizes=[1,16]",
          "probe.batch_invariance.num_prompts=2", "probe.batch_invariance.num_completions=3",
          "probe.batch_invariance.max_batch_size=8"]
@@ -13,7 +15,7 @@ SMALL = ["probe.num_prompts=8", "probe.samples_per_prompt=2", "probe.trainer_mic
 
 def run_probe(tmp_path, *overrides: str) -> dict:
     result = subprocess.run([sys.executable, "-m", "rlmm.cli", "probe", *SMALL, *overrides, f"hydra.run.dir={tmp_path}"],
-                            capture_output=True, text=True, timeout=900)
+                            capture_output=True, text=True, timeout=900, env=subprocess_env())
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
     assert (tmp_path / "probe.png").stat().st_size > 10_000
     record = json.loads((tmp_path / "probe.json").read_text())

@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 from rlmm.config import CONF_DIR
 from rlmm.precision import PrecisionPolicy, SidePrecision
 from rlmm.train import Components, rl_step
-from tests.conftest import sampling
+from tests.conftest import sampling, subprocess_env
 
 CORRECTIONS = sorted(p.stem for p in (CONF_DIR / "correction").glob("*.yaml"))
 ALGO = dict(group_size=4, normalize_std=True, clip_low=0.2, clip_high=0.28, loss_aggregation="token", kl_coef=0.0,
@@ -141,7 +141,7 @@ def test_main_job_end_to_end(tmp_path):
     """`rlmm train` with the built-in default (shortened): record, plots, summary, W&B offline."""
     result = subprocess.run([sys.executable, "-m", "rlmm.cli", "train", "train.steps=2", "train.eval_every=1",
                              "train.eval_prompts=16", "train.prompts_per_step=4", f"hydra.run.dir={tmp_path}"],
-                            capture_output=True, text=True, timeout=900)
+                            capture_output=True, text=True, timeout=900, env=subprocess_env())
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
     steps = [json.loads(line) for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
     assert [s["step"] for s in steps] == [0, 1, 2]
@@ -151,3 +151,20 @@ def test_main_job_end_to_end(tmp_path):
     assert (tmp_path / "training.png").stat().st_size > 10_000
     assert (tmp_path / "config.yaml").exists() and list((tmp_path / "wandb").glob("offline-run-*"))
     assert "eval_accuracy_end" in result.stdout
+
+
+def test_two_deepspeed_ranks_with_torchrun(tmp_path):
+    """Two ranks on CPU (gloo): each samples its share with its own vLLM engine, DeepSpeed averages
+    the gradients, rank 0 writes the record."""
+    torchrun = Path(sys.executable).parent / "torchrun"
+    env = subprocess_env(OMP_NUM_THREADS="1")
+    result = subprocess.run([str(torchrun), "--standalone", "--nproc_per_node", "2", "-m", "rlmm.cli", "train",
+                             "train.steps=2", "train.eval_every=2", "train.eval_prompts=8", "train.prompts_per_step=4",
+                             "logger=none", f"hydra.run.dir={tmp_path}"],
+                            capture_output=True, text=True, timeout=900, env=env)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["ranks"] == 2
+    steps = [json.loads(line) for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in steps] == [0, 1, 2]  # one record, written once (rank 0)
+    assert steps[1]["mismatch/num_tokens"] > 0

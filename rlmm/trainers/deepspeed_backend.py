@@ -30,8 +30,9 @@ def forget_stale_groups() -> None:
         ds_comm.cdb = None
 
 
-def init_single_process_group() -> None:
-    """Start torch.distributed for a lone process unless a launcher (torchrun, SLURM) already did."""
+def init_process_group() -> None:
+    """Start torch.distributed from the launcher's environment (torchrun, the deepspeed launcher, SLURM
+    via submitit), or as a world of one; a no-op when it is already running."""
     import deepspeed
     import torch.distributed as dist
 
@@ -74,7 +75,7 @@ class DeepSpeedTrainer:
         self.sampling = sampling
         self.micro_batch_size = micro_batch_size
         forget_stale_groups()
-        init_single_process_group()
+        init_process_group()
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
         fp32_head = model.get_output_embeddings().weight.detach().clone() if precision.fp32_head else None
         config = {
@@ -88,8 +89,13 @@ class DeepSpeedTrainer:
             "steps_per_print": 1 << 30,
         }
         self.engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+        self.fp32_head = fp32_head is not None
         if fp32_head is not None:
-            # DeepSpeed casts the whole module to 16 bits; put the checkpoint's fp32 head back.
+            # DeepSpeed casts the whole module to 16 bits; put the checkpoint's fp32 head back (for
+            # scoring: DeepSpeed's optimizer still holds the 16-bit head, see update()).
+            if zero_stage == 3:
+                raise ValueError("precision: an fp32 LM head on trainer=deepspeed needs zero_stage 0, 1 or 2 (ZeRO-3 "
+                                 "partitions the head)")
             install_fp32_head(self.engine.module, fp32_head)
         self.engine.eval()  # no dropout: scoring and training see the same function
         tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -121,6 +127,9 @@ class DeepSpeedTrainer:
 
     def update(self, rollouts: Rollouts, rows: list[int], loss_fn: LossFn) -> dict[str, float]:
         """One optimizer step on the minibatch `rows` (exactly `accumulation_steps` micro-batches)."""
+        if self.fp32_head:
+            raise ValueError("precision: training with an fp32 LM head is not supported on trainer=deepspeed yet "
+                             "(its optimizer holds the 16-bit head); use trainer=torch, or rlmm probe to score")
         own_norm = []
 
         def backward(loss: torch.Tensor) -> None:
@@ -141,6 +150,13 @@ class DeepSpeedTrainer:
         return metrics
 
     def state_dict(self) -> dict[str, torch.Tensor]:
+        """Full Hugging Face-named weights on every rank (under ZeRO-3 they are gathered from the shards;
+        a collective: all ranks must call it together)."""
+        if self.engine.zero_optimization_stage() == 3:
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters(list(self.engine.module.parameters()), modifier_rank=None):
+                return {k: v.detach().clone() for k, v in self.engine.module.state_dict().items()}
         return {k: v.detach() for k, v in self.engine.module.state_dict().items()}
 
     def close(self) -> None:
