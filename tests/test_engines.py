@@ -164,3 +164,21 @@ def test_silent_cast_is_caught_and_reported():
                                       "sampler: asked for an fp32 LM head, engine computes it in bf16"]
     clean = check_precision(policy, {"dtype": "fp16", "head_dtype": "fp32"}, {"dtype": "fp32", "head_dtype": "fp32"})
     assert clean["silent_casts"] == []
+
+
+def test_user_deepspeed_json_is_merged_over_rlmms(tmp_path):
+    import json
+
+    from rlmm.trainers.deepspeed_backend import merge_user_config
+
+    base = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2, "gradient_clipping": 1.0,
+            "zero_optimization": {"stage": 0}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}}
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 2, "overlap_comm": False}, "gradient_clipping": 0.5,
+                                "optimizer": {"params": {"lr": 3e-5}}, "train_micro_batch_size_per_gpu": 99}))
+    merged = merge_user_config(base, str(path))
+    assert merged["zero_optimization"] == {"stage": 2, "overlap_comm": False}
+    assert merged["gradient_clipping"] == 0.5 and merged["optimizer"] == {"type": "AdamW", "params": {"lr": 3e-5}}
+    assert merged["train_micro_batch_size_per_gpu"] == 4  # batch sizes follow the run
+    with pytest.raises(ValueError, match="trainer.config_file: '/nope.json' does not exist"):
+        merge_user_config(base, "/nope.json")

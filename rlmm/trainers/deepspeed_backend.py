@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import socket
+from pathlib import Path
 
 import torch
 
@@ -10,6 +11,30 @@ from rlmm.models.loading import install_fp32_head, model_precision
 from rlmm.precision import SidePrecision
 from rlmm.samplers.base import Rollouts, SamplingOptions
 from rlmm.trainers.scoring import LossFn, accumulate_gradients, score_rollouts
+
+
+def merge_user_config(config: dict, path: str) -> dict:
+    """Merge a user's DeepSpeed JSON over rlmm's config, recursively; batch sizes stay rlmm's."""
+    import json
+
+    try:
+        user = json.loads(Path(path).expanduser().read_text())
+    except FileNotFoundError:
+        raise ValueError(f"trainer.config_file: '{path}' does not exist") from None
+    except json.JSONDecodeError as err:
+        raise ValueError(f"trainer.config_file: '{path}' is not valid JSON ({err})") from None
+    if not isinstance(user, dict):
+        raise ValueError(f"trainer.config_file: '{path}' must hold a JSON object")
+
+    def merge(base: dict, over: dict) -> dict:
+        out = dict(base)
+        for key, value in over.items():
+            out[key] = merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+        return out
+
+    fixed = {k: config[k] for k in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps")}
+    user = {k: v for k, v in user.items() if k not in ("train_batch_size", *fixed)}
+    return merge(config, user)
 
 
 def forget_stale_groups() -> None:
@@ -56,12 +81,14 @@ class DeepSpeedTrainer:
         zero_stage: ZeRO stage 0-3.
         lr, weight_decay: AdamW (torch's implementation, so it runs on CPU too).
         grad_clip: clip the global gradient norm to this (0: off).
+        config_file: a DeepSpeed JSON of your own, merged over the config rlmm derives from the values
+            above and the precision (yours wins key by key; batch sizes stay rlmm's, they follow the run).
         accumulation_steps: micro-batches per optimizer step (set by the app from the minibatch size).
     """
 
     def __init__(self, model_path: str, precision: SidePrecision, sampling: SamplingOptions, micro_batch_size: int,
                  zero_stage: int = 0, lr: float = 1e-4, weight_decay: float = 0.0, grad_clip: float = 1.0,
-                 accumulation_steps: int = 1):
+                 config_file: str | None = None, accumulation_steps: int = 1):
         import deepspeed
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -88,6 +115,8 @@ class DeepSpeedTrainer:
             "zero_optimization": {"stage": zero_stage},
             "steps_per_print": 1 << 30,
         }
+        if config_file:
+            config = merge_user_config(config, config_file)
         self.engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
         self.fp32_head = fp32_head is not None
         if fp32_head is not None:
