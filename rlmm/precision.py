@@ -9,9 +9,12 @@ smaller rounding error per operation.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
+
+log = logging.getLogger(__name__)
 
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
@@ -63,3 +66,17 @@ class PrecisionPolicy:
 
     def __repr__(self) -> str:
         return f"PrecisionPolicy(sampler={self.sampler}, trainer={self.trainer})"
+
+
+def check_precision(policy, sampler_actual: dict, trainer_actual: dict) -> dict:
+    """Compare what each engine runs in with what was asked; warn loudly about silent casts."""
+    report = {"requested": {"sampler": str(policy.sampler), "trainer": str(policy.trainer)},
+              "actual": {"sampler": sampler_actual, "trainer": trainer_actual}, "silent_casts": []}
+    for side, asked, actual in (("sampler", policy.sampler, sampler_actual), ("trainer", policy.trainer, trainer_actual)):
+        if actual["dtype"] != asked.dtype:
+            report["silent_casts"].append(f"{side}: asked for {asked.dtype}, engine runs {actual['dtype']}")
+        if asked.fp32_head and actual["head_dtype"] != "fp32":
+            report["silent_casts"].append(f"{side}: asked for an fp32 LM head, engine computes it in {actual['head_dtype']}")
+    for line in report["silent_casts"]:
+        log.warning("precision mismatch: %s", line)
+    return report

@@ -15,7 +15,6 @@ import json
 import logging
 import math
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -25,7 +24,9 @@ from omegaconf import DictConfig, OmegaConf
 from rlmm.config import build, to_container
 from rlmm.logging import redact
 from rlmm.metrics import mismatch_metrics, position_profile
+from rlmm.precision import check_precision
 from rlmm.samplers.base import Rollouts, SamplingOptions, pad_right
+from rlmm.timing import timed
 
 log = logging.getLogger(__name__)
 
@@ -33,16 +34,6 @@ log = logging.getLogger(__name__)
 HEADLINE = ("logprob_abs_diff_mean", "logprob_abs_diff_max", "prob_abs_diff_mean", "prob_abs_diff_max",
             "prob_pearson", "kl_k3", "ppl_ratio", "chi2_token", "seq_logratio_abs_max", "ess_seq",
             "frac_ratio_outside")
-
-
-@contextmanager
-def timed(seconds: dict[str, float], stage: str):
-    """Add the wall-clock time of the block to `seconds[stage]`."""
-    start = time.perf_counter()
-    try:
-        yield
-    finally:
-        seconds[stage] = seconds.get(stage, 0.0) + time.perf_counter() - start
 
 
 def run_probe(cfg: DictConfig, run_dir: Path, choices: dict[str, str]) -> dict:
@@ -107,20 +98,6 @@ def run_probe(cfg: DictConfig, run_dir: Path, choices: dict[str, str]) -> dict:
     plot_probe(record, run_dir / "probe.png")
     print_probe(record)
     return record
-
-
-def check_precision(policy, sampler_actual: dict, trainer_actual: dict) -> dict:
-    """Compare what each engine runs in with what was asked; warn loudly about silent casts."""
-    report = {"requested": {"sampler": str(policy.sampler), "trainer": str(policy.trainer)},
-              "actual": {"sampler": sampler_actual, "trainer": trainer_actual}, "silent_casts": []}
-    for side, asked, actual in (("sampler", policy.sampler, sampler_actual), ("trainer", policy.trainer, trainer_actual)):
-        if actual["dtype"] != asked.dtype:
-            report["silent_casts"].append(f"{side}: asked for {asked.dtype}, engine runs {actual['dtype']}")
-        if asked.fp32_head and actual["head_dtype"] != "fp32":
-            report["silent_casts"].append(f"{side}: asked for an fp32 LM head, engine computes it in {actual['head_dtype']}")
-    for line in report["silent_casts"]:
-        log.warning("precision mismatch: %s", line)
-    return report
 
 
 def batch_invariance(sampler, task, tokenizer, options) -> dict:

@@ -33,9 +33,10 @@ from omegaconf import DictConfig
 
 from rlmm.config import build, to_container
 from rlmm.metrics import mismatch_metrics
-from rlmm.probe import check_precision, timed
+from rlmm.precision import check_precision
 from rlmm.records import NullRecord, RunRecord
 from rlmm.samplers.base import Rollouts, SamplingOptions
+from rlmm.timing import timed
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +92,7 @@ def rl_step(c: Components, prompts: list, ratio_cap: float) -> dict[str, float]:
     with timed(seconds, "train"):
         losses = []
         for _ in range(algo.epochs):
-            for rows in minibatch_rows(len(rollouts), algo.minibatches, seed=len(losses)):
+            for rows in minibatch_rows(len(rollouts), algo.minibatches):
                 normalizer = algo.loss_normalizer(corrected.mask[rows], max_length=c.sampling.max_new_tokens)
 
                 def loss_fn(chunk, logprobs, entropy):
@@ -118,11 +119,12 @@ def rl_step(c: Components, prompts: list, ratio_cap: float) -> dict[str, float]:
     }
 
 
-def minibatch_rows(num_rows: int, minibatches: int, seed: int) -> list[list[int]]:
-    """Split rollout rows into shuffled minibatches (one minibatch: all rows, in order)."""
+def minibatch_rows(num_rows: int, minibatches: int) -> list[list[int]]:
+    """Split rollout rows into shuffled minibatches (one minibatch: all rows, in order). The shuffle
+    draws from torch's global generator, seeded once per run."""
     if minibatches == 1:
         return [list(range(num_rows))]
-    order = torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed)).tolist()
+    order = torch.randperm(num_rows).tolist()
     size = num_rows // minibatches
     return [order[i * size:(i + 1) * size] for i in range(minibatches)]
 

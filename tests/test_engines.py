@@ -156,7 +156,7 @@ def test_pad_right_layout():
 
 def test_silent_cast_is_caught_and_reported():
     from rlmm.precision import PrecisionPolicy
-    from rlmm.probe import check_precision
+    from rlmm.precision import check_precision
 
     policy = PrecisionPolicy("fp16", "fp32", sampler_fp32_head=True)
     report = check_precision(policy, {"dtype": "bf16", "head_dtype": "bf16"}, {"dtype": "fp32", "head_dtype": "fp32"})
