@@ -36,6 +36,17 @@ def user_error(err: BaseException) -> str | None:
     return str(err).splitlines()[0] if str(err) else type(err).__name__
 
 
+def build_logger(cfg: DictConfig, choices: dict[str, str], run_dir: Path):
+    """The run's logger on rank 0 (a no-op elsewhere); the jobs of one sweep share a W&B group."""
+    from hydra.types import RunMode
+
+    if int(os.environ.get("RANK", "0")) != 0:
+        return NoOpLogger()
+    hydra_cfg = HydraConfig.get()
+    sweep = Path(hydra_cfg.sweep.dir).as_posix().replace("/", "_") if hydra_cfg.mode == RunMode.MULTIRUN else None
+    return build(cfg.logger, run_config={"choices": choices, **to_container(cfg)}, run_dir=str(run_dir), sweep=sweep)
+
+
 def _probe(cfg: DictConfig) -> None:
     from rlmm.probe import run_probe
 
@@ -43,7 +54,7 @@ def _probe(cfg: DictConfig) -> None:
     choices = {k: v for k, v in runtime.choices.items() if k in BUILD_TIME_ARGS}
     validate(cfg, choices)
     run_dir = Path(runtime.output_dir)
-    logger = build(cfg.logger, run_config={"choices": choices, **to_container(cfg)}, run_dir=str(run_dir))
+    logger = build_logger(cfg, choices, run_dir)
     record = run_probe(cfg, run_dir, choices)
     logger.summary({f"mismatch/{k}": v for k, v in record["sampler_vs_trainer"].items()})
     logger.finish()
@@ -57,11 +68,7 @@ def _train(cfg: DictConfig) -> None:
     choices = {k: v for k, v in runtime.choices.items() if k in BUILD_TIME_ARGS}
     validate(cfg, choices)
     run_dir = Path(runtime.output_dir)
-    if int(os.environ.get("RANK", "0")) == 0:
-        logger = build(cfg.logger, run_config={"choices": choices, **to_container(cfg)}, run_dir=str(run_dir))
-    else:  # one W&B run per training run, not per rank
-        logger = NoOpLogger()
-    run_train(cfg, run_dir, choices, logger)
+    run_train(cfg, run_dir, choices, build_logger(cfg, choices, run_dir))
     logger.finish()
     log.info("run record in %s", run_dir)
 

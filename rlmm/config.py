@@ -31,7 +31,7 @@ BUILD_TIME_ARGS: dict[str, set[str]] = {
     "precision": set(),
     "sampler": {"model_path", "precision", "sampling", "seed"},
     "trainer": {"model_path", "precision", "sampling", "accumulation_steps"},
-    "logger": {"run_config", "run_dir"},
+    "logger": {"run_config", "run_dir", "sweep"},
     "correction": set(),
     "algo": set(),
 }

@@ -24,7 +24,7 @@ def redact(config: dict) -> dict:
 
 
 class NoOpLogger:
-    def __init__(self, run_config: dict | None = None, run_dir: str | None = None):
+    def __init__(self, run_config: dict | None = None, run_dir: str | None = None, sweep: str | None = None):
         pass
 
     def log(self, metrics: dict, step: int | None = None) -> None:
@@ -43,21 +43,21 @@ class WandbLogger:
     Args:
         project: W&B project.
         mode: offline | online | disabled.
-        group: runs of one sweep share a group (null: none).
+        group: W&B group (null: the sweep's name for the jobs of a multirun, none for a single run).
         tags: extra tags; the run is also tagged with each axis choice (sampler=vllm, ...).
     """
 
     MODES = ("offline", "online", "disabled")
 
     def __init__(self, run_config: dict, run_dir: str, project: str, mode: str, group: str | None = None,
-                 tags: list[str] | None = None):
+                 tags: list[str] | None = None, sweep: str | None = None):
         if mode not in self.MODES:
             raise ValueError(f"logger.mode: unknown mode '{mode}' (allowed: {', '.join(self.MODES)})")
         import wandb
 
         os.environ.setdefault("WANDB_SILENT", "true")
         axis_tags = [f"{k}={v}" for k, v in run_config.get("choices", {}).items()]
-        self.run = wandb.init(project=project, mode=mode, group=group, dir=str(Path(run_dir)),
+        self.run = wandb.init(project=project, mode=mode, group=group or sweep, dir=str(Path(run_dir)),
                               config=redact(run_config), tags=[*(tags or []), *axis_tags][:64], reinit="finish_previous")
 
     def log(self, metrics: dict, step: int | None = None) -> None:
