@@ -7,16 +7,18 @@ get one too.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
-SECRET_MARKERS = ("api_key", "apikey", "token", "secret", "password")
+# A key that names a credential: api_key, WANDB_API_KEY, hf_token, secret, password (not max_new_tokens).
+SECRET_KEY = re.compile(r"(^|_)(api_?key|token|secret|password|passwd)$", re.IGNORECASE)
 
 
 def redact(config: dict) -> dict:
     """Drop values whose key looks like a credential, at any depth, before a config is saved or sent."""
     out = {}
     for key, value in config.items():
-        if any(marker in str(key).lower() for marker in SECRET_MARKERS):
+        if SECRET_KEY.search(str(key)):
             out[key] = "<redacted>"
         else:
             out[key] = redact(value) if isinstance(value, dict) else value
