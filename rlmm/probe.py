@@ -158,11 +158,13 @@ def print_probe(record: dict) -> None:
     table.add_column("sampler vs trainer", justify="right")
     table.add_column(f"trainer vs itself (mb {record['trainer_vs_itself']['micro_batch_sizes']})", justify="right")
     for key in HEADLINE:
-        table.add_row(key, _fmt(record["sampler_vs_trainer"][key]), _fmt(record["trainer_vs_itself"][key]))
+        fmt = (lambda v: f"{v:.7f}") if key == "prob_pearson" else _fmt  # its story is in the 5th digit
+        table.add_row(key, fmt(record["sampler_vs_trainer"][key]), fmt(record["trainer_vs_itself"][key]))
     console.print(table)
     inv = record["sampler_vs_itself"]
     precision = record["precision"]
-    console.print(f"engines run: sampler {precision['actual']['sampler']}, trainer {precision['actual']['trainer']}")
+    engines = {side: ", ".join(f"{k} {v}" for k, v in actual.items()) for side, actual in precision["actual"].items()}
+    console.print(f"engines run: sampler ({engines['sampler']}); trainer ({engines['trainer']})")
     for line in precision["silent_casts"]:
         console.print(f"[bold red]precision mismatch:[/] {line}")
     console.print(f"sampler vs itself (greedy): {inv['unique_greedy_completions']} unique of "
