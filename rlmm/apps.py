@@ -68,7 +68,8 @@ def _train(cfg: DictConfig) -> None:
     choices = {k: v for k, v in runtime.choices.items() if k in BUILD_TIME_ARGS}
     validate(cfg, choices)
     run_dir = Path(runtime.output_dir)
-    run_train(cfg, run_dir, choices, build_logger(cfg, choices, run_dir))
+    logger = build_logger(cfg, choices, run_dir)
+    run_train(cfg, run_dir, choices, logger)
     logger.finish()
     log.info("run record in %s", run_dir)
 
