@@ -55,4 +55,4 @@ def test_precision_the_trainer_cannot_run_fails_before_any_work():
     result = run_cli("probe", "precision=fp16", "trainer=deepspeed")
     assert result.returncode == 2
     assert result.stderr.strip() == ("rlmm: error: precision: trainer=deepspeed cannot run fp16 on this machine's cpu "
-                                     "accelerator (allowed here: fp32, bf16; trainer=torch runs any)")
+                                     "accelerator (allowed here: fp32, bf16; trainer=torch scores in any)")

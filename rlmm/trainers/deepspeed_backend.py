@@ -142,7 +142,7 @@ class DeepSpeedTrainer:
         if precision.dtype not in supported:
             return (f"precision: trainer=deepspeed cannot run {precision.dtype} on this machine's "
                     f"{accelerator.device_name()} accelerator (allowed here: {', '.join(supported)}; "
-                    f"trainer=torch runs any)")
+                    f"trainer=torch scores in any)")
         return None
 
     def _forward(self, ids: torch.Tensor, attention: torch.Tensor, keep: int) -> torch.Tensor:

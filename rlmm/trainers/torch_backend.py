@@ -32,6 +32,7 @@ class TorchTrainer:
         self.sampling = sampling
         self.micro_batch_size = micro_batch_size
         self.grad_clip = grad_clip
+        self.dtype = precision.dtype
         self.model = load_causal_lm(model_path, precision, trainable=True)
         self.model.eval()  # no dropout: scoring and training see the same function
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay)
@@ -48,6 +49,11 @@ class TorchTrainer:
 
     def update(self, rollouts: Rollouts, rows: list[int], loss_fn: LossFn) -> dict[str, float]:
         """One optimizer step on the minibatch `rows`: forward/backward per micro-batch, clip, step."""
+        if self.dtype == "fp16":
+            # Seen here: weights and AdamW state in fp16 with no loss scaling reach inf/NaN within two
+            # steps (AdamW's eps = 1e-8 is 0 in fp16). Scoring in fp16 is fine.
+            raise ValueError("precision: trainer=torch cannot train in fp16 (weights and optimizer state would be "
+                             "fp16, no loss scaling); allowed here for training: fp32, bf16")
         self.optimizer.zero_grad(set_to_none=True)
         metrics = accumulate_gradients(self._forward, torch.Tensor.backward, rollouts, rows, self.sampling,
                                        self.pad_id, self.micro_batch_size, loss_fn)
