@@ -36,25 +36,26 @@ def user_error(err: BaseException) -> str | None:
     return str(err).splitlines()[0] if str(err) else type(err).__name__
 
 
-def build_logger(cfg: DictConfig, choices: dict[str, str], run_dir: Path):
-    """The run's logger on rank 0 (a no-op elsewhere); the jobs of one sweep share a W&B group."""
+def start_run(cfg: DictConfig):
+    """What every app needs first: the axis choices, a validated config, the run directory, and the
+    logger (rank 0 only; the jobs of one sweep share a W&B group)."""
     from hydra.types import RunMode
 
-    if int(os.environ.get("RANK", "0")) != 0:
-        return NoOpLogger()
     hydra_cfg = HydraConfig.get()
+    choices = {k: v for k, v in hydra_cfg.runtime.choices.items() if k in BUILD_TIME_ARGS}
+    validate(cfg, choices)
+    run_dir = Path(hydra_cfg.runtime.output_dir)
+    if int(os.environ.get("RANK", "0")) != 0:
+        return choices, run_dir, NoOpLogger()
     sweep = Path(hydra_cfg.sweep.dir).as_posix().replace("/", "_") if hydra_cfg.mode == RunMode.MULTIRUN else None
-    return build(cfg.logger, run_config={"choices": choices, **to_container(cfg)}, run_dir=str(run_dir), sweep=sweep)
+    logger = build(cfg.logger, run_config={"choices": choices, **to_container(cfg)}, run_dir=str(run_dir), sweep=sweep)
+    return choices, run_dir, logger
 
 
 def _probe(cfg: DictConfig) -> None:
     from rlmm.probe import run_probe
 
-    runtime = HydraConfig.get().runtime
-    choices = {k: v for k, v in runtime.choices.items() if k in BUILD_TIME_ARGS}
-    validate(cfg, choices)
-    run_dir = Path(runtime.output_dir)
-    logger = build_logger(cfg, choices, run_dir)
+    choices, run_dir, logger = start_run(cfg)
     record = run_probe(cfg, run_dir, choices)
     logger.summary({f"mismatch/{k}": v for k, v in record["sampler_vs_trainer"].items()})
     logger.finish()
@@ -64,11 +65,7 @@ def _probe(cfg: DictConfig) -> None:
 def _train(cfg: DictConfig) -> None:
     from rlmm.train import run_train
 
-    runtime = HydraConfig.get().runtime
-    choices = {k: v for k, v in runtime.choices.items() if k in BUILD_TIME_ARGS}
-    validate(cfg, choices)
-    run_dir = Path(runtime.output_dir)
-    logger = build_logger(cfg, choices, run_dir)
+    choices, run_dir, logger = start_run(cfg)
     run_train(cfg, run_dir, choices, logger)
     logger.finish()
     log.info("run record in %s", run_dir)
