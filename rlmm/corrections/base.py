@@ -62,6 +62,13 @@ class Correction(Protocol):
         ...
 
 
+def check_cap(cap: float) -> float:
+    """A truncation or rejection cap C: finite and >= 1 (1 turns every up-weight off)."""
+    if not (math.isfinite(cap) and cap >= 1.0):
+        raise ValueError(f"correction.cap: must be a finite number >= 1, got {cap}")
+    return float(cap)
+
+
 def log_ratios(train_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor,
                mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Return ``(delta, mask)``: float64 delta = log pi_train - log pi_sampler with 0 on padding, and a bool mask.

@@ -1,7 +1,6 @@
 """KL-based rejection sampling."""
 from __future__ import annotations
 
-import math
 
 import torch
 

@@ -1,11 +1,10 @@
 """Sequence-level truncated importance sampling."""
 from __future__ import annotations
 
-import math
 
 import torch
 
-from rlmm.corrections.base import CorrectionOutput, finish, log_ratios, masked_mean
+from rlmm.corrections.base import check_cap, CorrectionOutput, finish, log_ratios, masked_mean
 
 
 class SequenceTIS:
@@ -27,9 +26,7 @@ class SequenceTIS:
     """
 
     def __init__(self, cap: float):
-        if not (math.isfinite(cap) and cap >= 1.0):
-            raise ValueError(f"correction.cap: must be a finite number >= 1, got {cap}")
-        self.cap = float(cap)
+        self.cap = check_cap(cap)
 
     def __call__(self, train_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor,
                  mask: torch.Tensor) -> CorrectionOutput:
