@@ -6,14 +6,13 @@ composed and validated, so a typo fails in one line before any model is loaded o
 """
 from __future__ import annotations
 
-import logging
 import os
 import sys
 
 APPS = {"train": "train", "probe": "probe"}  # subcommand -> config name under conf/
 
 
-def _set_runtime_env() -> None:
+def set_runtime_env() -> None:
     """Environment that must be in place before torch or vLLM are imported."""
     # In-process vLLM otherwise pins torch to one thread, halving the trainer's speed on CPU.
     os.environ.setdefault("OMP_NUM_THREADS", str(len(os.sched_getaffinity(0))))
@@ -136,7 +135,7 @@ def main(argv: list[str] | None = None) -> None:
         print("usage: rlmm {" + ",".join(APPS) + "} [hydra overrides]   e.g. rlmm probe precision=fp16 sampler=hf")
         return
     command, args = argv[0], argv[1:]
-    _set_runtime_env()
+    set_runtime_env()
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not any(a.startswith("hydra.run.dir=") for a in args):
         # Ranks start at slightly different times: give them one run directory, not one per second.
         import time

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 from hydra.utils import instantiate
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from rlmm.config import build, to_container
 from rlmm.logging import redact

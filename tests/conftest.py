@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import os
 
-# Before torch/vLLM are imported anywhere (see rlmm.cli._set_runtime_env for why).
-os.environ.setdefault("OMP_NUM_THREADS", str(len(os.sched_getaffinity(0))))
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+from rlmm.cli import set_runtime_env  # imports neither torch nor vLLM
+
+# Before torch/vLLM are imported anywhere: the same environment the `rlmm` command sets.
+set_runtime_env()
 os.environ.setdefault("WANDB_MODE", "offline")
-os.environ.setdefault("WANDB_SILENT", "true")
 
 import pytest  # noqa: E402
 

@@ -4,7 +4,6 @@ import subprocess
 from pathlib import Path
 import sys
 
-import pytest
 
 from tests.conftest import subprocess_env
 
@@ -41,7 +40,7 @@ def test_default_probe_vllm_deepspeed(tmp_path):
 
 def test_fp32_hf_sampler_vs_fp32_trainer_is_near_zero(tmp_path, small_model_path):
     """Any Hugging Face checkpoint directory works as model=hf."""
-    record = run_probe(tmp_path, f"model=hf", f"model.path={small_model_path}", "sampler=hf", "trainer=torch",
+    record = run_probe(tmp_path, "model=hf", f"model.path={small_model_path}", "sampler=hf", "trainer=torch",
                        "precision=fp32", "logger=none")
     assert record["model_path"] == small_model_path
     assert record["precision"]["actual"]["sampler"] == {"dtype": "fp32", "head_dtype": "fp32"}

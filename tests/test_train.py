@@ -10,7 +10,7 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from rlmm.config import CONF_DIR
-from rlmm.precision import PrecisionPolicy, SidePrecision
+from rlmm.precision import SidePrecision
 from rlmm.train import Components, rl_step
 from tests.conftest import sampling, subprocess_env
 
