@@ -46,11 +46,12 @@ def check_overrides(config_name: str, overrides: list[str]) -> None:
     ours = [o for o in overrides if not o.lstrip("+~").startswith("hydra")]
     try:
         parsed = OverridesParser.create().parse_overrides(ours)
+        hydra_groups = OverridesParser.create().parse_overrides([o for o in overrides if o.startswith("hydra/")])
     except HydraException as err:
         fail(str(err).splitlines()[0])
-    for override in parsed:  # unknown option of a group: name it and list the choices
+    for override in parsed + hydra_groups:  # unknown option of a group: name it and list the choices
         group = override.key_or_group
-        options = group_options(group)
+        options = _hydra_group_options(group) if group.startswith("hydra/") else group_options(group)
         if options and not override.is_delete():
             values = list(override.sweep_string_iterator()) if override.is_sweep_override() else [override.value()]
             for value in values:
@@ -81,6 +82,21 @@ def check_overrides(config_name: str, overrides: list[str]) -> None:
             fail(_one_line(err) + _allowed_keys_hint(config_name, combination, err))
         finally:
             GlobalHydra.instance().clear()
+
+
+def _hydra_group_options(group: str) -> list[str]:
+    """Options of one of Hydra's own groups (hydra/launcher: conf/hydra/launcher/ and plugins' configs)."""
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from rlmm.config import CONF_DIR
+
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            return sorted(GlobalHydra.instance().config_loader().get_group_options(group))
+    finally:
+        GlobalHydra.instance().clear()
 
 
 def check_engines_support(cfg) -> None:
@@ -129,10 +145,15 @@ def _allowed_keys_hint(config_name: str, combination: list[str], err: BaseExcept
 
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "table":  # not a Hydra app: tables from a sweep's run records
+        from rlmm.table import main as table_main
+
+        return table_main(argv[1:])
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in APPS:
         if argv and argv[0] not in ("-h", "--help"):
-            fail(f"unknown command '{argv[0]}' (allowed: {', '.join(APPS)})")
-        print("usage: rlmm {" + ",".join(APPS) + "} [hydra overrides]   e.g. rlmm probe precision=fp16 sampler=hf")
+            fail(f"unknown command '{argv[0]}' (allowed: {', '.join([*APPS, 'table'])})")
+        print("usage: rlmm {" + ",".join(APPS) + "} [hydra overrides]   e.g. rlmm probe precision=fp16 sampler=hf\n"
+              "       rlmm table SWEEP_DIR [--metric NAME[:final|best|mean]]...   (rlmm table -h for more)")
         return
     command, args = argv[0], argv[1:]
     set_runtime_env()
