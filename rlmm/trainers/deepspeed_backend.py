@@ -10,7 +10,22 @@ import torch
 from rlmm.models.loading import install_fp32_head, model_precision
 from rlmm.precision import SidePrecision
 from rlmm.samplers.base import Rollouts, SamplingOptions
+from rlmm.trainers.optim import linear_warmup
 from rlmm.trainers.scoring import LossFn, accumulate_gradients, score_rollouts
+
+
+# DeepSpeed engine attributes that count steps (the LR schedule and loss scaler read them).
+ENGINE_COUNTERS = ("global_steps", "global_samples", "micro_steps", "skipped_steps")
+
+
+def _deepspeed_checkpoint_types() -> list[type]:
+    """DeepSpeed classes its optimizers put in their state dicts (a stage enum, the loss scaler, ZeRO's fragment addresses): the
+    only non-tensor types `torch.load(weights_only=True)` is allowed to rebuild from a trainer checkpoint."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [ZeroStageEnum, LossScaler, DynamicLossScaler, fragment_address]
 
 
 def merge_user_config(config: dict, path: str) -> dict:
@@ -80,6 +95,7 @@ class DeepSpeedTrainer:
         micro_batch_size: rollouts per forward pass.
         zero_stage: ZeRO stage 0-3.
         lr, weight_decay: AdamW (torch's implementation, so it runs on CPU too).
+        warmup_steps: linear learning-rate warm-up over this many optimizer steps (0: none).
         grad_clip: clip the global gradient norm to this (0: off).
         config_file: a DeepSpeed JSON of your own, merged over the config rlmm derives from the values
             above and the precision (yours wins key by key; batch sizes stay rlmm's, they follow the run).
@@ -87,7 +103,8 @@ class DeepSpeedTrainer:
     """
 
     def __init__(self, model_path: str, precision: SidePrecision, sampling: SamplingOptions, micro_batch_size: int,
-                 zero_stage: int = 0, lr: float = 1e-4, weight_decay: float = 0.0, grad_clip: float = 1.0,
+                 zero_stage: int = 0, lr: float = 1e-4, weight_decay: float = 0.0, warmup_steps: int = 0,
+                 grad_clip: float = 1.0,
                  config_file: str | None = None, accumulation_steps: int = 1):
         import deepspeed
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -117,7 +134,8 @@ class DeepSpeedTrainer:
         }
         if config_file:
             config = merge_user_config(config, config_file)
-        self.engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+        self.engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config,
+                                               lr_scheduler=lambda optimizer: linear_warmup(optimizer, warmup_steps))
         self.fp32_head = fp32_head is not None
         if fp32_head is not None:
             # DeepSpeed casts the whole module to 16 bits; put the checkpoint's fp32 head back (for
@@ -160,6 +178,7 @@ class DeepSpeedTrainer:
             raise ValueError("precision: training with an fp32 LM head is not supported on trainer=deepspeed yet "
                              "(its optimizer holds the 16-bit head); use trainer=torch, or rlmm probe to score")
         own_norm = []
+        lr = self.engine.get_lr()[0]  # the rate this step uses (the schedule advances inside engine.step)
 
         def backward(loss: torch.Tensor) -> None:
             # loss_fn already normalises by the whole minibatch: no extra 1/accumulation_steps.
@@ -174,6 +193,7 @@ class DeepSpeedTrainer:
                                        self.micro_batch_size, loss_fn)
         if self.engine.micro_steps % self.engine.gradient_accumulation_steps() != 0:
             raise RuntimeError("DeepSpeedTrainer.update: the minibatch did not fill accumulation_steps micro-batches")
+        metrics["lr"] = lr
         norm = self.engine.get_global_grad_norm()
         metrics["grad_norm"] = float(norm) if norm is not None else (own_norm[-1] if own_norm else float("nan"))
         return metrics
@@ -187,6 +207,40 @@ class DeepSpeedTrainer:
             with deepspeed.zero.GatheredParameters(list(self.engine.module.parameters()), modifier_rank=None):
                 return {k: v.detach().clone() for k, v in self.engine.module.state_dict().items()}
         return {k: v.detach() for k, v in self.engine.module.state_dict().items()}
+
+    @staticmethod
+    def safe_checkpoint_types() -> list[type]:
+        return _deepspeed_checkpoint_types()
+
+    def checkpoint_state(self) -> dict:
+        """This rank's optimizer (ZeRO: its partition and fp32 master weights), LR schedule and step
+        counters: tensors and plain values only, so `torch.load(weights_only=True)` reads them back
+        (with DeepSpeed's bookkeeping types allowed, see `safe_checkpoint_types`)."""
+        engine = self.engine
+        return {"optimizer": engine.optimizer.state_dict(), "lr_schedule": engine.lr_scheduler.state_dict(),
+                "counters": {k: getattr(engine, k) for k in ENGINE_COUNTERS}}
+
+    def load_checkpoint(self, weights: dict[str, torch.Tensor], rank_states: list[dict]) -> None:
+        """Restore the state `state_dict()` and every rank's `checkpoint_state()` saved (same world size)."""
+        import torch.distributed as dist
+
+        engine = self.engine
+        if len(rank_states) != dist.get_world_size():
+            raise ValueError(f"train.resume: the checkpoint was written by {len(rank_states)} ranks, this run has "
+                             f"{dist.get_world_size()} (resume with the same number of ranks)")
+        if engine.zero_optimization_stage() == 0:
+            engine.module.load_state_dict(weights)
+            engine.optimizer.load_state_dict(rank_states[dist.get_rank()]["optimizer"])
+        else:
+            if engine.zero_optimization_stage() < 3:
+                engine.module.load_state_dict(weights)
+            # ZeRO restores each rank's fp32 partition and rebuilds the 16-bit / partitioned weights from it.
+            engine.optimizer.load_state_dict([s["optimizer"] for s in rank_states], load_optimizer_states=True,
+                                             load_from_fp32_weights=True)
+        own = rank_states[dist.get_rank()]
+        engine.lr_scheduler.load_state_dict(own["lr_schedule"])
+        for key, value in own["counters"].items():
+            setattr(engine, key, value)
 
     def close(self) -> None:
         """Release the engine and DeepSpeed's handle on the process group (which may be the one

@@ -11,6 +11,7 @@ import torch
 from rlmm.models.loading import load_causal_lm, model_precision
 from rlmm.precision import SidePrecision
 from rlmm.samplers.base import Rollouts, SamplingOptions
+from rlmm.trainers.optim import linear_warmup
 from rlmm.trainers.scoring import LossFn, accumulate_gradients, score_rollouts
 
 
@@ -18,11 +19,13 @@ class TorchTrainer:
     """Args:
         micro_batch_size: rollouts per forward pass (batch shape changes the numerics).
         lr, weight_decay: AdamW.
+        warmup_steps: linear learning-rate warm-up over this many optimizer steps (0: none).
         grad_clip: clip the global gradient norm to this (0: off).
     """
 
     def __init__(self, model_path: str, precision: SidePrecision, sampling: SamplingOptions, micro_batch_size: int,
-                 lr: float = 1e-4, weight_decay: float = 0.0, grad_clip: float = 1.0, accumulation_steps: int = 1):
+                 lr: float = 1e-4, weight_decay: float = 0.0, warmup_steps: int = 0, grad_clip: float = 1.0,
+                 accumulation_steps: int = 1):
         from transformers import AutoTokenizer
 
         if micro_batch_size < 1:
@@ -36,6 +39,7 @@ class TorchTrainer:
         self.model = load_causal_lm(model_path, precision, trainable=True)
         self.model.eval()  # no dropout: scoring and training see the same function
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay)
+        self.lr_schedule = linear_warmup(self.optimizer, warmup_steps)
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.actual_precision = model_precision(self.model)
@@ -60,10 +64,24 @@ class TorchTrainer:
         max_norm = self.grad_clip if self.grad_clip > 0 else float("inf")
         metrics["grad_norm"] = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm).item()
         self.optimizer.step()
+        metrics["lr"] = self.lr_schedule.get_last_lr()[0]
+        self.lr_schedule.step()
         return metrics
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {k: v.detach() for k, v in self.model.state_dict().items()}
+
+    def checkpoint_state(self) -> dict:
+        return {"optimizer": self.optimizer.state_dict(), "lr_schedule": self.lr_schedule.state_dict()}
+
+    def load_checkpoint(self, weights: dict[str, torch.Tensor], rank_states: list[dict]) -> None:
+        self.model.load_state_dict(weights)
+        self.optimizer.load_state_dict(rank_states[0]["optimizer"])
+        self.lr_schedule.load_state_dict(rank_states[0]["lr_schedule"])
+
+    @staticmethod
+    def safe_checkpoint_types() -> list[type]:
+        return []
 
     def close(self) -> None:
         del self.model, self.optimizer

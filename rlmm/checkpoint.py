@@ -1,0 +1,97 @@
+"""Checkpoints of a training run, and resuming from the newest one.
+
+    <run dir>/checkpoints/step-000040/model.safetensors  full weights (Hugging Face names), from rank 0
+    <run dir>/checkpoints/step-000040/rank0.pt, rank1.pt  per rank: trainer state (optimizer, ZeRO partition,
+                                                          LR schedule, step counters) and torch's RNG state
+    <run dir>/checkpoints/step-000040/state.json         step, the sampler's request counter
+    <run dir>/checkpoints/latest                         name of the newest *complete* checkpoint
+
+`latest` is replaced atomically after every rank has written its files, so a job killed while
+checkpointing resumes from the previous complete one. Files are read back with safetensors and
+`torch.load(weights_only=True)` (only tensors, plain containers and the trainer's own allow-listed
+bookkeeping types are rebuilt; no pickled code runs).
+
+What makes a resumed run repeat the uninterrupted one: the prompts of step t are a pure function of
+(seed, t) (the task's example list), the sampler seeds request k of the run with (seed, k), the
+trainer's optimizer and schedule are restored, and torch's global RNG (minibatch shuffles) is restored.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+CHECKPOINTS = "checkpoints"
+
+
+def _rank_and_world() -> tuple[int, int]:
+    import torch.distributed as dist
+
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def latest(run_dir: str | Path) -> Path | None:
+    """The newest complete checkpoint of the run, or None."""
+    marker = Path(run_dir) / CHECKPOINTS / "latest"
+    if not marker.exists():
+        return None
+    path = marker.parent / marker.read_text().strip()
+    return path if (path / "state.json").exists() else None
+
+
+def save(run_dir: str | Path, step: int, trainer, sampler, keep: int = 2) -> Path:
+    """Write a checkpoint of step `step` (every rank calls this together); keep the newest `keep`."""
+    rank, world = _rank_and_world()
+    root = Path(run_dir) / CHECKPOINTS
+    path = root / f"step-{step:06d}"
+    weights = trainer.state_dict()  # a collective under ZeRO-3
+    if rank == 0:
+        if path.exists():
+            shutil.rmtree(path)
+        path.mkdir(parents=True)
+        from safetensors.torch import save_file
+
+        # clone: tied weights share storage, which safetensors refuses to write twice
+        save_file({k: v.detach().clone().contiguous() for k, v in weights.items()}, path / "model.safetensors")
+    _barrier()
+    torch.save({"trainer": trainer.checkpoint_state(), "torch_rng": torch.get_rng_state()}, path / f"rank{rank}.pt")
+    _barrier()
+    if rank == 0:
+        state = {"step": step, "world_size": world, "sampler_calls": sampler.calls}
+        (path / "state.json").write_text(json.dumps(state, indent=2))
+        tmp = root / "latest.tmp"
+        tmp.write_text(path.name)
+        os.replace(tmp, root / "latest")
+        for old in sorted(p for p in root.glob("step-*") if p.is_dir())[:-keep or None]:
+            shutil.rmtree(old, ignore_errors=True)
+    _barrier()
+    return path
+
+
+def load(path: Path, trainer, sampler) -> dict:
+    """Restore trainer, sampler and RNG from checkpoint `path`; returns its state.json."""
+    from safetensors.torch import load_file
+
+    rank, world = _rank_and_world()
+    state = json.loads((path / "state.json").read_text())
+    if state["world_size"] != world:
+        raise ValueError(f"train.resume: checkpoint {path} was written by {state['world_size']} ranks, this run has "
+                         f"{world} (resume with the same number of ranks, or train.resume=false)")
+    with torch.serialization.safe_globals(trainer.safe_checkpoint_types()):
+        rank_states = [torch.load(path / f"rank{r}.pt", weights_only=True) for r in range(world)]
+    weights = load_file(path / "model.safetensors")
+    trainer.load_checkpoint(weights, [s["trainer"] for s in rank_states])
+    torch.set_rng_state(rank_states[rank]["torch_rng"])
+    sampler.calls = state["sampler_calls"]
+    sampler.load_weights(trainer.state_dict())
+    return state

@@ -1,0 +1,112 @@
+"""Checkpoints: a trainer restored from a checkpoint continues exactly as the one that wrote it."""
+import pytest
+import torch
+
+from rlmm import checkpoint
+from rlmm.precision import SidePrecision
+from rlmm.samplers.base import Rollouts
+from tests.conftest import sampling
+
+
+class RecordingSampler:
+    """Stands in for the sampler: keeps the request counter and the weights it was sent."""
+
+    def __init__(self):
+        self.calls = 7
+        self.weights = None
+
+    def load_weights(self, weights):
+        self.weights = {k: v.clone() for k, v in weights.items()}
+
+
+def fixed_rollouts(model_path, task, rows=8):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    generator = torch.Generator().manual_seed(0)
+    prompts = [tokenizer(e.prompt).input_ids for e in task.examples("train", rows)]
+    responses = [torch.randint(3, len(tokenizer), (4,), generator=generator).tolist() for _ in prompts]
+    return Rollouts(prompt_ids=prompts, response_ids=responses, sampler_logprobs=[torch.zeros(4) for _ in prompts],
+                    finish_reasons=["length"] * rows)
+
+
+def loss_fn(chunk, logprobs, entropy):
+    advantages = torch.linspace(-1, 1, 8)[chunk].unsqueeze(1)
+    loss = -(advantages * logprobs).sum() / logprobs.numel()
+    return loss, {"loss": loss.item()}
+
+
+def make_trainer(backend, model_path, dtype, stage):
+    options = sampling(max_new_tokens=6)
+    precision = SidePrecision(dtype, False)
+    if backend == "torch":
+        from rlmm.trainers.torch_backend import TorchTrainer
+
+        return TorchTrainer(model_path, precision, options, micro_batch_size=4, lr=1e-3, warmup_steps=3,
+                            accumulation_steps=2)
+    from rlmm.trainers.deepspeed_backend import DeepSpeedTrainer
+
+    return DeepSpeedTrainer(model_path, precision, options, micro_batch_size=4, zero_stage=stage, lr=1e-3,
+                            warmup_steps=3, accumulation_steps=2)
+
+
+@pytest.mark.parametrize("backend,dtype,stage", [("deepspeed", "fp32", 0), ("deepspeed", "bf16", 0),
+                                                 ("deepspeed", "fp32", 2), ("deepspeed", "fp32", 3),
+                                                 ("torch", "fp32", 0)])
+def test_resumed_trainer_matches_uninterrupted(small_model_path, arithmetic_task, tmp_path, backend, dtype, stage):
+    rollouts = fixed_rollouts(small_model_path, arithmetic_task)
+    rows = list(range(len(rollouts)))
+    trainer = make_trainer(backend, small_model_path, dtype, stage)
+    sampler = RecordingSampler()
+    try:
+        for _ in range(2):
+            trainer.update(rollouts, rows, loss_fn)
+        torch.manual_seed(123)
+        path = checkpoint.save(tmp_path, step=2, trainer=trainer, sampler=sampler)
+        after_save = torch.rand(3)
+        lrs = [trainer.update(rollouts, rows, loss_fn)["lr"] for _ in range(2)]
+        uninterrupted = {k: v.clone() for k, v in trainer.state_dict().items()}
+    finally:
+        trainer.close()
+    assert checkpoint.latest(tmp_path) == path
+    assert lrs == pytest.approx([1e-3, 1e-3])  # the warm-up (3 steps) is over: the schedule was saved
+
+    trainer = make_trainer(backend, small_model_path, dtype, stage)
+    sampler = RecordingSampler()
+    sampler.calls = 0
+    try:
+        state = checkpoint.load(path, trainer, sampler)
+        assert torch.equal(torch.rand(3), after_save)  # torch's RNG continues where it was
+        assert state["step"] == 2 and sampler.calls == 7
+        assert sampler.weights is not None  # the sampler was sent the restored weights
+        for _ in range(2):
+            trainer.update(rollouts, rows, loss_fn)
+        resumed = trainer.state_dict()
+        moved = max((resumed[k].float() - sampler.weights[k].float()).abs().max().item() for k in resumed)
+        assert moved > 0  # the two updates after the resume really changed the weights
+        for key, value in uninterrupted.items():
+            assert torch.equal(resumed[key], value), key
+    finally:
+        trainer.close()
+
+
+def test_only_the_newest_checkpoints_are_kept(small_model_path, arithmetic_task, tmp_path):
+    trainer = make_trainer("torch", small_model_path, "fp32", 0)
+    for step in (2, 4, 6):
+        checkpoint.save(tmp_path, step=step, trainer=trainer, sampler=RecordingSampler(), keep=2)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").glob("step-*")) == ["step-000004", "step-000006"]
+    assert checkpoint.latest(tmp_path).name == "step-000006"
+
+
+def test_checkpoint_files_load_without_pickled_code(small_model_path, tmp_path):
+    """Trainer state loads with torch.load(weights_only=True); the weights are safetensors."""
+    trainer = make_trainer("deepspeed", small_model_path, "bf16", 0)
+    try:
+        path = checkpoint.save(tmp_path, step=1, trainer=trainer, sampler=RecordingSampler())
+    finally:
+        trainer.close()
+    from safetensors.torch import load_file
+
+    assert load_file(path / "model.safetensors")
+    state = torch.load(path / "rank0.pt", weights_only=True)  # bf16's optimizer state needs no allow-list
+    assert set(state) == {"trainer", "torch_rng"}
