@@ -228,7 +228,7 @@ def read_wandb(source: str) -> list[Run]:
     import wandb
 
     try:
-        api = wandb.Api(timeout=30)
+        api = wandb.Api()  # HTTP timeout: WANDB_HTTP_TIMEOUT (W&B default 19 s)
         found = list(api.runs(f"{entity}/{project}", filters={"group": group} if group else None))
         runs = [_wandb_run(r, f"wandb:{entity}/{project}") for r in found]
     except (wandb.errors.Error, requests.RequestException, OSError, ValueError) as err:
@@ -244,7 +244,7 @@ def _wandb_run(wandb_run, prefix: str) -> Run:
     choices = dict(config.get("choices") or {})
     overrides = {k: str(v) for k, v in choices.items()}
     for key, value in config.items():
-        if key not in choices and key != "choices":
+        if key not in choices and key != "choices" and not key.startswith("_"):  # _wandb: W&B's own
             overrides.update(_flatten(key, value))
     run = Run(name=wandb_run.id, path=f"{prefix}/{wandb_run.id}", overrides=overrides)
     for row in wandb_run.scan_history():
@@ -465,7 +465,8 @@ def cell(row) -> str:
     if row["n"] == 0:
         return "—"
     ci = row["ci95"]
-    return f"{fmt(row['mean'])} ± {fmt(ci)} (n={row['n']})" if not math.isnan(ci) else f"{fmt(row['mean'])} (n={row['n']})"
+    spread = "" if math.isnan(ci) else f" ± {fmt(ci)}"
+    return f"{fmt(row['mean'])}{spread} (n={row['n']})"
 
 
 def runs_cell(row) -> str:
@@ -486,7 +487,8 @@ def markdown(wide: pd.DataFrame, df: pd.DataFrame, by: list[str], include_incomp
     def line(cells):
         return "| " + " | ".join(str(c).replace("|", "\\|") for c in cells) + " |"
 
-    lines = [line(wide.columns), line(["---"] * len(wide.columns)), *(line(r) for r in wide.itertuples(index=False, name=None))]
+    lines = [line(wide.columns), line(["---"] * len(wide.columns)),
+             *(line(r) for r in wide.itertuples(index=False, name=None))]
     fixed = [f"{k}={df[k].iloc[0]}" for k in (df.attrs.get("axes") or []) if k not in by and k in df
              and df[k].nunique() == 1 and k not in REPLICATE_AXES]
     counted = "complete and incomplete (at their last step)" if include_incomplete else "complete"
@@ -497,7 +499,7 @@ def markdown(wide: pd.DataFrame, df: pd.DataFrame, by: list[str], include_incomp
     others = df[df["status"] != "complete"]
     if len(others):
         lines.append("Not complete: " + "; ".join(f"{run} ({status}: {note})" for run, status, note in
-                                              others[["run", "status", "note"]].itertuples(index=False, name=None)) + ".")
+                                              others[["run", "status", "note"]].to_numpy().tolist()) + ".")
     return "\n".join(lines) + "\n"
 
 
@@ -511,7 +513,8 @@ def latex(wide: pd.DataFrame) -> str:
         return " & ".join("".join(_TEX.get(ch, ch) for ch in str(c)) for c in cells) + r" \\"
 
     return "\n".join([r"\begin{tabular}{" + "l" * wide.shape[1] + "}", r"\toprule", row(wide.columns), r"\midrule",
-                      *(row(r) for r in wide.itertuples(index=False, name=None)), r"\bottomrule", r"\end{tabular}"]) + "\n"
+                      *(row(r) for r in wide.itertuples(index=False, name=None)),
+                      r"\bottomrule", r"\end{tabular}"]) + "\n"
 
 
 def config_label(row, by: list[str]) -> str:
@@ -544,13 +547,22 @@ def plot_curves(df: pd.DataFrame, steps: pd.DataFrame, metrics: list[str], path:
             line, = ax.plot(mean.index, mean.values, marker="o" if len(mean) < 12 else None, markersize=3,
                             label=config_label(group.iloc[0], by))
             ax.fill_between(mean.index, mean - ci.fillna(0), mean + ci.fillna(0), alpha=0.2, color=line.get_color())
+        if _log_if_spread(steps.loc[steps["run"].isin(counted["run"]), name]):
+            ax.set_yscale("log")
         ax.set_title(name)
         ax.set_xlabel("step")
-    axes[0][0].legend(fontsize=7)
+    if axes[0][0].get_legend_handles_labels()[0]:
+        axes[0][0].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True
+
+
+def _log_if_spread(values: pd.Series) -> bool:
+    """Whether to use a log scale: positive values spread over more than two decades (KL across precisions)."""
+    values = values.dropna()
+    return bool(len(values)) and bool((values > 0).all()) and values.max() > 100 * values.min()
 
 
 def plot_bars(agg: pd.DataFrame, path: Path, by: list[str]) -> None:
@@ -561,15 +573,15 @@ def plot_bars(agg: pd.DataFrame, path: Path, by: list[str]) -> None:
     import matplotlib.pyplot as plt
 
     head = agg[(agg["metric"] == agg["metric"].iloc[0]) & (agg["reduction"] == agg["reduction"].iloc[0])]
-    labels = [config_label(row, by).replace(" ", "\n") + f"\nn={row['n']}" for _, row in head.iterrows()]
-    fig, ax = plt.subplots(figsize=(max(4.0, 1.1 * len(head) + 1), 4))
-    ax.bar(range(len(head)), head["mean"].fillna(0), yerr=head["ci95"].fillna(0), capsize=4, color="C0")
-    ax.set_xticks(range(len(head)), labels, fontsize=7)
-    means = head["mean"].dropna()
-    if len(means) and (means > 0).all() and means.max() > 100 * means.min():  # e.g. KL across precisions
-        ax.set_yscale("log")
-    ax.set_ylabel(f"{head['metric'].iloc[0]} ({head['reduction'].iloc[0]})")
-    ax.set_title(f"mean ± {CONFIDENCE:.0%} CI over seeds")
+    labels = [f"{config_label(row, by)} (n={row['n']})" for _, row in head.iterrows()]
+    fig, ax = plt.subplots(figsize=(7, 1.2 + 0.35 * len(head)))
+    ax.barh(range(len(head)), head["mean"].fillna(0), xerr=head["ci95"].to_numpy(), capsize=3, color="C0")
+    ax.set_yticks(range(len(head)), labels, fontsize=8)
+    ax.invert_yaxis()  # first configuration on top, as in the table
+    if _log_if_spread(head["mean"]):
+        ax.set_xscale("log")
+    ax.set_xlabel(f"{head['metric'].iloc[0]} ({head['reduction'].iloc[0]})")
+    ax.set_title(f"mean ± {CONFIDENCE:.0%} CI over seeds", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -613,7 +625,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("sources", nargs="+", metavar="SOURCE",
                         help="sweep dir, run dir, glob, or wandb:ENTITY/PROJECT[/GROUP]")
     parser.add_argument("--metric", action="append", metavar="NAME[:final|best|mean]",
-                        help="repeatable; default: " + "; ".join(f"{k}: {', '.join(v)}" for k, v in DEFAULT_METRICS.items()))
+                        help="repeatable; default: "
+                        + "; ".join(f"{k}: {', '.join(v)}" for k, v in DEFAULT_METRICS.items()))
     parser.add_argument("--out", type=Path, help="output dir (default: SWEEP/table)")
     parser.add_argument("--lower-is-better", action="append", default=[], metavar="GLOB",
                         help="metrics whose best is the min (repeatable; built-in: mismatch/*, loss/*, ...)")
@@ -627,6 +640,9 @@ def main(argv: list[str] | None = None) -> None:
         runs = read_runs(args.sources)
         df = load_runs(runs, directions)
         metrics = args.metric or default_metrics(df)
+        if not metrics:
+            counts = df["status"].value_counts()
+            raise TableError(f"no run recorded a metric ({', '.join(f'{n} {s}' for s, n in counts.items())})")
         check_metrics(df, metrics)
         out = args.out or default_out(args.sources)
         text, written = write_outputs(runs, df, metrics, out, args.include_incomplete)

@@ -213,12 +213,13 @@ def test_cli_end_to_end(sweep, tmp_path):
     for name in ("curves.png", "bars.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     md = (out / "table.md").read_text()
-    assert md.splitlines()[0] == ("| precision | correction | runs | eval/accuracy (final) | rollout/reward_mean (final) "
-                                  "| mismatch/kl_k3 (mean) |")
+    assert md.splitlines()[0] == ("| precision | correction | runs | eval/accuracy (final) "
+                                  "| rollout/reward_mean (final) | mismatch/kl_k3 (mean) |")
     # final accuracy 0.15 + {0, .01, .02}: mean 0.16, s = 0.01, ci = 4.3027 * 0.01 / sqrt(3) = 0.0248
     assert "| fp16 | icepop | 3 ok, 1 incomplete | 0.1600 ± 0.0248 (n=3) | 0.2400 ± 0.1138 (n=3) |" in md
     # kl_k3 mean over steps 3K, 6K, 9K (K = 1e-4): mean 6K, s = 3K, ci = 4.3027 * 3K / sqrt(3) = 7.452K
-    assert "| bf16 | tis | 3 ok, 1 failed | 0.4600 ± 0.0248 (n=3) | 0.5400 ± 0.1138 (n=3) | 6.000e-04 ± 7.452e-04 (n=3) |" in md
+    assert ("| bf16 | tis | 3 ok, 1 failed | 0.4600 ± 0.0248 (n=3) | 0.5400 ± 0.1138 (n=3) "
+            "| 6.000e-04 ± 7.452e-04 (n=3) |") in md
     assert "| fp16 | tis | 3 ok | " in md
     assert "12 (incomplete: stopped after step 2); 13 (failed: nothing recorded)" in md
     assert "Same in every run: logger=none, train.steps=5." in md
@@ -261,6 +262,15 @@ def test_cli_single_run_nested_sweeps_and_globs(sweep, tmp_path):
     assert "| bf16 | 1 ok | 0.4500 (n=1) | 0.5000 (n=1) |" in md and "| fp16 | 1 ok | 0.2500 (n=1) |" in md
 
 
+def test_configuration_without_a_complete_run_gets_dashes(tmp_path):
+    train_run(tmp_path / "s" / "0", "bf16", "tis", 0, last_step=2, finish=False)
+    train_run(tmp_path / "s" / "1", "fp16", "tis", 0)
+    runs = table.read_runs(tmp_path / "s")
+    text, written = table.write_outputs(runs, table.load_runs(runs), ["rollout/reward_mean"], tmp_path / "out")
+    assert "| bf16 | 0 ok, 1 incomplete | — |" in text and "| fp16 | 1 ok | 0.3000 (n=1) |" in text
+    assert [p.name for p in written] == ["table.md", "table.csv", "table.tex", "curves.png", "bars.png"]
+
+
 def probe_record(precision: str, seed: int) -> dict:
     kl = {"bf16": 1e-4, "fp16": 1e-6, "fp32": 1e-12}[precision] * (1 + seed)
     return {"choices": {"precision": precision}, "rollouts": {"num": 64, "mean_reward": 0.5 + 0.1 * seed},
@@ -289,7 +299,8 @@ def test_probe_sweep(tmp_path):
     agg = table.aggregate(runs, table.default_metrics(runs))
     kl = agg[agg["metric"] == "mismatch/kl_k3"].set_index("precision")
     # seeds 0, 1: kl = K and 2K -> mean 1.5 K, s = K / sqrt(2), ci = 12.7062 * s / sqrt(2) = 6.3531 K
-    assert kl.loc["bf16", "mean"] == pytest.approx(1.5e-4) and kl.loc["bf16", "ci95"] == pytest.approx(6.3531e-4, rel=1e-4)
+    assert kl.loc["bf16", "mean"] == pytest.approx(1.5e-4)
+    assert kl.loc["bf16", "ci95"] == pytest.approx(6.3531e-4, rel=1e-4)
     assert kl.loc["fp32", "n"] == 2 and kl.loc["fp32", "failed"] == 1
     result = rlmm("table", str(sweep))
     assert result.returncode == 0, result.stderr
@@ -308,10 +319,15 @@ def test_cli_bad_input_is_one_line(sweep, tmp_path):
     assert "no such file or directory: /no/such/sweep" in one_line_error(rlmm("table", "/no/such/sweep"))
     (tmp_path / "empty" / "sub").mkdir(parents=True)
     assert f"no runs in {tmp_path / 'empty'}" in one_line_error(rlmm("table", str(tmp_path / "empty")))
+    for job in ("0", "1"):  # a sweep whose jobs all died before recording anything
+        write_overrides(tmp_path / "dead" / job, [f"seed={job}"])
+    assert "no run recorded a metric (2 failed)" in one_line_error(rlmm("table", str(tmp_path / "dead")))
     line = one_line_error(rlmm("table", str(sweep), "--metric", "eval/acc", "--out", str(tmp_path / "o")))
-    assert "unknown metric 'eval/acc' (available: eval/accuracy, rollout/reward_mean, mismatch/kl_k3, loss/loss," in line
+    assert "unknown metric 'eval/acc' (available: eval/accuracy, rollout/reward_mean, mismatch/kl_k3, loss/loss," \
+        in line
     assert "summary/seconds" in line and not (tmp_path / "o").exists()
-    assert "expected NAME[:final|best|mean]" in one_line_error(rlmm("table", str(sweep), "--metric", "eval/accuracy:max"))
+    line = one_line_error(rlmm("table", str(sweep), "--metric", "eval/accuracy:max"))
+    assert "bad metric 'eval/accuracy:max' (expected NAME[:final|best|mean])" in line
     assert "the following arguments are required: SOURCE" in one_line_error(rlmm("table"))
     assert "unrecognized arguments: --bogus" in one_line_error(rlmm("table", str(sweep), "--bogus"))
 
@@ -328,7 +344,7 @@ def test_wandb_without_key_or_server_is_one_line(tmp_path):
     line = one_line_error(rlmm("table", "wandb:me/rlmm/sweep", HOME=home))
     assert line.startswith("rlmm: error: W&B wandb:me/rlmm/sweep: ") and "API key" in line
     line = one_line_error(rlmm("table", "wandb:me/rlmm", HOME=home, WANDB_API_KEY="x" * 40,
-                               WANDB_BASE_URL="http://127.0.0.1:9"))
+                               WANDB_BASE_URL="http://127.0.0.1:9", WANDB_HTTP_TIMEOUT="3"))
     assert line.startswith("rlmm: error: W&B wandb:me/rlmm: ")
     assert "bad W&B source 'wandb:rlmm'" in one_line_error(rlmm("table", "wandb:rlmm"))
 
