@@ -46,9 +46,9 @@ DEFAULT_METRICS = {
 }
 # Direction of "best", by glob on the metric name; the first match wins, and anything unmatched is
 # higher-is-better. Mismatch-type metrics are lower-is-better except correlation and ESS.
-LOWER_IS_BETTER = ("*/prob_pearson:max", "*/ess_*:max", "*/frac_identical_*:max", "perf/tokens_per_second:max",
-                   "mismatch/*:min", "trainer_vs_itself/*:min", "sampler_vs_itself/*:min", "loss/*:min",
-                   "perf/*:min", "summary/mismatch_*:min", "summary/*seconds*:min")
+BEST_DIRECTION = ("*/prob_pearson:max", "*/ess_*:max", "*/frac_identical_*:max", "perf/tokens_per_second:max",
+                  "mismatch/*:min", "trainer_vs_itself/*:min", "sampler_vs_itself/*:min", "loss/*:min",
+                  "perf/*:min", "summary/mismatch_*:min", "summary/*seconds*:min")
 RUN_DIR_MARKERS = (".hydra/overrides.yaml", "config.yaml", "steps.jsonl", "summary.json", "probe.json")
 # probe.json sections -> metric prefixes (the sampler-vs-trainer numbers under the names train logs).
 PROBE_SECTIONS = {"sampler_vs_trainer": "mismatch", "trainer_vs_itself": "trainer_vs_itself",
@@ -277,8 +277,8 @@ def _flatten(key: str, value) -> dict[str, str]:
 
 def direction(metric: str, directions: dict[str, str] | None = None) -> str:
     """'min' or 'max': which way a metric's "best" goes. `directions` maps glob patterns of metric
-    names to 'min'/'max' and takes precedence over the built-in LOWER_IS_BETTER rules."""
-    rules = [*(directions or {}).items(), *(rule.rsplit(":", 1) for rule in LOWER_IS_BETTER)]
+    names to 'min'/'max' and takes precedence over the built-in BEST_DIRECTION rules."""
+    rules = [*(directions or {}).items(), *(rule.rsplit(":", 1) for rule in BEST_DIRECTION)]
     return next((way for pattern, way in rules if fnmatch.fnmatchcase(metric, pattern)), "max")
 
 
