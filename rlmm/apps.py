@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
+from typing import NoReturn
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -72,19 +73,76 @@ def _train(cfg: DictConfig) -> None:
 
 
 TASKS = {"probe": _probe, "train": _train}
+# Set by torchrun or the deepspeed launcher for one world of ranks; see fit_env_to_submitted_job.
+PROCESS_GROUP_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+# Values rlmm.cli.set_runtime_env derives from the machine it runs on.
+MACHINE_VARS = ("OMP_NUM_THREADS", "DS_ACCELERATOR")
+
+
+class JobFailed(RuntimeError):
+    """Why a job of a submitted sweep failed, one line, as its result carries it back to `rlmm ... -m`."""
+
+
+def submitted_job() -> bool:
+    """This process is a job that Hydra's submitit launcher started (hydra/launcher=local|slurm|<site>)."""
+    return str(HydraConfig.get().launcher.get("_target_", "")).startswith("hydra_plugins.hydra_submitit_launcher.")
+
+
+def fit_env_to_submitted_job() -> None:
+    """In a submitted job, replace what it inherited from the submitting shell but must not keep
+    (docs/sweeps.md).
+
+    Such a job runs with that shell's environment (sbatch --export=ALL; local jobs are its children),
+    rlmm's runtime environment included, which is right for everything but: process-group variables
+    (jobs on one node sharing a MASTER_PORT collide; WORLD_SIZE > 1 waits for ranks that never come),
+    dropped so the job starts its own world of one; and, in a SLURM job, the values derived from the
+    submitting machine (a login node without GPUs, all of its CPUs), derived again on the job's node
+    with SLURM's CPUs per task as the thread count.
+    """
+    from rlmm.cli import set_runtime_env
+
+    for name in PROCESS_GROUP_VARS:
+        os.environ.pop(name, None)
+    if os.environ.get("SUBMITIT_EXECUTOR") == "slurm":
+        for name in MACHINE_VARS:
+            os.environ.pop(name, None)
+        if os.environ.get("SLURM_CPUS_PER_TASK"):
+            os.environ["OMP_NUM_THREADS"] = os.environ["SLURM_CPUS_PER_TASK"]
+        set_runtime_env()
+        import torch  # already imported (unpickling the job imported rlmm), so resize its thread pool
+
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    log.info("submitted job: OMP_NUM_THREADS=%s DS_ACCELERATOR=%s", os.environ.get("OMP_NUM_THREADS"),
+             os.environ.get("DS_ACCELERATOR"))
+
+
+def end(line: str, code: int, submitted: bool) -> NoReturn:
+    """Print why the run ended and exit with `code`; in a submitted job, log it (the job's log then says
+    why) and raise JobFailed instead: Hydra keeps a job's exception in the result the sweep command waits
+    for, while an exit leaves none, and without sacct (the local cluster) the sweep would wait forever."""
+    if not submitted:
+        print(line, flush=True)
+        raise SystemExit(code)
+    log.error(line)
+    raise JobFailed(line) from None
 
 
 def run_app(command: str, config_name: str) -> None:
     task = TASKS[command]
 
     def guarded(cfg: DictConfig) -> None:
+        submitted = submitted_job()
+        if submitted:
+            fit_env_to_submitted_job()
         try:
             task(cfg)
         except Exception as err:
             message = user_error(err)
-            if message is None:
+            if message is None and not submitted:
                 raise
-            print(f"rlmm: error: {message}", flush=True)
-            raise SystemExit(2) from None
+            if message is None:  # a bug: its traceback in the job's log, its name in the sweep's error
+                log.exception("job failed")
+                message = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+            end(f"rlmm: error: {message}", 2, submitted)
 
     hydra.main(config_path=str(CONF_DIR), config_name=config_name, version_base="1.3")(guarded)()

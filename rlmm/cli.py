@@ -46,7 +46,10 @@ def check_overrides(config_name: str, overrides: list[str]) -> None:
     ours = [o for o in overrides if not o.lstrip("+~").startswith("hydra")]
     try:
         parsed = OverridesParser.create().parse_overrides(ours)
-        hydra_groups = OverridesParser.create().parse_overrides([o for o in overrides if o.startswith("hydra/")])
+        # Hydra's own groups too (hydra/launcher=...), unless a searchpath adds options only Hydra sees.
+        searchpath = any(o.startswith("hydra.searchpath") for o in overrides)
+        hydra_groups = [] if searchpath else \
+            OverridesParser.create().parse_overrides([o for o in overrides if o.startswith("hydra/")])
     except HydraException as err:
         fail(str(err).splitlines()[0])
     for override in parsed + hydra_groups:  # unknown option of a group: name it and list the choices
