@@ -7,6 +7,7 @@ get one too.
 from __future__ import annotations
 
 import os
+import secrets
 import re
 from pathlib import Path
 
@@ -59,8 +60,15 @@ class WandbLogger:
 
         os.environ.setdefault("WANDB_SILENT", "true")
         axis_tags = [f"{k}={v}" for k, v in run_config.get("choices", {}).items()]
+        # The run id lives in the run directory: a job resumed there (requeued after preemption)
+        # continues the same W&B run instead of starting a second one.
+        id_file = Path(run_dir) / "wandb-run-id"
+        run_id = id_file.read_text().strip() if id_file.exists() else secrets.token_hex(4)
         self.run = wandb.init(project=project, mode=mode, group=group or sweep, dir=str(Path(run_dir)),
-                              config=redact(run_config), tags=[*(tags or []), *axis_tags][:64], reinit="finish_previous")
+                              config=redact(run_config), tags=[*(tags or []), *axis_tags][:64], reinit="finish_previous",
+                              id=run_id, resume="allow")
+        id_file.parent.mkdir(parents=True, exist_ok=True)
+        id_file.write_text(run_id)
 
     def log(self, metrics: dict, step: int | None = None) -> None:
         self.run.log(metrics, step=step)

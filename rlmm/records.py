@@ -33,11 +33,25 @@ def _plain(value):
 
 
 class RunRecord:
-    def __init__(self, run_dir: str | Path, config: dict):
+    """Args:
+        keep_through_step: resuming from a checkpoint of this step: keep the record's steps up to it
+            and drop the later ones (they are redone), so no step is missing or written twice.
+    """
+
+    def __init__(self, run_dir: str | Path, config: dict, keep_through_step: int | None = None):
         self.dir = Path(run_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         OmegaConf.save(OmegaConf.create(redact(config)), self.dir / "config.yaml")
-        self._steps = open(self.dir / "steps.jsonl", "a", encoding="utf-8")
+        path = self.dir / "steps.jsonl"
+        if keep_through_step:
+            kept = [row for row in read_steps(self.dir) if row["step"] <= keep_through_step]
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text("".join(json.dumps(row) + "\n" for row in kept), encoding="utf-8")
+            os.replace(tmp, path)
+        elif path.exists():
+            path.unlink()  # a fresh run in a used directory starts a fresh record
+        (self.dir / "summary.json").unlink(missing_ok=True)
+        self._steps = open(path, "a", encoding="utf-8")
 
     def log(self, metrics: dict, step: int) -> None:
         self._steps.write(json.dumps(_plain({"step": step, **metrics})) + "\n")

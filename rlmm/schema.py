@@ -54,6 +54,9 @@ class TrainOptions:
     eval_every: int = MISSING
     eval_prompts: int = MISSING
     ratio_cap: float = MISSING
+    checkpoint_every: int = MISSING
+    resume: bool = MISSING
+    max_bad_steps: int = MISSING
 
 
 @dataclass

@@ -34,7 +34,7 @@ from omegaconf import DictConfig
 from rlmm.config import build, to_container
 from rlmm.metrics import mismatch_metrics
 from rlmm.precision import check_precision
-from rlmm.records import NullRecord, RunRecord
+from rlmm.records import NullRecord, RunRecord, read_steps
 from rlmm.samplers.base import Rollouts, SamplingOptions
 from rlmm.timing import timed
 
@@ -85,13 +85,15 @@ def rl_step(c: Components, prompts: list, ratio_cap: float) -> dict[str, float]:
     with timed(seconds, "trainer_logprobs"):
         train_logprobs = c.trainer.logprobs(rollouts)
     sampler_logprobs, mask = rollouts.padded_sampler_logprobs()
+    fault = any_rank(first_fault(rewards=rewards, trainer_logprobs=train_logprobs[mask],
+                                 sampler_logprobs=sampler_logprobs[mask]))
     mismatch = mismatch_metrics(train_logprobs, sampler_logprobs, mask, ratio_cap=ratio_cap)
     advantages = algo.advantages(rewards)
     corrected = c.correction(train_logprobs, sampler_logprobs, mask)
 
     with timed(seconds, "train"):
         losses = []
-        for _ in range(algo.epochs):
+        for _ in range(0 if fault else algo.epochs):
             for rows in minibatch_rows(len(rollouts), algo.minibatches):
                 normalizer = algo.loss_normalizer(corrected.mask[rows], max_length=c.sampling.max_new_tokens)
 
@@ -103,20 +105,51 @@ def rl_step(c: Components, prompts: list, ratio_cap: float) -> dict[str, float]:
                                             normalizer=normalizer)
 
                 losses.append(c.trainer.update(rollouts, rows, loss_fn))
+    if not fault and any(m["skipped"] for m in losses):
+        fault = "non-finite gradient (optimizer step skipped)"
     with timed(seconds, "weight_sync"):
-        c.sampler.load_weights(c.trainer.state_dict())
+        if not fault:  # a skipped step left the weights as the sampler has them
+            weights = c.trainer.state_dict()
+            if not all(torch.isfinite(w).all() for w in weights.values()):
+                raise NonFiniteWeights("the trainer's weights hold NaN/Inf after the update; they were not sent "
+                                       "to the sampler (resume from the last checkpoint with a lower trainer.lr)")
+            c.sampler.load_weights(weights)
+    if fault:
+        log.warning("bad step skipped: %s", fault)
 
     lengths = mask.sum(1).float()
     return {
+        "train/skipped": float(fault is not None),
         **{f"rollout/{k}": v for k, v in {
             "reward_mean": rewards.mean().item(), "response_length_mean": lengths.mean().item(),
             "frac_truncated": rollouts.finish_reasons.count("length") / len(rollouts)}.items()},
         **{f"mismatch/{k}": v for k, v in mismatch.items()},
         **{f"correction/{k}": v for k, v in corrected.metrics.items()},
-        **{f"loss/{k}": sum(m[k] for m in losses) / len(losses) for k in losses[0]},
+        **{f"loss/{k}": sum(m[k] for m in losses) / len(losses) for k in (losses[0] if losses else ())},
         **{f"perf/{k}_seconds": v for k, v in seconds.items()},
         "perf/tokens_per_second": lengths.sum().item() / max(sum(seconds.values()), 1e-9),
     }
+
+
+class NonFiniteWeights(RuntimeError):
+    """The update produced NaN/Inf weights (an optimizer without an overflow check); never synced."""
+
+
+def first_fault(**tensors: torch.Tensor) -> str | None:
+    """Name the first input holding NaN/Inf, or None when all are finite."""
+    for name, tensor in tensors.items():
+        if not torch.isfinite(tensor).all():
+            return f"non-finite {name.replace('_', ' ')}"
+    return None
+
+
+def any_rank(fault: str | None) -> str | None:
+    """A fault seen on any rank is a fault on every rank (they must skip the update together)."""
+    from rlmm.preemption import any_rank as flag_on_any_rank
+
+    if flag_on_any_rank(fault is not None):
+        return fault or "a fault on another rank"
+    return None
 
 
 def minibatch_rows(num_rows: int, minibatches: int) -> list[list[int]]:
@@ -148,11 +181,17 @@ def mean_over_ranks(metrics: dict[str, float]) -> dict[str, float]:
     return dict(zip(keys, (values / dist.get_world_size()).tolist()))
 
 
+class TrainingStopped(RuntimeError):
+    """The run stopped itself (too many bad steps); the message says why and where it can resume."""
+
+
 def run_train(cfg: DictConfig, run_dir: Path, choices: dict[str, str], logger) -> dict:
     import torch.distributed as dist
     from tqdm.auto import tqdm
 
+    from rlmm import checkpoint
     from rlmm.logging import NoOpLogger
+    from rlmm.preemption import StopSignals, any_rank as on_any_rank
     from rlmm.trainers.deepspeed_backend import init_process_group
 
     started = time.perf_counter()
@@ -164,7 +203,14 @@ def run_train(cfg: DictConfig, run_dir: Path, choices: dict[str, str], logger) -
         raise ValueError(f"train.prompts_per_step: {options.prompts_per_step} does not split over {world} ranks")
     torch.manual_seed(cfg.seed)
     components, precision_report = build_components(cfg)
-    record = RunRecord(run_dir, {"choices": choices, **to_container(cfg)}) if rank == 0 else NullRecord()
+    trainer, sampler = components.trainer, components.sampler
+    last = checkpoint.latest(run_dir) if options.resume else None
+    first_step = checkpoint.load(last, trainer, sampler)["step"] + 1 if last else 1
+    if last:
+        log.info("resuming from %s at step %d", last, first_step)
+    # On resume the record drops the steps after the checkpoint: they are about to be redone.
+    record = (RunRecord(run_dir, {"choices": choices, **to_container(cfg)}, keep_through_step=first_step - 1)
+              if rank == 0 else NullRecord())
     logger = logger if rank == 0 else NoOpLogger()
     train_examples = components.task.examples("train", options.steps * options.prompts_per_step)
     eval_examples = components.task.examples("test", options.eval_prompts)
@@ -172,41 +218,77 @@ def run_train(cfg: DictConfig, run_dir: Path, choices: dict[str, str], logger) -
     def evaluate_on_rank_zero() -> float:
         return evaluate(components, eval_examples) if rank == 0 else float("nan")
 
-    accuracy = {0: evaluate_on_rank_zero()}
-    record.log({"eval/accuracy": accuracy[0]}, step=0)
-    logger.log({"eval/accuracy": accuracy[0]}, step=0)
-    history = []
-    bar = tqdm(range(1, options.steps + 1), desc="rlmm train", unit="step", disable=None if rank == 0 else True)
-    for step in bar:
-        step_prompts = train_examples[(step - 1) * options.prompts_per_step: step * options.prompts_per_step]
-        metrics = mean_over_ranks(rl_step(components, step_prompts[rank::world], options.ratio_cap))
-        if step % options.eval_every == 0 or step == options.steps:
-            accuracy[step] = metrics["eval/accuracy"] = evaluate_on_rank_zero()
-        record.log(metrics, step)
-        logger.log(metrics, step=step)
-        history.append({"step": step, **metrics})
-        bar.set_postfix(reward=f"{metrics['rollout/reward_mean']:.3f}",
-                        kl_k3=f"{metrics['mismatch/kl_k3']:.1e}", acc=f"{accuracy[max(accuracy)]:.3f}")
-    summary = {
-        "choices": choices, "precision": precision_report, "steps": options.steps, "ranks": world,
-        "eval_accuracy_start": accuracy[0], "eval_accuracy_end": accuracy[options.steps],
-        "eval_accuracy_best": max(accuracy.values()),
-        "reward_first": history[0]["rollout/reward_mean"], "reward_last": history[-1]["rollout/reward_mean"],
-        "mismatch_kl_k3_mean": sum(h["mismatch/kl_k3"] for h in history) / len(history),
-        "mismatch_logprob_abs_diff_mean": sum(h["mismatch/logprob_abs_diff_mean"] for h in history) / len(history),
-        "seconds": time.perf_counter() - started,
-        "step_seconds_median": sorted(sum(v for k, v in h.items() if k.startswith("perf/") and k.endswith("_seconds"))
-                                      for h in history)[len(history) // 2],
-    }
+    if first_step == 1:
+        accuracy = evaluate_on_rank_zero()
+        record.log({"eval/accuracy": accuracy}, step=0)
+        logger.log({"eval/accuracy": accuracy}, step=0)
+    bad_in_a_row, bad_total, shown_accuracy = 0, 0, float("nan")
+    bar = tqdm(range(first_step, options.steps + 1), desc="rlmm train", unit="step", initial=first_step - 1,
+               total=options.steps, disable=None if rank == 0 else True)
+    with StopSignals() as stop:
+        for step in bar:
+            step_prompts = train_examples[(step - 1) * options.prompts_per_step: step * options.prompts_per_step]
+            metrics = mean_over_ranks(rl_step(components, step_prompts[rank::world], options.ratio_cap))
+            bad_in_a_row = bad_in_a_row + 1 if metrics["train/skipped"] else 0
+            bad_total += bool(metrics["train/skipped"])
+            metrics.update({"train/bad_steps": bad_total, "train/bad_steps_in_a_row": bad_in_a_row})
+            if step % options.eval_every == 0 or step == options.steps:
+                metrics["eval/accuracy"] = shown_accuracy = evaluate_on_rank_zero()
+            record.log(metrics, step)
+            logger.log(metrics, step=step)
+            bar.set_postfix(reward=f"{metrics['rollout/reward_mean']:.3f}", kl_k3=f"{metrics['mismatch/kl_k3']:.1e}",
+                            acc=f"{shown_accuracy:.3f}", bad=bad_total)
+            stopping = on_any_rank(stop.requested)
+            too_many_bad = options.max_bad_steps and bad_in_a_row >= options.max_bad_steps
+            if stopping or too_many_bad or (options.checkpoint_every and step % options.checkpoint_every == 0):
+                # Bad steps changed no weights: this checkpoint holds the last good state.
+                saved = checkpoint.save(run_dir, step, trainer, sampler)
+            if stopping or too_many_bad:
+                record.close()
+                logger.finish()
+                trainer.close()
+                sampler.close()
+                if too_many_bad:
+                    raise TrainingStopped(f"{bad_in_a_row} bad steps in a row (train.max_bad_steps="
+                                          f"{options.max_bad_steps}) at step {step}; last good state in {saved}")
+                log.warning("stop signal %s at step %d: checkpoint in %s", stop.received, step, saved)
+                stop.hand_over()
+    history = [row for row in read_steps(run_dir) if row["step"] > 0] if rank == 0 else []
+    accuracy = {row["step"]: row["eval/accuracy"] for row in read_steps(run_dir) if row.get("eval/accuracy") is not None}
+    summary = summarize(history, accuracy, choices, precision_report, options, world, time.perf_counter() - started,
+                        first_step) if rank == 0 else {}
     record.summary(summary)
     record.close()
     logger.summary(summary)
-    components.trainer.close()
-    components.sampler.close()
+    trainer.close()
+    sampler.close()
     if rank == 0:
         plot_training(history, accuracy, run_dir / "training.png", choices)
         print_summary(summary)
     return summary
+
+
+def summarize(history: list[dict], accuracy: dict[int, float], choices: dict, precision_report: dict, options,
+              world: int, seconds: float, first_step: int) -> dict:
+    """The run's headline figures, from its record (so a resumed run summarises every step)."""
+    def mean(key: str) -> float:
+        values = [h[key] for h in history if h.get(key) is not None]
+        return sum(values) / len(values) if values else float("nan")
+
+    step_seconds = sorted(sum(v for k, v in h.items() if k.startswith("perf/") and k.endswith("_seconds") and v)
+                          for h in history)
+    return {
+        "choices": choices, "precision": precision_report, "steps": options.steps, "ranks": world,
+        "resumed_at_step": first_step if first_step > 1 else None,
+        "eval_accuracy_start": accuracy.get(0, float("nan")), "eval_accuracy_end": accuracy[options.steps],
+        "eval_accuracy_best": max(accuracy.values()),
+        "reward_first": history[0]["rollout/reward_mean"], "reward_last": history[-1]["rollout/reward_mean"],
+        "bad_steps": sum(bool(h.get("train/skipped")) for h in history),
+        "mismatch_kl_k3_mean": mean("mismatch/kl_k3"),
+        "mismatch_logprob_abs_diff_mean": mean("mismatch/logprob_abs_diff_mean"),
+        "seconds": seconds,
+        "step_seconds_median": step_seconds[len(step_seconds) // 2],
+    }
 
 
 def print_summary(summary: dict) -> None:
@@ -231,18 +313,22 @@ def plot_training(history: list[dict], accuracy: dict[int, float], path: Path, c
     import matplotlib.pyplot as plt
 
     steps = [h["step"] for h in history]
+
+    def series(key: str) -> list[float]:  # a skipped step has no loss/*; the record stores NaN as null
+        return [float("nan") if h.get(key) is None else h[key] for h in history]
+
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
-    axes[0].plot(steps, [h["rollout/reward_mean"] for h in history], label="rollout reward")
+    axes[0].plot(steps, series("rollout/reward_mean"), label="rollout reward")
     axes[0].plot(list(accuracy), list(accuracy.values()), marker="o", label="greedy eval accuracy")
     axes[0].set_title("reward")
     axes[0].legend()
-    axes[1].plot(steps, [h["mismatch/logprob_abs_diff_mean"] for h in history], label="mean |δ|")
-    axes[1].plot(steps, [h["mismatch/kl_k3"] for h in history], label="KL k3")
+    axes[1].plot(steps, series("mismatch/logprob_abs_diff_mean"), label="mean |δ|")
+    axes[1].plot(steps, series("mismatch/kl_k3"), label="KL k3")
     axes[1].set_yscale("log")
     axes[1].set_title("sampler vs trainer mismatch")
     axes[1].legend()
-    axes[2].plot(steps, [h["correction/weight_mean"] for h in history], label="mean IS weight")
-    axes[2].plot(steps, [h["loss/clipfrac"] for h in history], label="clip fraction")
+    axes[2].plot(steps, series("correction/weight_mean"), label="mean IS weight")
+    axes[2].plot(steps, series("loss/clipfrac"), label="clip fraction")
     axes[2].set_title("correction and clipping")
     axes[2].legend()
     for ax in axes:

@@ -39,7 +39,7 @@ def test_bad_input_one_line_error(args, message):
 
 def test_unknown_command():
     result = run_cli("trian")
-    assert result.returncode == 2 and "unknown command 'trian' (allowed: train, probe)" in result.stderr
+    assert result.returncode == 2 and "unknown command 'trian' (allowed: train, probe, table)" in result.stderr
 
 
 def test_help_lists_commands():

@@ -1,6 +1,7 @@
 """`trainer=deepspeed`: the training model wrapped in a DeepSpeed engine (CPU accelerator here, CUDA on GPUs)."""
 from __future__ import annotations
 
+import math
 import os
 import socket
 from pathlib import Path
@@ -136,6 +137,8 @@ class DeepSpeedTrainer:
             config = merge_user_config(config, config_file)
         self.engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config,
                                                lr_scheduler=lambda optimizer: linear_warmup(optimizer, warmup_steps))
+        # fp16/bf16 optimizers check for overflow and skip the step themselves (dynamic loss scaling).
+        self.loss_scaled = precision.dtype in ("fp16", "bf16")
         self.fp32_head = fp32_head is not None
         if fp32_head is not None:
             # DeepSpeed casts the whole module to 16 bits; put the checkpoint's fp32 head back (for
@@ -173,11 +176,14 @@ class DeepSpeedTrainer:
                               self.pad_id)
 
     def update(self, rollouts: Rollouts, rows: list[int], loss_fn: LossFn) -> dict[str, float]:
-        """One optimizer step on the minibatch `rows` (exactly `accumulation_steps` micro-batches)."""
+        """One optimizer step on the minibatch `rows` (exactly `accumulation_steps` micro-batches).
+        A non-finite gradient skips the step (metrics["skipped"] = 1, DeepSpeed's skipped_steps + 1):
+        in fp16/bf16 DeepSpeed's loss scaler does it, in fp32 rlmm drops the gradients first."""
         if self.fp32_head:
             raise ValueError("precision: training with an fp32 LM head is not supported on trainer=deepspeed yet "
                              "(its optimizer holds the 16-bit head); use trainer=torch, or rlmm probe to score")
-        own_norm = []
+        own_norm, skipped = [], []
+        skipped_before = self.engine.skipped_steps
         lr = self.engine.get_lr()[0]  # the rate this step uses (the schedule advances inside engine.step)
 
         def backward(loss: torch.Tensor) -> None:
@@ -185,8 +191,19 @@ class DeepSpeedTrainer:
             self.engine.backward(loss, scale_wrt_gas=False)
             if self.engine.is_gradient_accumulation_boundary() and self.engine.zero_optimization_stage() == 0:
                 # DeepSpeed reports no norm for plain fp32 without ZeRO: take it before it clips.
-                grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
-                own_norm.append(torch.linalg.vector_norm(torch.stack([g.float().norm() for g in grads])).item())
+                params = [p for p in self.engine.module.parameters() if p.grad is not None]
+                own_norm.append(torch.linalg.vector_norm(torch.stack([p.grad.float().norm() for p in params])).item())
+                if not math.isfinite(own_norm[-1]) and not self.loss_scaled:
+                    # Plain AdamW has no overflow check (the loss-scaled optimizers skip by themselves):
+                    # let DeepSpeed finish the step (counters, zeroed gradients) without the optimizer.
+                    skipped.append(True)
+                    optimizer = self.engine.optimizer
+                    optimizer.step = lambda *args, **kwargs: None  # shadows the method for this one call
+                    try:
+                        self.engine.step()
+                    finally:
+                        del optimizer.step
+                    return
             self.engine.step()  # DeepSpeed only steps the optimizer at the accumulation boundary
 
         metrics = accumulate_gradients(self._forward, backward, rollouts, rows, self.sampling, self.pad_id,
@@ -196,6 +213,12 @@ class DeepSpeedTrainer:
         metrics["lr"] = lr
         norm = self.engine.get_global_grad_norm()
         metrics["grad_norm"] = float(norm) if norm is not None else (own_norm[-1] if own_norm else float("nan"))
+        if skipped:
+            self.engine.skipped_steps += 1
+            self.engine.lr_scheduler.last_epoch -= 1  # a skipped step does not advance the warm-up
+            for group in self.engine.optimizer.param_groups:
+                group["lr"] = lr
+        metrics["skipped"] = float(self.engine.skipped_steps > skipped_before)
         return metrics
 
     def state_dict(self) -> dict[str, torch.Tensor]:

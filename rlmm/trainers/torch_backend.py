@@ -6,6 +6,8 @@ master weights; compare the two with `trainer=torch` vs `trainer=deepspeed`.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from rlmm.models.loading import load_causal_lm, model_precision
@@ -52,7 +54,9 @@ class TorchTrainer:
                               self.pad_id)
 
     def update(self, rollouts: Rollouts, rows: list[int], loss_fn: LossFn) -> dict[str, float]:
-        """One optimizer step on the minibatch `rows`: forward/backward per micro-batch, clip, step."""
+        """One optimizer step on the minibatch `rows`: forward/backward per micro-batch, clip, step.
+        A non-finite gradient norm skips the step (metrics["skipped"] = 1): weights, optimizer state
+        and the LR schedule stay as they were."""
         if self.dtype == "fp16":
             # Seen here: weights and AdamW state in fp16 with no loss scaling reach inf/NaN within two
             # steps (AdamW's eps = 1e-8 is 0 in fp16). Scoring in fp16 is fine.
@@ -63,8 +67,12 @@ class TorchTrainer:
                                        self.pad_id, self.micro_batch_size, loss_fn)
         max_norm = self.grad_clip if self.grad_clip > 0 else float("inf")
         metrics["grad_norm"] = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm).item()
-        self.optimizer.step()
         metrics["lr"] = self.lr_schedule.get_last_lr()[0]
+        metrics["skipped"] = float(not math.isfinite(metrics["grad_norm"]))
+        if metrics["skipped"]:  # a NaN/Inf gradient never reaches the weights or AdamW's moments
+            self.optimizer.zero_grad(set_to_none=True)
+            return metrics
+        self.optimizer.step()
         self.lr_schedule.step()
         return metrics
 

@@ -1,0 +1,61 @@
+"""Stop signals: checkpoint at the next step boundary, then let whoever handled the signal act.
+
+SLURM warns a job before it kills it: SIGTERM on `scancel` and preemption, and the signal asked for
+with `--signal` before the time limit (submitit asks for SIGUSR2 and requeues the job from its
+handler; other setups use SIGUSR1). A handler that runs in the middle of an optimizer step cannot
+checkpoint safely, so ours only records the signal; the training loop checks `requested` after each
+step, writes a checkpoint, and calls `hand_over()`, which runs the handler that was installed before
+ours (submitit's requeue) or, when there was none, exits with the conventional 128 + signal number.
+"""
+from __future__ import annotations
+
+import signal
+import sys
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+
+
+class StopSignals:
+    def __init__(self, signals=STOP_SIGNALS):
+        self.signals = signals
+        self.received: int | None = None
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> "StopSignals":
+        for signum in self.signals:
+            self._previous[signum] = signal.signal(signum, self._record)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+
+    def _record(self, signum, frame) -> None:
+        if self.received is None:
+            self.received = signum
+
+    @property
+    def requested(self) -> bool:
+        return self.received is not None
+
+    def hand_over(self) -> None:
+        """Run the previous handler of the received signal (it may requeue and exit); if it returns or
+        there was none, exit with 128 + the signal number."""
+        signum = self.received
+        previous = self._previous.get(signum)
+        self.__exit__()
+        if callable(previous):
+            previous(signum, None)
+        sys.exit(128 + signum)
+
+
+def any_rank(flag: bool) -> bool:
+    """True on every rank if `flag` is true on any (a signal may reach only some ranks)."""
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return flag
+    value = torch.tensor([float(flag)])
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())

@@ -1,0 +1,52 @@
+"""Trainers that inject a numeric fault, for the tests (selected with `trainer._target_=tests.faults...`).
+
+Each poisons the logits of its training forward passes (not of scoring) with NaN from optimizer step
+`nan_from_update` on, so the loss and every gradient are NaN: exactly what an fp16 overflow or a bad
+kernel does to a real run."""
+from __future__ import annotations
+
+import torch
+
+from rlmm.precision import SidePrecision
+from rlmm.samplers.base import SamplingOptions
+from rlmm.trainers.deepspeed_backend import DeepSpeedTrainer
+from rlmm.trainers.torch_backend import TorchTrainer
+
+
+class _NaNUpdates:
+    nan_from_update = 1
+    updates = 0
+    poisoning = False
+
+    def _forward(self, ids, attention, keep):
+        logits = super()._forward(ids, attention, keep)
+        return logits * torch.nan if self.poisoning else logits
+
+    def update(self, rollouts, rows, loss_fn):
+        self.updates += 1
+        self.poisoning = self.updates >= self.nan_from_update
+        try:
+            return super().update(rollouts, rows, loss_fn)
+        finally:
+            self.poisoning = False
+
+
+# Explicit signatures: rlmm validates a trainer's config keys against its constructor's.
+class NaNTorchTrainer(_NaNUpdates, TorchTrainer):
+    def __init__(self, model_path: str, precision: SidePrecision, sampling: SamplingOptions, micro_batch_size: int,
+                 lr: float = 1e-4, weight_decay: float = 0.0, warmup_steps: int = 0, grad_clip: float = 1.0,
+                 accumulation_steps: int = 1, nan_from_update: int = 1):
+        TorchTrainer.__init__(self, model_path, precision, sampling, micro_batch_size, lr=lr, weight_decay=weight_decay,
+                              warmup_steps=warmup_steps, grad_clip=grad_clip, accumulation_steps=accumulation_steps)
+        self.nan_from_update = nan_from_update
+
+
+class NaNDeepSpeedTrainer(_NaNUpdates, DeepSpeedTrainer):
+    def __init__(self, model_path: str, precision: SidePrecision, sampling: SamplingOptions, micro_batch_size: int,
+                 zero_stage: int = 0, lr: float = 1e-4, weight_decay: float = 0.0, warmup_steps: int = 0,
+                 grad_clip: float = 1.0, config_file: str | None = None, accumulation_steps: int = 1,
+                 nan_from_update: int = 1):
+        DeepSpeedTrainer.__init__(self, model_path, precision, sampling, micro_batch_size, zero_stage=zero_stage, lr=lr,
+                                  weight_decay=weight_decay, warmup_steps=warmup_steps, grad_clip=grad_clip,
+                                  config_file=config_file, accumulation_steps=accumulation_steps)
+        self.nan_from_update = nan_from_update

@@ -1,0 +1,129 @@
+"""Preemption and resume, numeric faults: a killed run resumes to the same numbers; NaN steps are
+skipped, never reach the sampler, and too many in a row stop the run with a checkpoint."""
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from rlmm import checkpoint
+from rlmm.precision import SidePrecision
+from rlmm.records import read_steps
+from tests.conftest import sampling, subprocess_env
+
+
+def train_command(model_path, run_dir, *overrides):
+    return [sys.executable, "-m", "rlmm.cli", "train", "model=hf", f"model.path={model_path}", "precision=fp32",
+            "train.steps=4", "train.prompts_per_step=4", "train.eval_every=2", "train.eval_prompts=8",
+            "algo.group_size=4", f"hydra.run.dir={run_dir}", *overrides]
+
+
+def comparable(rows):
+    """Every logged number except wall-clock timings."""
+    return [{k: v for k, v in row.items() if not k.startswith("perf/")} for row in rows]
+
+
+def test_sigterm_midway_then_resume_repeats_the_uninterrupted_run(small_model_path, tmp_path):
+    """fp32 on CPU: a run stopped by SIGTERM after step 2 and started again from its checkpoint logs
+    exactly the numbers of a run that was never interrupted (same seed), in one W&B run."""
+    env = subprocess_env()
+    straight = tmp_path / "straight"
+    result = subprocess.run(train_command(small_model_path, straight, "logger=none"), capture_output=True, text=True,
+                            timeout=600, env=env, stdin=subprocess.DEVNULL)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+    interrupted = tmp_path / "interrupted"
+    command = train_command(small_model_path, interrupted, "train.checkpoint_every=0")
+    job = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                           stdin=subprocess.DEVNULL)
+    deadline = time.monotonic() + 600
+    while not any(row["step"] == 2 for row in read_steps(interrupted)):
+        assert job.poll() is None and time.monotonic() < deadline, job.stdout.read()[-3000:]
+        time.sleep(0.2)
+    job.send_signal(signal.SIGTERM)
+    output = job.communicate(timeout=300)[0]
+    assert job.returncode == 128 + signal.SIGTERM, output[-3000:]
+    stopped_at = json.loads((checkpoint.latest(interrupted) / "state.json").read_text())["step"]
+    assert 2 <= stopped_at < 4  # checkpointed at the step boundary after the signal
+    assert not (interrupted / "summary.json").exists()
+    run_id = (interrupted / "wandb-run-id").read_text()
+
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env, stdin=subprocess.DEVNULL)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"resuming from {checkpoint.latest(interrupted)}" in result.stdout + result.stderr
+    assert (interrupted / "wandb-run-id").read_text() == run_id  # the same W&B run continues
+    resumed_rows = read_steps(interrupted)
+    assert [row["step"] for row in resumed_rows] == [0, 1, 2, 3, 4]  # none missing, none twice
+    assert comparable(resumed_rows) == comparable(read_steps(straight))
+    summary = json.loads((interrupted / "summary.json").read_text())
+    assert summary["resumed_at_step"] == stopped_at + 1
+
+
+def make_faulty_components(model_path, task, trainer_name, dtype):
+    from transformers import AutoTokenizer
+
+    from rlmm.algos import GRPO
+    from rlmm.corrections.tis import TokenTIS
+    from rlmm.samplers.hf import HFSampler
+    from rlmm.train import Components
+    from tests.faults import NaNDeepSpeedTrainer, NaNTorchTrainer
+    from tests.test_train import ALGO
+
+    options = sampling(max_new_tokens=6)
+    precision = SidePrecision(dtype, False)
+    cls = NaNTorchTrainer if trainer_name == "torch" else NaNDeepSpeedTrainer
+    trainer = cls(model_path, precision, options, micro_batch_size=8, lr=1e-3, accumulation_steps=2,
+                  nan_from_update=2)
+    return Components(task=task, tokenizer=AutoTokenizer.from_pretrained(model_path),
+                      sampler=HFSampler(model_path, SidePrecision("fp32", False), options, seed=0), trainer=trainer,
+                      correction=TokenTIS(cap=2.0), algo=GRPO(**ALGO), sampling=options)
+
+
+@pytest.mark.parametrize("trainer_name,dtype", [("torch", "fp32"), ("deepspeed", "fp32"), ("deepspeed", "bf16")])
+def test_nan_gradient_step_is_skipped_and_never_synced(small_model_path, arithmetic_task, trainer_name, dtype):
+    from rlmm.train import rl_step
+    from tests.test_train import ParityTask
+
+    c = make_faulty_components(small_model_path, ParityTask(arithmetic_task), trainer_name, dtype)
+    synced = []
+    load_weights = c.sampler.load_weights
+    c.sampler.load_weights = lambda weights: (synced.append(1), load_weights(weights))
+    prompts = arithmetic_task.examples("train", 4)
+    try:
+        good = rl_step(c, prompts, ratio_cap=2.0)  # update 1: healthy
+        assert good["train/skipped"] == 0 and len(synced) == 1
+        before = {k: v.clone() for k, v in c.trainer.state_dict().items()}
+        bad = rl_step(c, prompts, ratio_cap=2.0)  # update 2: NaN logits -> NaN loss and gradients
+        assert bad["train/skipped"] == 1
+        assert len(synced) == 1  # nothing was sent to the sampler
+        for key, value in c.trainer.state_dict().items():
+            assert torch.equal(value, before[key]), key  # and the trainer's weights did not move
+    finally:
+        c.trainer.close()
+        c.sampler.close()
+
+
+def test_run_stops_after_max_bad_steps_with_a_checkpoint(small_model_path, tmp_path):
+    result = subprocess.run(
+        train_command(small_model_path, tmp_path, "logger=none", "trainer=torch", "sampler=hf",
+                      "trainer._target_=tests.faults.NaNTorchTrainer", "+trainer.nan_from_update=2",
+                      "train.max_bad_steps=2", "train.steps=6", "train.checkpoint_every=1"),
+        capture_output=True, text=True, timeout=600, env=subprocess_env(), stdin=subprocess.DEVNULL)
+    assert result.returncode == 3, result.stderr[-3000:]
+    assert "rlmm: stopped: 2 bad steps in a row (train.max_bad_steps=2) at step 3" in result.stdout
+    rows = read_steps(tmp_path)
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    assert [r["train/skipped"] for r in rows[1:]] == [0, 1, 1]
+    assert [r["train/bad_steps"] for r in rows[1:]] == [0, 1, 2]
+    assert "bad step skipped: non-finite gradient" in result.stdout + result.stderr
+    from safetensors.torch import load_file
+
+    # The checkpoints of the two bad steps hold the same weights: the skipped updates changed nothing.
+    last = checkpoint.latest(tmp_path)
+    assert last.name == "step-000003"
+    after_bad = load_file(last / "model.safetensors")
+    before_bad = load_file(last.parent / "step-000002" / "model.safetensors")
+    assert all(torch.equal(after_bad[k], before_bad[k]) for k in after_bad)
