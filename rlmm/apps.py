@@ -137,6 +137,8 @@ def run_app(command: str, config_name: str) -> None:
         try:
             task(cfg)
         except Exception as err:
+            if type(err).__name__ in ("TrainingStopped", "NonFiniteWeights"):  # rlmm.train: a clean stop
+                end(f"rlmm: stopped: {err}", 3, submitted)
             message = user_error(err)
             if message is None and not submitted:
                 raise
