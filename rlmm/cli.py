@@ -72,10 +72,11 @@ def check_overrides(config_name: str, overrides: list[str]) -> None:
                 with open_dict(cfg):
                     del cfg["hydra"]
                 validate(cfg, choices)
-                # These constructors only check their arguments (paths, dtype names), so bad values
-                # surface here, before a sweep is submitted or an engine starts.
-                for group in ("model", "precision"):
-                    instantiate(cfg[group])
+                # These constructors only check their arguments (paths, dtype names, ranges), so bad
+                # values surface here, before a sweep is submitted or an engine starts.
+                for group in ("model", "precision", "correction", "algo"):
+                    if group in cfg:
+                        instantiate(cfg[group])
                 check_engines_support(cfg)
         except ConfigError as err:
             fail(str(err))

@@ -81,7 +81,7 @@ def rl_step(c: Components, prompts: list, ratio_cap: float) -> dict[str, float]:
         rollouts = c.sampler.generate(prompt_ids, n=algo.group_size)
     with timed(seconds, "reward"):
         texts = c.tokenizer.batch_decode(rollouts.response_ids, skip_special_tokens=True)
-        rewards = torch.tensor([c.task.reward(prompts[i // algo.group_size], t) for i, t in enumerate(texts)])
+        rewards = torch.tensor([reward(c.task, prompts[i // algo.group_size], t) for i, t in enumerate(texts)])
     with timed(seconds, "trainer_logprobs"):
         train_logprobs = c.trainer.logprobs(rollouts)
     sampler_logprobs, mask = rollouts.padded_sampler_logprobs()
@@ -131,6 +131,15 @@ def rl_step(c: Components, prompts: list, ratio_cap: float) -> dict[str, float]:
     }
 
 
+def reward(task, example, completion: str) -> float:
+    """The task's reward; when the task's function raises, a one-line error naming the prompt."""
+    try:
+        return float(task.reward(example, completion))
+    except Exception as err:
+        raise ValueError(f"task.reward raised {type(err).__name__} ({err}) on prompt {example.prompt!r} with "
+                         f"completion {completion!r}") from None
+
+
 class NonFiniteWeights(RuntimeError):
     """The update produced NaN/Inf weights (an optimizer without an overflow check); never synced."""
 
@@ -166,7 +175,7 @@ def evaluate(c: Components, examples: list) -> float:
     """Greedy accuracy on held-out prompts, with the sampler (the policy as deployed)."""
     rollouts: Rollouts = c.sampler.generate([c.tokenizer(e.prompt).input_ids for e in examples], greedy=True)
     texts = c.tokenizer.batch_decode(rollouts.response_ids, skip_special_tokens=True)
-    return sum(c.task.reward(e, t) for e, t in zip(examples, texts)) / len(examples)
+    return sum(reward(c.task, e, t) for e, t in zip(examples, texts)) / len(examples)
 
 
 def mean_over_ranks(metrics: dict[str, float]) -> dict[str, float]:

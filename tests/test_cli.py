@@ -21,6 +21,17 @@ CASES = [
     (["trainer.zero_stage=three"], "trainer=deepspeed: Value 'three' of type 'str' could not be converted to Integer"),
     (["probe.num_prompts=many"], "Value 'many' of type 'str' could not be converted to Integer"),
 ]
+# rlmm train's own axes and options; the same rule: one line, before any engine starts.
+TRAIN_CASES = [
+    (["correction=tiss"], "unknown correction 'tiss' (allowed: bypass, geo_rs, icepop, kl_rs, mis, none, seq_mis, "
+                          "seq_tis, tis)"),
+    (["-m", "correction=tis,bypas"], "unknown correction 'bypas'"),
+    (["correction.cap=-1"], "correction.cap: must be a finite number >= 1, got -1"),
+    (["algo.group_size=0"], "algo.group_size: must be >= 2, got 0"),
+    (["train.steps=ten"], "Value 'ten' of type 'str' could not be converted to Integer"),
+    (["-m", "hydra/launcher=nope"], "unknown hydra/launcher 'nope' (allowed: basic, local, slurm,"),
+    (["trainer=torch", "trainer.zero_stage=3"], "(allowed: micro_batch_size, lr, weight_decay, warmup_steps,"),
+]
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
@@ -35,6 +46,39 @@ def test_bad_input_one_line_error(args, message):
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("rlmm: error: "), result.stderr[-2000:]
     assert message in lines[0]
+
+
+@pytest.mark.parametrize("args,message", TRAIN_CASES, ids=[" ".join(a) for a, _ in TRAIN_CASES])
+def test_train_bad_input_one_line_error(args, message):
+    result = run_cli("train", *args)
+    assert result.returncode == 2, result.stderr[-2000:]
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("rlmm: error: "), result.stderr[-2000:]
+    assert message in lines[0]
+
+
+def test_tokenizer_without_pad_or_eos_is_named():
+    from types import SimpleNamespace
+
+    from rlmm.models.loading import padding_id
+
+    assert padding_id(SimpleNamespace(pad_token_id=None, eos_token_id=2), "m") == 2  # EOS pads decoder-only models
+    with pytest.raises(ValueError, match="^model.path: the tokenizer of 'm' has neither a pad token nor an end-of"):
+        padding_id(SimpleNamespace(pad_token_id=None, eos_token_id=None), "m")
+
+
+def test_a_raising_reward_function_names_the_prompt():
+    from types import SimpleNamespace
+
+    from rlmm.train import reward
+
+    class Broken:
+        def reward(self, example, completion):
+            return {}["answer"]
+
+    with pytest.raises(ValueError, match=r"^task.reward raised KeyError \('answer'\) on prompt '12\+3=' with "
+                                         r"completion '15'$"):
+        reward(Broken(), SimpleNamespace(prompt="12+3="), "15")
 
 
 def test_unknown_command():

@@ -54,3 +54,13 @@ def model_precision(model: nn.Module) -> dict[str, str]:
     body = {p.dtype for p in model.parameters() if id(p) not in head_ids}
     return {"dtype": "/".join(sorted(dtype_name(d) for d in body)),
             "head_dtype": dtype_name(head.weight.dtype)}
+
+
+def padding_id(tokenizer, model_path: str) -> int:
+    """The id to pad batches with: the tokenizer's pad token, else its end-of-sequence token (the usual
+    choice for decoder-only models; padded positions are masked either way)."""
+    for token_id in (tokenizer.pad_token_id, tokenizer.eos_token_id):
+        if token_id is not None:
+            return token_id
+    raise ValueError(f"model.path: the tokenizer of '{model_path}' has neither a pad token nor an end-of-sequence "
+                     f"token (set pad_token or eos_token in its tokenizer_config.json)")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from rlmm.models.loading import install_fp32_head, model_precision
+from rlmm.models.loading import install_fp32_head, model_precision, padding_id
 from rlmm.precision import SidePrecision
 from rlmm.samplers.base import Rollouts, SamplingOptions
 from rlmm.trainers.optim import linear_warmup
@@ -149,7 +149,7 @@ class DeepSpeedTrainer:
             install_fp32_head(self.engine.module, fp32_head)
         self.engine.eval()  # no dropout: scoring and training see the same function
         tokenizer = AutoTokenizer.from_pretrained(model_path)
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.pad_id = padding_id(tokenizer, model_path)
         self.actual_precision = model_precision(self.engine.module)
 
     @staticmethod

@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from rlmm.models.loading import load_causal_lm, model_precision
+from rlmm.models.loading import load_causal_lm, model_precision, padding_id
 from rlmm.precision import SidePrecision
 from rlmm.samplers.base import Rollouts, SamplingOptions
 from rlmm.trainers.optim import linear_warmup
@@ -43,7 +43,7 @@ class TorchTrainer:
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay)
         self.lr_schedule = linear_warmup(self.optimizer, warmup_steps)
         tokenizer = AutoTokenizer.from_pretrained(model_path)
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.pad_id = padding_id(tokenizer, model_path)
         self.actual_precision = model_precision(self.model)
 
     def _forward(self, ids: torch.Tensor, attention: torch.Tensor, keep: int) -> torch.Tensor:
