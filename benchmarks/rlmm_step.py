@@ -85,7 +85,7 @@ def main() -> None:
                  f"algo.group_size={w.group_size}", f"sampling.max_new_tokens={w.max_new_tokens}",
                  f"trainer.micro_batch_size={w.micro_batch_size}", f"logger={job.get('logger', 'none')}",
                  f"train.steps={w.warmup + w.steps}"]
-    if job.get("model_path") and w.model != "tiny":
+    if job.get("model_path") and (w.model != "tiny" or job.get("model_path_given")):
         overrides += ["model=hf", f"model.path={job['model_path']}"]
     overrides += job.get("overrides", [])
     cfg, choices = compose_train_config(overrides)

@@ -117,7 +117,8 @@ def run_suite(args) -> dict:
                     if args.device == "cuda":
                         overrides.append(f"sampler.gpu_memory_utilization={args.gpu_memory_utilization}")
                     job = {**common, "model_path": prepared["model_path"], "run_dir": run_dir,
-                           "logger": args.logger, "overrides": overrides, "eval_prompts": args.eval_prompts}
+                           "model_path_given": bool(args.model_path), "logger": args.logger,
+                           "overrides": overrides, "eval_prompts": args.eval_prompts}
                     result = run_worker("rlmm_step", job, out_dir, tag, python, args.timeout)
                 elif system == "parts":
                     job = {**common, "model_path": prepared["model_path"]}
