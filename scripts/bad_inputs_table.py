@@ -24,7 +24,7 @@ EXTRA = [  # bad input caught later than composition, each also tested (file nam
 def run(args: list[str]) -> str:
     result = subprocess.run([sys.executable, "-m", "rlmm.cli", *args], capture_output=True, text=True, timeout=300,
                             env=subprocess_env(), stdin=subprocess.DEVNULL, cwd=ROOT)
-    lines = [line for line in result.stderr.strip().splitlines() if line.startswith("rlmm: ")]
+    lines = [line for line in (result.stdout + result.stderr).splitlines() if line.startswith("rlmm: ")]
     return f"{lines[-1] if lines else '(no rlmm line)'} (exit {result.returncode})"
 
 
