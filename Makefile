@@ -1,4 +1,4 @@
-# The two quick-start commands: `make demo` (set up, then run the main job on the built-in default)
+# The two quick-start commands: `make demo` (set up, then run the main job, `rlmm train`, on the built-in default)
 # and `make test` (set up, then run the tests). Both create .venv on first use (scripts/setup.sh).
 VENV ?= .venv
 PYTEST_ARGS ?=
@@ -9,7 +9,7 @@ setup:
 	@bash scripts/setup.sh
 
 demo: setup
-	$(VENV)/bin/rlmm probe
+	$(VENV)/bin/rlmm train
 
 test: setup
 	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
