@@ -185,7 +185,8 @@ def summary_rows(record: dict) -> list[dict]:
     """One row per (size, precision): each system's median step, the ratios, peak RSS."""
     rows = []
     keys = sorted({(r["size"], r["precision"]) for r in record["results"]},
-                  key=lambda k: (list(WORKLOADS).index(k[0]) if k[0] in WORKLOADS else 99, k[1]))
+                  key=lambda k: (list(WORKLOADS).index(k[0]) if k[0] in WORKLOADS else 99,
+                                 PRECISIONS.index(k[1]) if k[1] in PRECISIONS else 99))
     for size, precision in keys:
         by = {r["system"]: r for r in record["results"] if r["size"] == size and r["precision"] == precision}
         step = {s: _step(r) for s, r in by.items()}
