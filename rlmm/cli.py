@@ -61,6 +61,7 @@ def check_overrides(config_name: str, overrides: list[str]) -> None:
                 if str(value) not in options:
                     fail(f"unknown {group} '{value}' (allowed: {', '.join(options)})")
     combinations = [batch for batches in BasicSweeper.split_arguments(parsed, None) for batch in batches]
+    combinations = with_config_sweep_params(config_name, combinations)
     from rlmm.config import CONF_DIR
 
     for combination in combinations:
@@ -86,6 +87,39 @@ def check_overrides(config_name: str, overrides: list[str]) -> None:
             fail(_one_line(err) + _allowed_keys_hint(config_name, combination, err))
         finally:
             GlobalHydra.instance().clear()
+
+
+def with_config_sweep_params(config_name: str, combinations: list[list[str]]) -> list[list[str]]:
+    """Cross each combination with the grid its composed config sets in `hydra.sweeper.params` (an
+    experiment file's sweep, `+experiment=NAME`), as Hydra's basic sweeper will under `-m`: the
+    file's values first, the command line's replacing the file's for the same key. A combination
+    that does not compose is kept as it is, for the caller's checks to report."""
+    from hydra import compose, initialize_config_dir
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    import rlmm.schema  # noqa: F401  (registers the schemas)
+    from rlmm.config import CONF_DIR
+
+    expanded = []
+    for combination in combinations:
+        GlobalHydra.instance().clear()
+        try:
+            with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+                params = compose(config_name, overrides=combination, return_hydra_config=True).hydra.sweeper.params
+            if not params:
+                expanded.append(combination)
+                continue
+            grid = OverridesParser.create().parse_overrides([f"{k}={v}" for k, v in params.items()] + combination)
+            expanded += [batch for batches in BasicSweeper.split_arguments(grid, None) for batch in batches]
+        except (HydraException, OmegaConfBaseException):
+            expanded.append(combination)
+        finally:
+            GlobalHydra.instance().clear()
+    return expanded
 
 
 def _hydra_group_options(group: str) -> list[str]:
