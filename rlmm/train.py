@@ -110,7 +110,7 @@ def rl_step(c: Components, prompts: list, ratio_cap: float) -> dict[str, float]:
     with timed(seconds, "weight_sync"):
         if not fault:  # a skipped step left the weights as the sampler has them
             weights = c.trainer.state_dict()
-            if not all(torch.isfinite(w).all() for w in weights.values()):
+            if not torch.stack([torch.isfinite(w).all() for w in weights.values()]).all():  # one device sync
                 raise NonFiniteWeights("the trainer's weights hold NaN/Inf after the update; they were not sent "
                                        "to the sampler (resume from the last checkpoint with a lower trainer.lr)")
             c.sampler.load_weights(weights)
@@ -263,7 +263,8 @@ def run_train(cfg: DictConfig, run_dir: Path, choices: dict[str, str], logger) -
                 log.warning("stop signal %s at step %d: checkpoint in %s", stop.received, step, saved)
                 stop.hand_over()
     history = [row for row in read_steps(run_dir) if row["step"] > 0] if rank == 0 else []
-    accuracy = {row["step"]: row["eval/accuracy"] for row in read_steps(run_dir) if row.get("eval/accuracy") is not None}
+    accuracy = {row["step"]: row["eval/accuracy"] for row in read_steps(run_dir)
+                if row.get("eval/accuracy") is not None}
     summary = summarize(history, accuracy, choices, precision_report, options, world, time.perf_counter() - started,
                         first_step) if rank == 0 else {}
     record.summary(summary)

@@ -92,7 +92,9 @@ def test_every_correction_runs_two_steps(small_model_path, arithmetic_task, samp
             before = {k: v.clone() for k, v in c.trainer.state_dict().items()}
             for _ in range(2):
                 metrics = rl_step(c, prompts, ratio_cap=2.0)
-            assert all(k.split("/")[0] in ("rollout", "mismatch", "correction", "loss", "perf") for k in metrics)
+            namespaces = ("rollout", "mismatch", "correction", "loss", "perf", "train")
+            assert all(k.split("/")[0] in namespaces for k in metrics)
+            assert metrics["train/skipped"] == 0
             assert metrics["mismatch/num_tokens"] > 0 and torch.isfinite(torch.tensor(metrics["loss/loss"]))
             after = c.trainer.state_dict()
             assert any(not torch.equal(before[k], after[k]) for k in before), f"{name}: weights did not change"

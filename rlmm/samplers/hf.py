@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from rlmm.logprobs import token_logprobs
-from rlmm.models.loading import load_causal_lm, model_precision
+from rlmm.models.loading import load_causal_lm, model_precision, padding_id
 from rlmm.precision import SidePrecision
 from rlmm.samplers.base import Rollouts, SamplingOptions, truncate_at_eos
 from rlmm.samplers.perturb import WeightNoise
@@ -35,7 +35,7 @@ class HFSampler:
         self.calls = 0
         self.model = load_causal_lm(model_path, precision)
         tokenizer = AutoTokenizer.from_pretrained(model_path)
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.pad_id = padding_id(tokenizer, model_path)
         eos = self.model.generation_config.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, list) else [eos if eos is not None else tokenizer.eos_token_id])
         self.actual_precision = model_precision(self.model)
