@@ -56,6 +56,8 @@ A single-node SLURM cluster on this machine (node $NODE, partition '$PARTITION')
   status   daemons and the sinfo line; exit 0 if jobs can run, 1 otherwise
   stop     stop slurmd, slurmctld, munged started by this script
 Logs: $CTLD_LOG, $SLURMD_LOG, $MUNGE_LOG
+No accounting database, so the real sacct fails: for sweeps (submitit), put slurm/bin first on PATH,
+whose sacct answers from scontrol (export PATH="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/bin:\$PATH").
 EOF
 }
 
@@ -172,6 +174,8 @@ SchedulerType=sched/backfill
 # Cores and memory are consumable, so several small jobs (one per sweep point) share the node.
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core_Memory
+# No accounting database (slurmdbd needs MySQL/MariaDB), so sacct fails; slurm/bin/sacct answers
+# submitit's job-state queries from the controller's memory instead (slurm/README.md).
 AccountingStorageType=accounting_storage/none
 JobAcctGatherType=jobacct_gather/none
 JobCompType=jobcomp/none
@@ -182,7 +186,10 @@ ReturnToService=2
 SlurmdTimeout=300
 InactiveLimit=0
 KillWait=30
-MinJobAge=300
+# The controller remembers a finished job (its state: CANCELLED, TIMEOUT, ...) this long. An hour, not
+# the default 5 min: submitit polls job states at most every 10 min, through slurm/bin/sacct, which can
+# only report what the controller still remembers.
+MinJobAge=3600
 NodeName=$NODE NodeAddr=127.0.0.1 CPUs=$cpus RealMemory=$memory State=UNKNOWN
 # Without a default, a job that gives no --mem (submitit's default) takes the whole node's memory
 # and jobs run one at a time: give each CPU its share instead.

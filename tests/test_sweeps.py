@@ -1,21 +1,29 @@
 """Sweeps through the launchers (`hydra/launcher=slurm|local`): real `rlmm train -m` multiruns whose jobs
 are real training runs, submitted to the local SLURM cluster (slurm/cluster.sh) or run as local processes.
 
-Each sweep has 4 jobs of 2 steps on the small model (a few tens of seconds each on 2 cores; SLURM runs
-two at a time, one CPU each). Checked: every job's run record lands in `<sweep dir>/<job num>/` with
-the requested config; jobs get the submitting shell's environment except its process-group variables
-(a port the test holds open stands in for a stale MASTER_PORT) and its thread count; a job that fails
-leaves the others complete and the sweep command reports it once every job is done.
+Most sweeps have 4 jobs of 2 steps on the small model (a few tens of seconds each on 2 cores; SLURM runs
+two at a time, one CPU each); SLURM sweeps run with slurm/bin (sacct from scontrol) on PATH. Checked:
+every job's run record lands in `<sweep dir>/<job num>/` with the requested config; jobs get the
+submitting shell's environment except its process-group variables (a port the test holds open stands
+in for a stale MASTER_PORT) and its thread count; a job that fails leaves the others complete and the
+sweep command reports it once every job is done; a job killed from outside ends the sweep command in
+bounded time (slurm/bin/sacct tells submitit), the others complete; a job sent SIGUSR2 mid-run
+(pre-emption, time limit) is requeued by submitit and resumes from the checkpoint rlmm wrote, to the
+numbers of an uninterrupted run.
 """
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import socket
 import subprocess
 import sys
+import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 import yaml
@@ -29,37 +37,101 @@ from tests.test_slurm_cluster import slurm_cluster  # noqa: F401  (fixture: the 
 
 ROOT = Path(__file__).resolve().parents[1]
 RLMM = Path(sys.executable).parent / "rlmm"
+SLURM_BIN = ROOT / "slurm" / "bin"  # sacct from scontrol, for a cluster without accounting (slurm/README.md)
 STEPS = 2
 # Short jobs: the fastest engines (vLLM joins in test (a)), 2 steps of 4 prompts, 8 eval prompts.
 SHORT = ["trainer=torch", "precision=fp32", f"train.steps={STEPS}", "train.prompts_per_step=4",
          f"train.eval_every={STEPS}", "train.eval_prompts=8", "logger=none"]
 
 
+def sweep_command(launcher: str, sweep_dir: Path, overrides: list[str]) -> list[str]:
+    """`rlmm train -m hydra/launcher=... OVERRIDES` plus the SHORT settings OVERRIDES does not set."""
+    keys = {o.split("=")[0] for o in overrides}
+    short = [o for o in SHORT if o.split("=")[0] not in keys]
+    return [str(RLMM), "train", "-m", f"hydra/launcher={launcher}", *overrides, *short, f"hydra.sweep.dir={sweep_dir}"]
+
+
+def sweep_env(launcher: str, **env: str) -> dict[str, str]:
+    """The test's environment; for SLURM, slurm/bin first on PATH: its sacct answers submitit's job-state
+    queries from scontrol, as the local cluster has no accounting database (slurm/README.md)."""
+    if launcher == "slurm":
+        env["PATH"] = f"{SLURM_BIN}{os.pathsep}{os.environ.get('PATH', '')}"
+    return subprocess_env(**env)
+
+
+def cancel_jobs(sweep_dir: Path) -> None:
+    """Cancel any SLURM job of the sweep still queued or running (a failed or timed-out test leaves none)."""
+    arrays = {p.name.split("_")[0] for p in (sweep_dir / ".submitit").glob("[0-9]*")}
+    if arrays:
+        subprocess.run(["scancel", *sorted(arrays)], capture_output=True, timeout=30)
+
+
 def sweep(launcher: str, sweep_dir: Path, overrides: list[str], **env: str) -> subprocess.CompletedProcess:
-    """`rlmm train -m hydra/launcher=... OVERRIDES` from sweep_dir's parent; on the way out, cancel any
-    SLURM job of it still queued (a failed or timed-out test leaves none behind)."""
-    command = [str(RLMM), "train", "-m", f"hydra/launcher={launcher}", *overrides, *SHORT,
-               f"hydra.sweep.dir={sweep_dir}"]
+    """Run a sweep from sweep_dir's parent to its end; on the way out, cancel any SLURM job of it."""
     try:
-        return subprocess.run(command, capture_output=True, text=True, timeout=840, cwd=sweep_dir.parent,
-                              stdin=subprocess.DEVNULL, env=subprocess_env(**env))
+        return subprocess.run(sweep_command(launcher, sweep_dir, overrides), capture_output=True, text=True,
+                              timeout=840, cwd=sweep_dir.parent, stdin=subprocess.DEVNULL,
+                              env=sweep_env(launcher, **env))
     finally:
         if launcher == "slurm":
-            arrays = {p.name.split("_")[0] for p in (sweep_dir / ".submitit").glob("*_*")}
-            if arrays:
-                subprocess.run(["scancel", *sorted(arrays)], capture_output=True, timeout=30)
+            cancel_jobs(sweep_dir)
+
+
+@contextmanager
+def slurm_sweep_started(sweep_dir: Path, overrides: list[str]) -> Iterator[subprocess.Popen]:
+    """A SLURM sweep running in the background (output in <sweep dir>.out); on the way out, the sweep
+    command is stopped and its jobs cancelled."""
+    with open(f"{sweep_dir}.out", "w") as out:
+        process = subprocess.Popen(sweep_command("slurm", sweep_dir, overrides), stdout=out, stderr=subprocess.STDOUT,
+                                   text=True, cwd=sweep_dir.parent, stdin=subprocess.DEVNULL, env=sweep_env("slurm"))
+    try:
+        yield process
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        cancel_jobs(sweep_dir)
+
+
+def wait_for(what: str, condition, process: subprocess.Popen, timeout: float = 600):
+    """Poll `condition()` until it returns something true; fail if the sweep command ends first."""
+    deadline = time.monotonic() + timeout
+    while not (value := condition()):
+        assert process.poll() is None, f"the sweep command ended (exit {process.returncode}) before {what}"
+        assert time.monotonic() < deadline, f"no {what} after {timeout:.0f} s"
+        time.sleep(0.5)
+    return value
+
+
+def array_task(sweep_dir: Path, num: int) -> str | None:
+    """SLURM id (<array id>_<num>) of job `num` of the sweep, from submitit's folder of it."""
+    folders = list((sweep_dir / ".submitit").glob(f"*_{num}"))
+    return folders[0].name if folders else None
+
+
+def steps_done(run_dir: Path) -> int:
+    """The last training step in the run's record (0: none yet)."""
+    from rlmm.records import read_steps
+
+    return max((row["step"] for row in read_steps(run_dir)), default=0)
+
+
+def scontrol_job(job_id: str) -> dict[str, str]:
+    """`scontrol show job` of one job as a dict ({} once the controller forgot it, MinJobAge)."""
+    result = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, timeout=30)
+    return dict(re.findall(r"(\w+)=(\S*)", result.stdout))
 
 
 def job_dirs(sweep_dir: Path) -> dict[int, Path]:
     return {int(p.name): p for p in sweep_dir.iterdir() if p.is_dir() and p.name.isdigit()}
 
 
-def check_complete(run_dir: Path, expected: dict[str, str]) -> None:
+def check_complete(run_dir: Path, expected: dict[str, str], steps: int = STEPS) -> None:
     """A finished run's record: summary, one line per step (and the step-0 eval), the requested config."""
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["steps"] == STEPS
-    steps = [json.loads(line) for line in (run_dir / "steps.jsonl").read_text().splitlines()]
-    assert [s["step"] for s in steps] == list(range(STEPS + 1)), run_dir
+    assert summary["steps"] == steps
+    rows = [json.loads(line) for line in (run_dir / "steps.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == list(range(steps + 1)), run_dir
     config = yaml.safe_load((run_dir / "config.yaml").read_text())
     for key, value in expected.items():
         node = config["choices"] if key in config["choices"] else config
@@ -81,8 +153,8 @@ def held_port():
         yield str(s.getsockname()[1])
 
 
-def check_table(sweep_dir: Path, statuses: dict[str, int]) -> None:
-    """`rlmm table` reads the sweep: exit 0, one run per job, with these statuses."""
+def check_table(sweep_dir: Path, statuses: dict[str, int]) -> str:
+    """`rlmm table` reads the sweep: exit 0, one run per job, with these statuses; returns its output."""
     from rlmm.table import load_runs
 
     result = subprocess.run([str(RLMM), "table", str(sweep_dir), "--out", str(sweep_dir / "table")],
@@ -90,6 +162,7 @@ def check_table(sweep_dir: Path, statuses: dict[str, int]) -> None:
                             env=subprocess_env())
     assert result.returncode == 0, result.stdout + result.stderr
     assert load_runs([str(sweep_dir)])["status"].value_counts().to_dict() == statuses
+    return result.stdout
 
 
 # ---- the launcher options compose, and the CLI names them -----------------------------------------
@@ -188,3 +261,105 @@ def test_slurm_sweep_with_a_failing_job(slurm_cluster, small_model_path, tmp_pat
     assert not (runs[1] / "summary.json").exists() and not (runs[1] / "steps.jsonl").exists()
     assert "rlmm: error: model.path: cannot fetch hub model" in job_log(runs[1])  # the job's own log says why
     check_table(sweep_dir, {"complete": 3, "failed": 1})
+
+
+def test_slurm_sweep_with_a_killed_job(slurm_cluster, small_model_path, tmp_path):  # noqa: F811
+    """Job 3 (many steps) is cancelled from outside (`scancel`, as an admin, a time limit or the OOM killer
+    would) once it has recorded a step. It writes no result, so only SLURM can tell that it ended: through
+    slurm/bin/sacct submitit sees it CANCELLED and the sweep command exits non-zero in bounded time (without
+    it: forever), once jobs 0, 1, 2 have completed with intact records; `rlmm table` names the killed run."""
+    long_steps = 200  # never reached: the job is cancelled after step 1
+    sweep_dir = tmp_path / "sweep"
+    overrides = ["sampler=hf", "model=hf", f"model.path={small_model_path}",
+                 f"train.steps={STEPS},{STEPS},{STEPS},{long_steps}"]
+    with slurm_sweep_started(sweep_dir, overrides) as process:
+        job = wait_for("job 3 submitted", lambda: array_task(sweep_dir, 3), process)
+        wait_for("step 1 of job 3", lambda: steps_done(sweep_dir / "3") >= 1, process)
+        subprocess.run(["scancel", job], check=True, timeout=30)
+        killed = time.monotonic()
+        # submitit polls job states at intervals that double up to 10 min; a poll sees CANCELLED, then
+        # it waits 15 s for a result file that never comes
+        process.wait(timeout=300)
+        waited = time.monotonic() - killed
+    output = Path(f"{sweep_dir}.out").read_text()
+    assert process.returncode == 1, output[-4000:]
+    assert re.search(rf"UncompletedJobError: Job {job} \(task: 0\) with path \S+\s+has not produced any output "
+                     rf"\(state: CANCELLED", output), output[-4000:]
+    print(f"sweep command returned {waited:.0f} s after the scancel")
+    assert scontrol_job(job)["JobState"] == "CANCELLED"
+    runs = job_dirs(sweep_dir)
+    assert sorted(runs) == [0, 1, 2, 3]
+    for num in (0, 1, 2):
+        check_complete(runs[num], {"model.path": small_model_path})
+    assert not (runs[3] / "summary.json").exists()
+    stopped = steps_done(runs[3])
+    assert 1 <= stopped < long_steps
+    # SLURM's SIGTERM reached rlmm: it checkpointed at the step boundary before the job ended
+    assert f"stop signal 15 at step {stopped}: checkpoint in" in job_log(runs[3])
+    table = check_table(sweep_dir, {"complete": 3, "incomplete": 1})
+    assert re.search(rf"Not complete: \S*3 \(incomplete: stopped after step {stopped}\)", table), table
+
+
+def test_slurm_preempted_job_is_requeued_and_resumes(slurm_cluster, small_model_path, tmp_path):  # noqa: F811
+    """SIGUSR2, which SLURM sends a submitit job `signal_delay_s` before its time limit or pre-emption,
+    reaches job 0 of a 2-job sweep mid-run; the only checkpoint is the one the signal makes
+    (train.checkpoint_every=0). rlmm checkpoints at the step boundary and hands over to submitit's
+    handler, which requeues the job (same SLURM id, Restarts=1); the requeued job resumes from the
+    checkpoint and finishes. Its record holds every step once, and its numbers equal those of job 1, the
+    same run (fp32, one thread each) never interrupted. SLURM holds a requeued batch job about 2 min
+    before it may start again; the test lets it start at once."""
+    steps = 10
+    links = []
+    for i in range(2):  # two names for the small model: the jobs' configs differ only in the path
+        links.append(tmp_path / f"model{i}")
+        links[-1].symlink_to(small_model_path, target_is_directory=True)
+    sweep_dir = tmp_path / "sweep"
+    overrides = ["sampler=hf", "model=hf", f"model.path={links[0]},{links[1]}", f"train.steps={steps}",
+                 f"train.eval_every={steps // 2}", "train.checkpoint_every=0"]
+    with slurm_sweep_started(sweep_dir, overrides) as process:
+        job = wait_for("job 0 submitted", lambda: array_task(sweep_dir, 0), process)
+        wait_for("step 2 of job 0", lambda: steps_done(sweep_dir / "0") >= 2, process)
+        subprocess.run(["scancel", "--signal=USR2", job], check=True, timeout=30)
+        requeued = wait_for("job 0 requeued", lambda: (info := scontrol_job(job)).get("Restarts", "0") != "0" and info,
+                            process, timeout=120)
+        # SLURM holds a requeued batch job for about 2 min (Reason=BeginTime), counted from when its first
+        # run has ended: release it, again if the hold comes back, until it runs
+        deadline = time.monotonic() + 300
+        while process.poll() is None and time.monotonic() < deadline:
+            info = scontrol_job(job)
+            if info.get("JobState") != "PENDING":
+                break
+            if info.get("Reason") == "BeginTime":
+                subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], capture_output=True, timeout=30)
+            time.sleep(1)
+        process.wait(timeout=600)
+        output = Path(f"{sweep_dir}.out").read_text()
+        assert process.returncode == 0, output[-4000:]
+        # the result is written a moment before the job's process ends (and before leaving this block
+        # cancels what still runs)
+        deadline = time.monotonic() + 60
+        while (info := scontrol_job(job))["JobState"] in ("RUNNING", "COMPLETING") and time.monotonic() < deadline:
+            time.sleep(0.5)
+    assert (info["JobState"], info["Restarts"], info["JobId"]) == ("COMPLETED", "1", requeued["JobId"])
+    assert sorted(p.name for p in (sweep_dir / ".submitit").glob("[0-9]*_*")) == [job, array_task(sweep_dir, 1)]
+
+    runs = job_dirs(sweep_dir)
+    check_complete(runs[0], {"model.path": str(links[0])}, steps=steps)
+    check_complete(runs[1], {"model.path": str(links[1])}, steps=steps)
+    stopped = json.loads((runs[0] / "checkpoints" / (runs[0] / "checkpoints" / "latest").read_text().strip()
+                          / "state.json").read_text())["step"]
+    assert 2 <= stopped < steps, stopped
+    log = job_log(runs[0])  # apps.log: both runs of the job, one after the other
+    assert f"stop signal 12 at step {stopped}: checkpoint in" in log
+    assert f"resuming from {runs[0] / 'checkpoints'}/step-{stopped:06d} at step {stopped + 1}" in log
+    submitit_log = (sweep_dir / ".submitit" / job / f"{job}_0_log.out").read_text()  # the job's stdout
+    assert "this job is preempted" in submitit_log and f"Requeued job {job}" in submitit_log
+    assert submitit_log.count("Starting with JobEnvironment") == 2  # SLURM appends the second run's output
+    assert json.loads((runs[0] / "summary.json").read_text())["resumed_at_step"] == stopped + 1
+
+    from rlmm.records import read_steps
+
+    def comparable(rows):  # every logged number but wall-clock timings
+        return [{k: v for k, v in row.items() if not k.startswith("perf/")} for row in rows]
+
+    assert comparable(read_steps(runs[0])) == comparable(read_steps(runs[1]))
