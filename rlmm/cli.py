@@ -75,7 +75,7 @@ def check_overrides(config_name: str, overrides: list[str]) -> None:
                 validate(cfg, choices)
                 # These constructors only check their arguments (paths, dtype names, ranges), so bad
                 # values surface here, before a sweep is submitted or an engine starts.
-                for group in ("model", "task", "precision", "correction", "algo"):
+                for group in ("model", "precision", "correction", "algo"):
                     if group in cfg:
                         instantiate(cfg[group])
                 check_engines_support(cfg)
