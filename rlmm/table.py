@@ -232,11 +232,29 @@ def read_wandb(source: str) -> list[Run]:
         found = list(api.runs(f"{entity}/{project}", filters={"group": group} if group else None))
         runs = [_wandb_run(r, f"wandb:{entity}/{project}") for r in found]
     except (wandb.errors.Error, requests.RequestException, OSError, ValueError) as err:
+        _stop_wandb_service()
         message = next((line.strip() for line in str(err).splitlines() if line.strip()), type(err).__name__)
         raise TableError(f"W&B {source}: {message}") from None
     if not runs:
         raise TableError(f"no runs in {source}")
     return runs
+
+
+def _stop_wandb_service() -> None:
+    """Kill wandb-core after a failed request: it may still be retrying that request, and W&B's exit
+    hook waits for it with no time limit (wandb 0.31: ServiceConnection.teardown -> proc.join()), which
+    turned a one-line error into a hang of minutes on a loaded machine."""
+    from wandb.sdk import wandb_setup
+
+    connection = getattr(wandb_setup._singleton, "_connection", None)
+    process = getattr(getattr(connection, "_proc", None), "_process", None)
+    if process is None:
+        return
+    unregister_exit_hook = getattr(connection, "_cleanup", None)
+    if unregister_exit_hook:
+        unregister_exit_hook()
+    process.kill()
+    process.wait()
 
 
 def _wandb_run(wandb_run, prefix: str) -> Run:

@@ -11,6 +11,7 @@ import json
 import math
 import os
 import statistics
+import socket
 import subprocess
 from pathlib import Path
 
@@ -346,6 +347,18 @@ def test_wandb_without_key_or_server_is_one_line(tmp_path):
     line = one_line_error(rlmm("table", "wandb:me/rlmm", HOME=home, WANDB_API_KEY="x" * 40,
                                WANDB_BASE_URL="http://127.0.0.1:9", WANDB_HTTP_TIMEOUT="3"))
     assert line.startswith("rlmm: error: W&B wandb:me/rlmm: ")
+
+
+def test_wandb_server_that_never_answers_is_one_line_not_a_hang(tmp_path):
+    """wandb-core keeps retrying a request that timed out, and W&B's exit hook used to wait for it
+    with no limit: the error was printed, then the process hung for minutes."""
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(16)  # connections complete in the backlog; nothing ever answers
+        url = f"http://127.0.0.1:{server.getsockname()[1]}"
+        line = one_line_error(rlmm("table", "wandb:me/rlmm", HOME=str(tmp_path), WANDB_API_KEY="x" * 40,
+                                   WANDB_BASE_URL=url, WANDB_HTTP_TIMEOUT="3"))
+    assert line.startswith("rlmm: error: W&B wandb:me/rlmm: ") and url in line  # rlmm() times out a hang
     assert "bad W&B source 'wandb:rlmm'" in one_line_error(rlmm("table", "wandb:rlmm"))
 
 
