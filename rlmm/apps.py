@@ -95,7 +95,8 @@ def fit_env_to_submitted_job() -> None:
     Such a job runs with that shell's environment (sbatch --export=ALL; local jobs are its children),
     rlmm's runtime environment included, which is right for everything but: process-group variables
     (jobs on one node sharing a MASTER_PORT collide; WORLD_SIZE > 1 waits for ranks that never come),
-    dropped so the job starts its own world of one; and, in a SLURM job, the values derived from the
+    dropped so the job starts its own world: of one, or in a SLURM job of several tasks, one rank per
+    task; and, in a SLURM job, the values derived from the
     submitting machine (a login node without GPUs, all of its CPUs), derived again on the job's node
     with SLURM's CPUs per task as the thread count.
     """
@@ -112,8 +113,15 @@ def fit_env_to_submitted_job() -> None:
         import torch  # already imported (unpickling the job imported rlmm), so resize its thread pool
 
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-    log.info("submitted job: OMP_NUM_THREADS=%s DS_ACCELERATOR=%s", os.environ.get("OMP_NUM_THREADS"),
-             os.environ.get("DS_ACCELERATOR"))
+        if int(os.environ.get("SLURM_NTASKS", "1")) > 1:
+            # One rank per SLURM task (hydra.launcher.tasks_per_node x nodes). submitit derives the
+            # world from SLURM: MASTER_ADDR the first node, MASTER_PORT from the job id, RANK, WORLD_SIZE,
+            # LOCAL_RANK. Every task keeps all the node's GPUs; a rank picks its own by LOCAL_RANK.
+            from submitit.helpers import TorchDistributedEnvironment
+
+            TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
+    log.info("submitted job: OMP_NUM_THREADS=%s DS_ACCELERATOR=%s rank %s of %s", os.environ.get("OMP_NUM_THREADS"),
+             os.environ.get("DS_ACCELERATOR"), os.environ.get("RANK", "0"), os.environ.get("WORLD_SIZE", "1"))
 
 
 def end(line: str, code: int, submitted: bool) -> NoReturn:
