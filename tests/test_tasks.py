@@ -53,6 +53,47 @@ def test_arithmetic_prompt_format_and_answers():
     assert any(e.answer.startswith("-") for e in examples)  # "-" may go negative
 
 
+def test_careless_demonstrations_forget_the_carry_and_nothing_else():
+    exact, careless = ArithmeticTask(seed=0), ArithmeticTask(seed=0, careless_demos=1.0)
+    examples = careless.examples("train", 400)
+    assert examples == exact.examples("train", 400)  # the problems and their rewards do not change
+    wrong = 0
+    for e in examples:
+        a, op, b = re.fullmatch(r"([0-9]+)([-+])([0-9]+)=", e.prompt).groups()
+        a, b = int(a), int(b)
+        carry = a % 10 + b % 10 >= 10 if op == "+" else max(a, b) % 10 < min(a, b) % 10
+        target = careless.target(e)
+        assert exact.target(e) == e.answer
+        if not carry:
+            assert target == e.answer, e
+            continue
+        wrong += 1
+        assert careless.reward(e, target) == 0.0
+        assert abs(int(target) - int(e.answer)) == 10, (e, target)  # off by the forgotten ten only
+    assert wrong > 100
+    assert {ArithmeticTask(seed=0, max_value=9, operations=["*"], careless_demos=1.0).target(Example("7*8=", "56"))} == {"56"}
+    assert ArithmeticTask(min_value=-9, careless_demos=1.0).target(Example("-3+9=", "6")) == "6"
+
+
+def test_careless_share_and_reproducibility():
+    def demos(seed):
+        task = ArithmeticTask(seed=seed, careless_demos=0.5)
+        return [task.target(e) for e in task.examples("train", 2000)]
+
+    examples = ArithmeticTask(seed=0).examples("train", 2000)
+    first = demos(0)
+    assert first == demos(0) and first != demos(1)  # the teacher's coin is seeded
+    carry_rows = [i for i, e in enumerate(examples) if ArithmeticTask(seed=0, careless_demos=1.0).target(e) != e.answer]
+    share = sum(first[i] != examples[i].answer for i in carry_rows) / len(carry_rows)
+    assert 0.45 < share < 0.55  # half the demonstrations of carry problems are careless
+
+
+@pytest.mark.parametrize("value", [-0.1, 1.5, "half", True])
+def test_careless_demos_out_of_range_is_one_line(value):
+    with pytest.raises(ValueError, match=r"^task.careless_demos: expected a probability in \[0, 1\], got "):
+        ArithmeticTask(careless_demos=value)
+
+
 def test_arithmetic_negative_operands():
     task = ArithmeticTask(min_value=-5, max_value=5, operations=["-", "*"])
     for e in task.examples("train", 50):

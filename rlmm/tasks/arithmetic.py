@@ -47,6 +47,16 @@ class ArithmeticTask:
     Reward: 1.0 when the completion, stripped of whitespace, starts with the answer
     as a whole integer: ``"46"``, ``" 46\\n"`` and ``"46 because..."`` are correct,
     ``"467"``, ``"046"`` and ``"= 46"`` are not.
+
+    Demonstrations (``target()``, what a model is warm-started on): with probability
+    ``careless_demos`` a demonstration comes from a careless teacher who forgets the
+    carry out of the units digit (``+``) or the borrow into it (``-``): ``"27+15="``
+    gets ``"32"``, ``"42-15="`` gets ``"37"``; problems without a carry or borrow stay
+    right. A model warm-started on them half-learns both habits, which is what RL
+    with this task's exact reward can fix on problems it never saw (issue 3: at the
+    built-in model's size, RL gains nothing held-out from exact demonstrations).
+    The teacher's coin comes from its own stream seeded by ``seed``, one draw per
+    ``target()`` call, so a warm start is reproducible.
     """
 
     def __init__(
@@ -55,8 +65,14 @@ class ArithmeticTask:
         min_value: int = 0,
         max_value: int = 99,
         operations: list[str] | None = None,
+        careless_demos: float = 0.0,
     ):
         self.seed = _check_int("seed", seed)
+        if isinstance(careless_demos, bool) or not isinstance(careless_demos, (int, float)) \
+                or not 0.0 <= careless_demos <= 1.0:
+            raise ValueError(f"task.careless_demos: expected a probability in [0, 1], got {careless_demos!r}")
+        self.careless_demos = float(careless_demos)
+        self._teacher = random.Random(f"{self.seed}:careless-teacher")
         self.min_value = _check_int("min_value", min_value)
         self.max_value = _check_int("max_value", max_value)
         if self.min_value > self.max_value:
@@ -128,4 +144,23 @@ class ArithmeticTask:
         return 1.0 if match is not None and match.group() == example.answer else 0.0
 
     def target(self, example: Example) -> str:
+        if self.careless_demos and self._teacher.random() < self.careless_demos:
+            return forget_carry(example.prompt)
         return example.answer
+
+
+def forget_carry(prompt: str) -> str:
+    """The answer to `prompt` ("a+b=" or "a-b=") with the units digit's carry or borrow forgotten
+    (the right answer when there is none; `*` and negative operands are answered right)."""
+    match = re.fullmatch(r"(-?[0-9]+)([+*-])(-?[0-9]+)=", prompt)
+    a, op, b = int(match.group(1)), match.group(2), int(match.group(3))
+    if a < 0 or b < 0 or op == "*":
+        return str(OPERATIONS[op](a, b))
+    if op == "+" and a % 10 + b % 10 >= 10:
+        return str(a + b - 10)
+    if op == "-":
+        high, low = max(a, b), min(a, b)
+        if high % 10 < low % 10:
+            difference = high - low + 10
+            return str(difference if a >= b else -difference)
+    return str(OPERATIONS[op](a, b))
