@@ -543,7 +543,8 @@ def plot_curves(df: pd.DataFrame, steps: pd.DataFrame, metrics: list[str], path:
                 include_incomplete: bool = False) -> bool:
     """Each metric over steps, one line per configuration: mean over its counted runs at each step,
     shaded band = the 95% CI at that step (where ≥ 2 runs logged it). False if no run has steps."""
-    names = [n for n, _ in (parse_metric(m) for m in metrics) if n in steps.columns]
+    # One panel per metric: `--metric X:final --metric X:best` plot the same curve.
+    names = list(dict.fromkeys(n for n, _ in (parse_metric(m) for m in metrics) if n in steps.columns))
     if steps.empty or not names:
         return False
     import matplotlib
@@ -555,6 +556,7 @@ def plot_curves(df: pd.DataFrame, steps: pd.DataFrame, metrics: list[str], path:
     groups = counted.groupby(by, sort=False, dropna=False) if by else [((), counted)]
     fig, axes = plt.subplots(1, len(names), figsize=(5 * len(names), 3.8), squeeze=False)
     for ax, name in zip(axes[0], names):
+        lowest_mean = float("inf")
         for _, group in groups:
             rows = steps[steps["run"].isin(group["run"])].dropna(subset=[name])
             if rows.empty:
@@ -565,8 +567,12 @@ def plot_curves(df: pd.DataFrame, steps: pd.DataFrame, metrics: list[str], path:
             line, = ax.plot(mean.index, mean.values, marker="o" if len(mean) < 12 else None, markersize=3,
                             label=config_label(group.iloc[0], by))
             ax.fill_between(mean.index, mean - ci.fillna(0), mean + ci.fillna(0), alpha=0.2, color=line.get_color())
+            if (mean > 0).any():
+                lowest_mean = min(lowest_mean, float(mean[mean > 0].min()))
         if _log_if_spread(steps.loc[steps["run"].isin(counted["run"]), name]):
             ax.set_yscale("log")
+            if lowest_mean < float("inf"):  # a band reaching 0 would stretch the axis down to 1e-14
+                ax.set_ylim(bottom=lowest_mean / 10)
         ax.set_title(name)
         ax.set_xlabel("step")
     if axes[0][0].get_legend_handles_labels()[0]:
