@@ -154,13 +154,11 @@ def forget_carry(prompt: str) -> str:
     (the right answer when there is none; `*` and negative operands are answered right)."""
     match = re.fullmatch(r"(-?[0-9]+)([+*-])(-?[0-9]+)=", prompt)
     a, op, b = int(match.group(1)), match.group(2), int(match.group(3))
-    if a < 0 or b < 0 or op == "*":
-        return str(OPERATIONS[op](a, b))
+    exact = OPERATIONS[op](a, b)
+    if a < 0 or b < 0:
+        return str(exact)
     if op == "+" and a % 10 + b % 10 >= 10:
-        return str(a + b - 10)
-    if op == "-":
-        high, low = max(a, b), min(a, b)
-        if high % 10 < low % 10:
-            difference = high - low + 10
-            return str(difference if a >= b else -difference)
-    return str(OPERATIONS[op](a, b))
+        return str(exact - 10)
+    if op == "-" and max(a, b) % 10 < min(a, b) % 10:
+        return str(exact + 10 if a >= b else exact - 10)  # the forgotten borrow leaves |a - b| 10 too big
+    return str(exact)
