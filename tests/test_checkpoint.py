@@ -52,7 +52,7 @@ def make_trainer(backend, model_path, dtype, stage):
 
 @pytest.mark.parametrize("backend,dtype,stage", [("deepspeed", "fp32", 0), ("deepspeed", "bf16", 0),
                                                  ("deepspeed", "fp32", 2), ("deepspeed", "fp32", 3),
-                                                 ("torch", "fp32", 0)])
+                                                 ("torch", "fp32", 0), ("torch", "bf16", 0), ("torch", "fp16", 0)])
 def test_resumed_trainer_matches_uninterrupted(small_model_path, arithmetic_task, tmp_path, backend, dtype, stage):
     rollouts = fixed_rollouts(small_model_path, arithmetic_task)
     rows = list(range(len(rollouts)))

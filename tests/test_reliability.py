@@ -108,6 +108,54 @@ def test_nan_gradient_step_is_skipped_and_never_synced(small_model_path, arithme
         c.sampler.close()
 
 
+def test_fp16_overflow_skips_the_step_and_halves_the_loss_scale(small_model_path, arithmetic_task):
+    """trainer=torch in fp16 with a loss scale far too large (2^24: this model's fp16 gradients overflow
+    from 2^17 on): each step overflows, is skipped without touching the weights or the sampler, and
+    halves the scale, until the scale fits and a step goes through and is synced."""
+    from transformers import AutoTokenizer
+
+    from rlmm.algos import GRPO
+    from rlmm.corrections.tis import TokenTIS
+    from rlmm.samplers.hf import HFSampler
+    from rlmm.train import Components, rl_step
+    from rlmm.trainers.torch_backend import TorchTrainer
+    from tests.test_train import ALGO, ParityTask
+
+    options = sampling(max_new_tokens=6)
+    trainer = TorchTrainer(small_model_path, SidePrecision("fp16", False), options, micro_batch_size=8, lr=1e-3,
+                           accumulation_steps=2, initial_loss_scale=2.0 ** 24)
+    sampler = HFSampler(small_model_path, SidePrecision("fp16", False), options, seed=0)
+    synced = []
+    load_weights = sampler.load_weights
+    sampler.load_weights = lambda weights: (synced.append(1), load_weights(weights))
+    c = Components(task=ParityTask(arithmetic_task), tokenizer=AutoTokenizer.from_pretrained(small_model_path),
+                   sampler=sampler, trainer=trainer, correction=TokenTIS(cap=2.0), algo=GRPO(**ALGO),
+                   sampling=options)
+    prompts = arithmetic_task.examples("train", 4)
+    try:
+        scales, skipped = [], []
+        while not skipped or skipped[-1]:
+            assert len(skipped) < 12, f"no step went through: loss scales {scales}"
+            before = {k: v.clone() for k, v in trainer.state_dict().items()}
+            master_before = [p.clone() for p in trainer.master_params]
+            metrics = rl_step(c, prompts, ratio_cap=2.0)
+            scales.append(metrics["loss/loss_scale"])
+            skipped.append(metrics["train/skipped"])
+            if metrics["train/skipped"]:
+                assert len(synced) == 0  # nothing was sent to the sampler
+                assert all(torch.equal(v, before[k]) for k, v in trainer.state_dict().items())
+                assert all(torch.equal(p, q) for p, q in zip(trainer.master_params, master_before))
+        assert skipped[0] == 1 and scales[0] == 2.0 ** 24
+        assert scales == [2.0 ** (24 - i) for i in range(len(scales))]  # halved after every overflow
+        assert len(synced) == 1  # the step that fit was synced, and its weights moved
+        assert any(not torch.equal(v, before[k]) for k, v in trainer.state_dict().items())
+        assert all(v.dtype == torch.float16 for v in trainer.state_dict().values())
+        assert trainer.grad_scaler.get_scale() == scales[-1]  # a clean step keeps the scale (growth after 1000)
+    finally:
+        trainer.close()
+        sampler.close()
+
+
 def test_run_stops_after_max_bad_steps_with_a_checkpoint(small_model_path, tmp_path):
     result = subprocess.run(
         train_command(small_model_path, tmp_path, "logger=none", "trainer=torch", "sampler=hf",

@@ -139,6 +139,7 @@ class DeepSpeedTrainer:
                                                lr_scheduler=lambda optimizer: linear_warmup(optimizer, warmup_steps))
         # fp16/bf16 optimizers check for overflow and skip the step themselves (dynamic loss scaling).
         self.loss_scaled = precision.dtype in ("fp16", "bf16")
+        self.fp16 = precision.dtype == "fp16"
         self.fp32_head = fp32_head is not None
         if fp32_head is not None:
             # DeepSpeed casts the whole module to 16 bits; put the checkpoint's fp32 head back (for
@@ -185,6 +186,8 @@ class DeepSpeedTrainer:
         own_norm, skipped = [], []
         skipped_before = self.engine.skipped_steps
         lr = self.engine.get_lr()[0]  # the rate this step uses (the schedule advances inside engine.step)
+        # The scale this step's backward uses (DeepSpeed's fp16 optimizers, ZeRO or not; GPU only here).
+        loss_scale = float(self.engine.optimizer.loss_scale) if self.fp16 else None
 
         def backward(loss: torch.Tensor) -> None:
             # loss_fn already normalises by the whole minibatch: no extra 1/accumulation_steps.
@@ -211,6 +214,8 @@ class DeepSpeedTrainer:
         if self.engine.micro_steps % self.engine.gradient_accumulation_steps() != 0:
             raise RuntimeError("DeepSpeedTrainer.update: the minibatch did not fill accumulation_steps micro-batches")
         metrics["lr"] = lr
+        if loss_scale is not None:
+            metrics["loss_scale"] = loss_scale
         norm = self.engine.get_global_grad_norm()
         metrics["grad_norm"] = float(norm) if norm is not None else (own_norm[-1] if own_norm else float("nan"))
         if skipped:

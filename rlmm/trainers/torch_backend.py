@@ -1,8 +1,13 @@
 """`trainer=torch`: the training model in plain PyTorch (a baseline to compare DeepSpeed against).
 
-Weights live in the trainer's dtype (no fp32 master copy): in bf16/fp16 this is "pure" low-precision
-training, which is what a plain-PyTorch loop does without extra machinery. DeepSpeed keeps fp32
-master weights; compare the two with `trainer=torch` vs `trainer=deepspeed`.
+Mixed precision as DeepSpeed does it (Micikevicius et al. 2018, "Mixed Precision Training"): the
+model's weights are in the trainer's dtype, so scoring and the training forward/backward run in
+bf16/fp16, while AdamW updates an fp32 master copy that is cast back into the model after each step.
+Why the master copy: an AdamW step of lr 3e-5 on a weight of 0.05 is a relative change of 6e-4,
+below bf16's unit roundoff (3.9e-3), so 16-bit weights would round most updates away.
+fp16 also needs loss scaling (its smallest normal is 6.1e-5, so small gradients flush to zero):
+`torch.amp.GradScaler` scales the loss, unscales the master gradients, and on an overflow skips the
+step and halves the scale (doubling it after `loss_scale_growth_interval` clean steps).
 """
 from __future__ import annotations
 
@@ -23,11 +28,13 @@ class TorchTrainer:
         lr, weight_decay: AdamW.
         warmup_steps: linear learning-rate warm-up over this many optimizer steps (0: none).
         grad_clip: clip the global gradient norm to this (0: off).
+        initial_loss_scale, loss_scale_growth_interval: fp16 dynamic loss scaling (ignored otherwise).
     """
 
     def __init__(self, model_path: str, precision: SidePrecision, sampling: SamplingOptions, micro_batch_size: int,
                  lr: float = 1e-4, weight_decay: float = 0.0, warmup_steps: int = 0, grad_clip: float = 1.0,
-                 accumulation_steps: int = 1):
+                 accumulation_steps: int = 1, initial_loss_scale: float = 2.0 ** 16,
+                 loss_scale_growth_interval: int = 1000):
         from transformers import AutoTokenizer
 
         if micro_batch_size < 1:
@@ -40,7 +47,17 @@ class TorchTrainer:
         self.dtype = precision.dtype
         self.model = load_causal_lm(model_path, precision, trainable=True)
         self.model.eval()  # no dropout: scoring and training see the same function
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay)
+        params = list(self.model.parameters())
+        # fp32 weights are their own master copy; 16-bit ones get one in fp32 for AdamW to update.
+        self.master_params = None if all(p.dtype == torch.float32 for p in params) else [
+            p.detach().float().clone().requires_grad_(True) for p in params]
+        self.optimizer = torch.optim.AdamW(self.master_params or params, lr=lr, weight_decay=weight_decay)
+        if precision.dtype == "fp16" and not (initial_loss_scale > 0 and loss_scale_growth_interval >= 1):
+            raise ValueError(f"trainer.initial_loss_scale must be > 0 and trainer.loss_scale_growth_interval >= 1, "
+                             f"got {initial_loss_scale} and {loss_scale_growth_interval}")
+        self.grad_scaler = torch.amp.GradScaler(params[0].device.type, init_scale=initial_loss_scale,
+                                                growth_interval=loss_scale_growth_interval,
+                                                enabled=precision.dtype == "fp16")
         self.lr_schedule = linear_warmup(self.optimizer, warmup_steps)
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.pad_id = padding_id(tokenizer, model_path)
@@ -55,41 +72,59 @@ class TorchTrainer:
 
     def update(self, rollouts: Rollouts, rows: list[int], loss_fn: LossFn) -> dict[str, float]:
         """One optimizer step on the minibatch `rows`: forward/backward per micro-batch, clip, step.
-        A non-finite gradient norm skips the step (metrics["skipped"] = 1): weights, optimizer state
-        and the LR schedule stay as they were."""
-        if self.dtype == "fp16":
-            # Seen here: weights and AdamW state in fp16 with no loss scaling reach inf/NaN within two
-            # steps (AdamW's eps = 1e-8 is 0 in fp16). Scoring in fp16 is fine.
-            raise ValueError("precision: trainer=torch cannot train in fp16 (weights and optimizer state would be "
-                             "fp16, no loss scaling); allowed here for training: fp32, bf16")
+        A non-finite gradient norm (an fp16 overflow, a NaN) skips the step (metrics["skipped"] = 1):
+        weights, optimizer state and the LR schedule stay as they were; in fp16 the loss scale halves."""
+        scaler = self.grad_scaler
         self.optimizer.zero_grad(set_to_none=True)
-        metrics = accumulate_gradients(self._forward, torch.Tensor.backward, rollouts, rows, self.sampling,
-                                       self.pad_id, self.micro_batch_size, loss_fn)
+        self.model.zero_grad(set_to_none=True)
+        metrics = accumulate_gradients(self._forward, lambda loss: scaler.scale(loss).backward(), rollouts, rows,
+                                       self.sampling, self.pad_id, self.micro_batch_size, loss_fn)
+        if self.master_params is not None:  # the 16-bit gradients move to the fp32 master copy
+            for master, param in zip(self.master_params, self.model.parameters()):
+                master.grad = None if param.grad is None else param.grad.float()
+                param.grad = None
+        if scaler.is_enabled():
+            metrics["loss_scale"] = scaler.get_scale()  # the scale this step's backward used
+        scaler.unscale_(self.optimizer)
         max_norm = self.grad_clip if self.grad_clip > 0 else float("inf")
-        metrics["grad_norm"] = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm).item()
+        metrics["grad_norm"] = torch.nn.utils.clip_grad_norm_(self.optimizer.param_groups[0]["params"],
+                                                              max_norm).item()
         metrics["lr"] = self.lr_schedule.get_last_lr()[0]
         metrics["skipped"] = float(not math.isfinite(metrics["grad_norm"]))
-        if metrics["skipped"]:  # a NaN/Inf gradient never reaches the weights or AdamW's moments
-            self.optimizer.zero_grad(set_to_none=True)
-            return metrics
-        self.optimizer.step()
-        self.lr_schedule.step()
+        if not metrics["skipped"]:  # a NaN/Inf gradient never reaches the weights or AdamW's moments
+            self.optimizer.step()
+            self.lr_schedule.step()
+            if self.master_params is not None:
+                with torch.no_grad():
+                    for master, param in zip(self.master_params, self.model.parameters()):
+                        param.copy_(master)
+        scaler.update()  # fp16: halve the scale after an overflow, double it after growth_interval clean steps
+        self.optimizer.zero_grad(set_to_none=True)
         return metrics
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {k: v.detach() for k, v in self.model.state_dict().items()}
 
     def checkpoint_state(self) -> dict:
-        return {"optimizer": self.optimizer.state_dict(), "lr_schedule": self.lr_schedule.state_dict()}
+        return {"optimizer": self.optimizer.state_dict(), "lr_schedule": self.lr_schedule.state_dict(),
+                "grad_scaler": self.grad_scaler.state_dict(),
+                "master_params": [p.detach() for p in self.master_params or []]}
 
     def load_checkpoint(self, weights: dict[str, torch.Tensor], rank_states: list[dict]) -> None:
+        state = rank_states[0]
         self.model.load_state_dict(weights)
-        self.optimizer.load_state_dict(rank_states[0]["optimizer"])
-        self.lr_schedule.load_state_dict(rank_states[0]["lr_schedule"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.lr_schedule.load_state_dict(state["lr_schedule"])
+        if self.master_params is not None:
+            with torch.no_grad():
+                for master, saved in zip(self.master_params, state["master_params"], strict=True):
+                    master.copy_(saved)
+        if self.grad_scaler.is_enabled():
+            self.grad_scaler.load_state_dict(state["grad_scaler"])
 
     @staticmethod
     def safe_checkpoint_types() -> list[type]:
         return []
 
     def close(self) -> None:
-        del self.model, self.optimizer
+        del self.model, self.optimizer, self.master_params
