@@ -118,14 +118,14 @@ def main() -> None:
         watch.take()
         sync_device()
         t0 = time.perf_counter()
-        metrics = rl_step(c, prompts, cfg.train.ratio_cap)
+        metrics = rl_step(c, prompts, cfg.train.ratio_cap, cfg.train.reuse_training_forward)
         sync_device()
         t1 = time.perf_counter()
         record.log(metrics, step)
         logger.log(metrics, step=step)
         t2 = time.perf_counter()
         inner = watch.take()
-        stages = {k: metrics[f"perf/{k}_seconds"] for k in RL_STAGES}
+        stages = {k: metrics.get(f"perf/{k}_seconds", 0.0) for k in RL_STAGES}  # one pass: no trainer_logprobs
         train_parts = sum(inner.get(k, 0.0) for k in ("train.forward", "train.backward", "train.step"))
         row = {**stages, **inner, "train.other": stages["train"] - train_parts, "logging": t2 - t1,
                "step": t2 - t0}

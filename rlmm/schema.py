@@ -57,6 +57,7 @@ class TrainOptions:
     checkpoint_every: int = MISSING
     resume: bool = MISSING
     max_bad_steps: int = MISSING
+    reuse_training_forward: bool = MISSING
 
 
 @dataclass

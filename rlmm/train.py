@@ -1,9 +1,12 @@
 """`rlmm train`: GRPO with a vLLM (or transformers) sampler and a DeepSpeed (or torch) trainer.
 
 One RL step, top to bottom (`rl_step`):
-  sample rollouts -> rewards -> trainer log-probs of the rollouts (no grad) -> mismatch metrics ->
-  advantages -> correction (old log-probs, per-token weights, kept tokens) -> epochs x minibatches of
+  sample rollouts -> rewards -> advantages -> trainer log-probs of the rollouts (no grad) -> mismatch
+  metrics -> correction (old log-probs, per-token weights, kept tokens) -> epochs x minibatches of
   PPO updates -> weight sync trainer -> sampler -> log.
+With one epoch over one minibatch (the default) the no-grad pass is skipped: the update's own
+forward scores the rollouts, the correction runs on those log-probs, then the losses are taken
+(`train.reuse_training_forward`, `accumulate_gradients(score=...)`).
 Every stage is a call on a component Hydra built; the loop never asks which engine, backend or
 correction it holds. Metric namespaces: rollout/, mismatch/, correction/, loss/, perf/, eval/.
 
@@ -73,7 +76,7 @@ def build_components(cfg: DictConfig) -> tuple[Components, dict]:
     return components, check_precision(precision, sampler.actual_precision, trainer.actual_precision)
 
 
-def rl_step(c: Components, prompts: list, ratio_cap: float) -> dict[str, float]:
+def rl_step(c: Components, prompts: list, ratio_cap: float, reuse_training_forward: bool = False) -> dict[str, float]:
     seconds: dict[str, float] = {}
     algo = c.algo
     with timed(seconds, "generate"):
@@ -82,29 +85,39 @@ def rl_step(c: Components, prompts: list, ratio_cap: float) -> dict[str, float]:
     with timed(seconds, "reward"):
         texts = c.tokenizer.batch_decode(rollouts.response_ids, skip_special_tokens=True)
         rewards = torch.tensor([reward(c.task, prompts[i // algo.group_size], t) for i, t in enumerate(texts)])
-    with timed(seconds, "trainer_logprobs"):
-        train_logprobs = c.trainer.logprobs(rollouts)
     sampler_logprobs, mask = rollouts.padded_sampler_logprobs()
-    fault = any_rank(first_fault(rewards=rewards, trainer_logprobs=train_logprobs[mask],
-                                 sampler_logprobs=sampler_logprobs[mask]))
-    mismatch = mismatch_metrics(train_logprobs, sampler_logprobs, mask, ratio_cap=ratio_cap)
     advantages = algo.advantages(rewards)
-    corrected = c.correction(train_logprobs, sampler_logprobs, mask)
+    old = {}  # π_old as the trainer scores it: the step's fault check, mismatch metrics and correction
+
+    def score_old_policy(train_logprobs: torch.Tensor) -> None:
+        old["fault"] = any_rank(first_fault(rewards=rewards, trainer_logprobs=train_logprobs[mask],
+                                            sampler_logprobs=sampler_logprobs[mask]))
+        old["mismatch"] = mismatch_metrics(train_logprobs, sampler_logprobs, mask, ratio_cap=ratio_cap)
+        old["corrected"] = c.correction(train_logprobs, sampler_logprobs, mask)
+
+    # One epoch over one minibatch updates the very policy that scores the rollouts, so the training
+    # forward can give π_old's log-probs (train.reuse_training_forward); otherwise a no-grad pass first.
+    single_pass = reuse_training_forward and algo.epochs == 1 and algo.minibatches == 1
+    if not single_pass:
+        with timed(seconds, "trainer_logprobs"):
+            score_old_policy(c.trainer.logprobs(rollouts))
 
     with timed(seconds, "train"):
         losses = []
-        for _ in range(0 if fault else algo.epochs):
+        # A fault found by the single pass comes with NaN/Inf in the loss: the trainer skips that step.
+        for _ in range(algo.epochs if single_pass or not old["fault"] else 0):
             for rows in minibatch_rows(len(rollouts), algo.minibatches):
-                normalizer = algo.loss_normalizer(corrected.mask[rows], max_length=c.sampling.max_new_tokens)
-
-                def loss_fn(chunk, logprobs, entropy):
-                    width = logprobs.size(1)
+                def loss_fn(chunk, logprobs, entropy, rows=rows):
+                    corrected, width = old["corrected"], logprobs.size(1)
                     return algo.policy_loss(logprobs, corrected.old_logprobs[chunk, :width], advantages[chunk],
                                             corrected.mask[chunk, :width], corrected.weights[chunk, :width],
                                             entropy=entropy, max_length=c.sampling.max_new_tokens,
-                                            normalizer=normalizer)
+                                            normalizer=algo.loss_normalizer(corrected.mask[rows],
+                                                                            max_length=c.sampling.max_new_tokens))
 
-                losses.append(c.trainer.update(rollouts, rows, loss_fn))
+                score = score_old_policy if single_pass else None
+                losses.append(c.trainer.update(rollouts, rows, loss_fn, score=score))
+    fault, mismatch, corrected = old["fault"], old["mismatch"], old["corrected"]
     if not fault and any(m["skipped"] for m in losses):
         fault = "non-finite gradient (optimizer step skipped)"
     with timed(seconds, "weight_sync"):
@@ -237,7 +250,8 @@ def run_train(cfg: DictConfig, run_dir: Path, choices: dict[str, str], logger) -
     with StopSignals() as stop:
         for step in bar:
             step_prompts = train_examples[(step - 1) * options.prompts_per_step: step * options.prompts_per_step]
-            metrics = mean_over_ranks(rl_step(components, step_prompts[rank::world], options.ratio_cap))
+            metrics = mean_over_ranks(rl_step(components, step_prompts[rank::world], options.ratio_cap,
+                                              options.reuse_training_forward))
             bad_in_a_row = bad_in_a_row + 1 if metrics["train/skipped"] else 0
             bad_total += bool(metrics["train/skipped"])
             metrics.update({"train/bad_steps": bad_total, "train/bad_steps_in_a_row": bad_in_a_row})

@@ -22,11 +22,11 @@ class _NaNUpdates:
         logits = super()._forward(ids, attention, keep)
         return logits * torch.nan if self.poisoning else logits
 
-    def update(self, rollouts, rows, loss_fn):
+    def update(self, rollouts, rows, loss_fn, score=None):
         self.updates += 1
         self.poisoning = self.updates >= self.nan_from_update
         try:
-            return super().update(rollouts, rows, loss_fn)
+            return super().update(rollouts, rows, loss_fn, score)
         finally:
             self.poisoning = False
 

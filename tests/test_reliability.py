@@ -84,8 +84,10 @@ def make_faulty_components(model_path, task, trainer_name, dtype):
                       correction=TokenTIS(cap=2.0), algo=GRPO(**ALGO), sampling=options)
 
 
+@pytest.mark.parametrize("reuse_training_forward", [False, True])
 @pytest.mark.parametrize("trainer_name,dtype", [("torch", "fp32"), ("deepspeed", "fp32"), ("deepspeed", "bf16")])
-def test_nan_gradient_step_is_skipped_and_never_synced(small_model_path, arithmetic_task, trainer_name, dtype):
+def test_nan_gradient_step_is_skipped_and_never_synced(small_model_path, arithmetic_task, trainer_name, dtype,
+                                                       reuse_training_forward):
     from rlmm.train import rl_step
     from tests.test_train import ParityTask
 
@@ -95,10 +97,12 @@ def test_nan_gradient_step_is_skipped_and_never_synced(small_model_path, arithme
     c.sampler.load_weights = lambda weights: (synced.append(1), load_weights(weights))
     prompts = arithmetic_task.examples("train", 4)
     try:
-        good = rl_step(c, prompts, ratio_cap=2.0)  # update 1: healthy
+        # update 1: healthy
+        good = rl_step(c, prompts, ratio_cap=2.0, reuse_training_forward=reuse_training_forward)
         assert good["train/skipped"] == 0 and len(synced) == 1
         before = {k: v.clone() for k, v in c.trainer.state_dict().items()}
-        bad = rl_step(c, prompts, ratio_cap=2.0)  # update 2: NaN logits -> NaN loss and gradients
+        # update 2: NaN logits -> NaN loss and gradients (and, in one pass, NaN scored log-probs)
+        bad = rl_step(c, prompts, ratio_cap=2.0, reuse_training_forward=reuse_training_forward)
         assert bad["train/skipped"] == 1
         assert len(synced) == 1  # nothing was sent to the sampler
         for key, value in c.trainer.state_dict().items():
@@ -168,7 +172,9 @@ def test_run_stops_after_max_bad_steps_with_a_checkpoint(small_model_path, tmp_p
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
     assert [r["train/skipped"] for r in rows[1:]] == [0, 1, 1]
     assert [r["train/bad_steps"] for r in rows[1:]] == [0, 1, 2]
-    assert "bad step skipped: non-finite gradient" in result.stdout + result.stderr
+    # One pass (the default): the poisoned training forward is also the scoring, so the scored log-probs
+    # name the fault; the NaN loss it gives is then skipped by the trainer.
+    assert "bad step skipped: non-finite trainer logprobs" in result.stdout + result.stderr
     from safetensors.torch import load_file
 
     # The checkpoints of the two bad steps hold the same weights: the skipped updates changed nothing.

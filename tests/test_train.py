@@ -80,8 +80,6 @@ def test_every_correction_runs_two_steps(small_model_path, arithmetic_task, samp
     policy = instantiate(OmegaConf.load(CONF_DIR / "precision" / f"{precision_name}.yaml"))
     if trainer_name == "deepspeed" and DeepSpeedTrainer.unsupported(policy.trainer):
         pytest.skip(DeepSpeedTrainer.unsupported(policy.trainer))
-    if trainer_name == "torch" and policy.trainer.dtype == "fp16":
-        pytest.skip("trainer=torch does not train in fp16 (no master weights or loss scaling; docs/training.md)")
     if trainer_name == "deepspeed" and policy.trainer.fp32_head:
         pytest.skip("training with an fp32 LM head on trainer=deepspeed is not supported yet (docs/training.md)")
     c = make_components(small_model_path, ParityTask(arithmetic_task), sampler_name, trainer_name, precision_name)
@@ -90,8 +88,8 @@ def test_every_correction_runs_two_steps(small_model_path, arithmetic_task, samp
         for name in CORRECTIONS:
             c.correction = instantiate(OmegaConf.load(CONF_DIR / "correction" / f"{name}.yaml"))
             before = {k: v.clone() for k, v in c.trainer.state_dict().items()}
-            for _ in range(2):
-                metrics = rl_step(c, prompts, ratio_cap=2.0)
+            for reuse_training_forward in (False, True):  # scoring pass first, then the one-pass step
+                metrics = rl_step(c, prompts, ratio_cap=2.0, reuse_training_forward=reuse_training_forward)
             namespaces = ("rollout", "mismatch", "correction", "loss", "perf", "train")
             assert all(k.split("/")[0] in namespaces for k in metrics)
             assert metrics["train/skipped"] == 0
@@ -141,6 +139,37 @@ def test_fp32_none_and_tis_give_identical_updates(small_model_path, arithmetic_t
     assert largest > 0  # the update is not trivially zero
     for key in none_update:
         torch.testing.assert_close(tis_update[key], none_update[key], rtol=1e-4, atol=1e-5 * largest)
+
+
+@pytest.mark.parametrize("trainer_name", ["torch", "deepspeed"])
+def test_one_pass_step_equals_scoring_first(small_model_path, arithmetic_task, trainer_name):
+    """One epoch over one minibatch: taking the old policy's log-probs from the training forward gives
+    the step that a no-grad scoring pass first gives: the same mismatch, correction and loss metrics
+    and the same new weights. A bf16 sampler against the fp32 trainer, and an IcePop band narrow
+    enough to drop tokens, so the kept-token count that normalises the loss comes from the scoring."""
+    from rlmm.corrections.token_mask import TokenMask
+
+    prompts = arithmetic_task.examples("train", 4)
+    results = {}
+    for reuse in (False, True):
+        torch.manual_seed(0)
+        c = make_components(small_model_path, ParityTask(arithmetic_task), "hf", trainer_name,
+                            "bf16_sampler_fp32_trainer")
+        c.correction = TokenMask(low=0.99, high=1.01, reweight=True)
+        try:
+            metrics = rl_step(c, prompts, ratio_cap=2.0, reuse_training_forward=reuse)
+            results[reuse] = ({k: v for k, v in metrics.items() if not k.startswith("perf/")},
+                              {k: v.clone() for k, v in c.trainer.state_dict().items()},
+                              {k for k in metrics if k.startswith("perf/")})
+        finally:
+            c.trainer.close()
+            c.sampler.close()
+    (scored_first, weights_first, perf_first), (one_pass, weights_one, perf_one) = results[False], results[True]
+    assert 0 < scored_first["correction/frac_tokens_masked"] < 1  # the mask matters to the normaliser
+    assert one_pass == pytest.approx(scored_first, rel=1e-6, abs=1e-9)
+    for key, value in weights_first.items():
+        torch.testing.assert_close(weights_one[key], value, rtol=1e-6, atol=1e-8)
+    assert perf_first - perf_one == {"perf/trainer_logprobs_seconds"}  # the scoring pass was not run
 
 
 def test_main_job_end_to_end(tmp_path):

@@ -12,7 +12,7 @@ from rlmm.models.loading import install_fp32_head, model_precision, padding_id
 from rlmm.precision import SidePrecision
 from rlmm.samplers.base import Rollouts, SamplingOptions
 from rlmm.trainers.optim import linear_warmup
-from rlmm.trainers.scoring import LossFn, accumulate_gradients, score_rollouts
+from rlmm.trainers.scoring import LossFn, ScoreFn, accumulate_gradients, score_rollouts
 
 
 # DeepSpeed engine attributes that count steps (the LR schedule and loss scaler read them).
@@ -176,10 +176,12 @@ class DeepSpeedTrainer:
         return score_rollouts(self._forward, rollouts, self.sampling, micro_batch_size or self.micro_batch_size,
                               self.pad_id)
 
-    def update(self, rollouts: Rollouts, rows: list[int], loss_fn: LossFn) -> dict[str, float]:
+    def update(self, rollouts: Rollouts, rows: list[int], loss_fn: LossFn,
+               score: ScoreFn | None = None) -> dict[str, float]:
         """One optimizer step on the minibatch `rows` (exactly `accumulation_steps` micro-batches).
         A non-finite gradient skips the step (metrics["skipped"] = 1, DeepSpeed's skipped_steps + 1):
-        in fp16/bf16 DeepSpeed's loss scaler does it, in fp32 rlmm drops the gradients first."""
+        in fp16/bf16 DeepSpeed's loss scaler does it, in fp32 rlmm drops the gradients first.
+        `score`: see `accumulate_gradients` (the training forward also scores the rollouts)."""
         if self.fp32_head:
             raise ValueError("precision: training with an fp32 LM head is not supported on trainer=deepspeed yet "
                              "(its optimizer holds the 16-bit head); use trainer=torch, or rlmm probe to score")
@@ -210,7 +212,7 @@ class DeepSpeedTrainer:
             self.engine.step()  # DeepSpeed only steps the optimizer at the accumulation boundary
 
         metrics = accumulate_gradients(self._forward, backward, rollouts, rows, self.sampling, self.pad_id,
-                                       self.micro_batch_size, loss_fn)
+                                       self.micro_batch_size, loss_fn, score)
         if self.engine.micro_steps % self.engine.gradient_accumulation_steps() != 0:
             raise RuntimeError("DeepSpeedTrainer.update: the minibatch did not fill accumulation_steps micro-batches")
         metrics["lr"] = lr

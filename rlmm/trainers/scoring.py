@@ -18,6 +18,8 @@ from rlmm.samplers.base import Rollouts, SamplingOptions, pad_right
 ForwardFn = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
 # loss_fn(rows, logprobs [b, T], entropy [b, T]) -> (loss, metrics); rows index the rollouts
 LossFn = Callable[[list[int], torch.Tensor, torch.Tensor], tuple[torch.Tensor, dict[str, float]]]
+# score(logprobs [len(rows), T]): sees the training forward's detached log-probs before any loss is taken
+ScoreFn = Callable[[torch.Tensor], None]
 
 
 def micro_batches(rows: list[int], size: int) -> list[list[int]]:
@@ -70,17 +72,33 @@ def score_rollouts(forward: ForwardFn, rollouts: Rollouts, options: SamplingOpti
 
 def accumulate_gradients(forward: ForwardFn, backward: Callable[[torch.Tensor], None], rollouts: Rollouts,
                          rows: list[int], options: SamplingOptions, pad_id: int, micro_batch_size: int,
-                         loss_fn: LossFn) -> dict[str, float]:
+                         loss_fn: LossFn, score: ScoreFn | None = None) -> dict[str, float]:
     """Forward and backward every micro-batch of `rows`; the caller steps the optimizer once after.
 
     `loss_fn` must normalise each micro-batch's loss by the whole minibatch (e.g. a fixed token
     count), so the accumulated gradient equals the gradient of the minibatch loss.
+
+    `score`: when given, every micro-batch is forwarded first, keeping its graph; `score` gets the
+    [len(rows), T] float32 detached log-probs of `rows` (laid out like `score_rollouts`); only then are
+    the losses taken and backpropagated. With one PPO epoch over one minibatch the policy being
+    updated is the one that scored the rollouts, so this forward doubles as the no-grad scoring pass
+    (what it costs: every micro-batch's activations are held at once).
     """
+    chunks = micro_batches(rows, micro_batch_size)
+    if score is None:
+        outputs = None
+    else:
+        outputs = [response_logprobs(forward, rollouts, chunk, options, pad_id, with_entropy=True) for chunk in chunks]
+        score(pad_right([lp[:len(rollouts.response_ids[i])].detach().float().cpu()
+                         for chunk, (logprobs, _) in zip(chunks, outputs) for i, lp in zip(chunk, logprobs)])[0])
     totals: dict[str, float] = {}
-    for chunk in micro_batches(rows, micro_batch_size):
-        logprobs, entropy = response_logprobs(forward, rollouts, chunk, options, pad_id, with_entropy=True)
+    for k, chunk in enumerate(chunks):
+        logprobs, entropy = (outputs[k] if outputs is not None else
+                             response_logprobs(forward, rollouts, chunk, options, pad_id, with_entropy=True))
         loss, metrics = loss_fn(chunk, logprobs, entropy)
         backward(loss)
+        if outputs is not None:
+            outputs[k] = None  # this micro-batch's graph is spent: free its activations now
         for key, value in metrics.items():  # weighted by share of rows, so means stay means
             totals[key] = totals.get(key, 0.0) + value * len(chunk) / len(rows)
     return totals

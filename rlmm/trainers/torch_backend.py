@@ -19,7 +19,7 @@ from rlmm.models.loading import load_causal_lm, model_precision, padding_id
 from rlmm.precision import SidePrecision
 from rlmm.samplers.base import Rollouts, SamplingOptions
 from rlmm.trainers.optim import linear_warmup
-from rlmm.trainers.scoring import LossFn, accumulate_gradients, score_rollouts
+from rlmm.trainers.scoring import LossFn, ScoreFn, accumulate_gradients, score_rollouts
 
 
 class TorchTrainer:
@@ -70,15 +70,17 @@ class TorchTrainer:
         return score_rollouts(self._forward, rollouts, self.sampling, micro_batch_size or self.micro_batch_size,
                               self.pad_id)
 
-    def update(self, rollouts: Rollouts, rows: list[int], loss_fn: LossFn) -> dict[str, float]:
+    def update(self, rollouts: Rollouts, rows: list[int], loss_fn: LossFn,
+               score: ScoreFn | None = None) -> dict[str, float]:
         """One optimizer step on the minibatch `rows`: forward/backward per micro-batch, clip, step.
         A non-finite gradient norm (an fp16 overflow, a NaN) skips the step (metrics["skipped"] = 1):
-        weights, optimizer state and the LR schedule stay as they were; in fp16 the loss scale halves."""
+        weights, optimizer state and the LR schedule stay as they were; in fp16 the loss scale halves.
+        `score`: see `accumulate_gradients` (the training forward also scores the rollouts)."""
         scaler = self.grad_scaler
         self.optimizer.zero_grad(set_to_none=True)
         self.model.zero_grad(set_to_none=True)
         metrics = accumulate_gradients(self._forward, lambda loss: scaler.scale(loss).backward(), rollouts, rows,
-                                       self.sampling, self.pad_id, self.micro_batch_size, loss_fn)
+                                       self.sampling, self.pad_id, self.micro_batch_size, loss_fn, score)
         if self.master_params is not None:  # the 16-bit gradients move to the fp32 master copy
             for master, param in zip(self.master_params, self.model.parameters()):
                 master.grad = None if param.grad is None else param.grad.float()
