@@ -323,7 +323,7 @@ def test_slurm_preempted_job_is_requeued_and_resumes(slurm_cluster, small_model_
     checkpoint and finishes. Its record holds every step once, and its numbers equal those of job 1, the
     same run (fp32, one thread each) never interrupted. SLURM holds a requeued batch job about 2 min
     before it may start again; the test lets it start at once."""
-    steps = 10
+    steps = 40  # the signal needs a moment to arrive: at 10 steps the one-pass step outran it to the end
     links = []
     for i in range(2):  # two names for the small model: the jobs' configs differ only in the path
         links.append(tmp_path / f"model{i}")

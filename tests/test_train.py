@@ -173,11 +173,16 @@ def test_one_pass_step_equals_scoring_first(small_model_path, arithmetic_task, t
 
 
 def test_main_job_end_to_end(tmp_path):
-    """`rlmm train` with the built-in default (shortened): record, plots, summary, W&B offline."""
+    """`rlmm train` with the built-in default (shortened): record, plots, summary, W&B offline; the W&B
+    key in the environment appears in no file the run writes (config, record, logs, W&B's own files)."""
+    secret = "rlmm0test0secret0" + "7" * 23  # 40 characters, the length of a W&B API key
     result = subprocess.run([sys.executable, "-m", "rlmm.cli", "train", "train.steps=2", "train.eval_every=1",
                              "train.eval_prompts=16", "train.prompts_per_step=4", f"hydra.run.dir={tmp_path}"],
-                            capture_output=True, text=True, timeout=900, env=subprocess_env())
+                            capture_output=True, text=True, timeout=900, env=subprocess_env(WANDB_API_KEY=secret))
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    written = [p for p in tmp_path.rglob("*") if p.is_file()]
+    assert len(written) > 10 and not [p for p in written if secret.encode() in p.read_bytes()]
+    assert secret not in result.stdout + result.stderr
     steps = [json.loads(line) for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
     assert [s["step"] for s in steps] == [0, 1, 2]
     assert {k.split("/")[0] for k in steps[1]} >= {"rollout", "mismatch", "correction", "loss", "perf"}
