@@ -160,6 +160,47 @@ def test_fp16_overflow_skips_the_step_and_halves_the_loss_scale(small_model_path
         sampler.close()
 
 
+def test_all_finite_is_exact():
+    from rlmm.train import all_finite
+
+    weights = [torch.randn(64, 32), torch.randn(32, dtype=torch.bfloat16), torch.randn(8, dtype=torch.float16)]
+    assert all_finite(weights)
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        for i in range(len(weights)):
+            poisoned = [w.clone() for w in weights]
+            poisoned[i][3] = bad
+            assert not all_finite(poisoned), (bad, i)
+    huge = [torch.full((1000,), 3e38), torch.full((100,), 60000.0, dtype=torch.float16)]  # squares overflow
+    assert all_finite(huge)
+
+
+def test_nan_weights_are_never_sent_to_the_sampler(small_model_path, arithmetic_task):
+    """An update that leaves NaN in the weights (with finite gradients: no skip) stops the step before
+    the sync; the sampler keeps the weights it had."""
+    from rlmm.train import NonFiniteWeights, rl_step
+    from tests.test_train import ParityTask
+
+    c = make_faulty_components(small_model_path, ParityTask(arithmetic_task), "torch", "fp32")
+    c.trainer.nan_from_update = 10 ** 9  # no NaN gradients: the weights go bad after a healthy update
+    state_dict = c.trainer.state_dict
+
+    def poisoned_state_dict():
+        weights = state_dict()
+        next(iter(weights.values())).view(-1)[0] = float("nan")
+        return weights
+
+    c.trainer.state_dict = poisoned_state_dict
+    synced = []
+    c.sampler.load_weights = lambda weights: synced.append(1)
+    try:
+        with pytest.raises(NonFiniteWeights, match="were not sent to the sampler"):
+            rl_step(c, arithmetic_task.examples("train", 4), ratio_cap=2.0, reuse_training_forward=True)
+        assert synced == []
+    finally:
+        c.trainer.close()
+        c.sampler.close()
+
+
 def test_run_stops_after_max_bad_steps_with_a_checkpoint(small_model_path, tmp_path):
     result = subprocess.run(
         train_command(small_model_path, tmp_path, "logger=none", "trainer=torch", "sampler=hf",
