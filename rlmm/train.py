@@ -76,7 +76,7 @@ def build_components(cfg: DictConfig) -> tuple[Components, dict]:
     return components, check_precision(precision, sampler.actual_precision, trainer.actual_precision)
 
 
-def rl_step(c: Components, prompts: list, ratio_cap: float, reuse_training_forward: bool = False) -> dict[str, float]:
+def rl_step(c: Components, prompts: list, ratio_cap: float, reuse_training_forward: bool) -> dict[str, float]:
     seconds: dict[str, float] = {}
     algo = c.algo
     with timed(seconds, "generate"):

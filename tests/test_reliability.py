@@ -142,7 +142,7 @@ def test_fp16_overflow_skips_the_step_and_halves_the_loss_scale(small_model_path
             assert len(skipped) < 12, f"no step went through: loss scales {scales}"
             before = {k: v.clone() for k, v in trainer.state_dict().items()}
             master_before = [p.clone() for p in trainer.master_params]
-            metrics = rl_step(c, prompts, ratio_cap=2.0)
+            metrics = rl_step(c, prompts, ratio_cap=2.0, reuse_training_forward=False)
             scales.append(metrics["loss/loss_scale"])
             skipped.append(metrics["train/skipped"])
             if metrics["train/skipped"]:

@@ -130,7 +130,7 @@ def test_fp32_none_and_tis_give_identical_updates(small_model_path, arithmetic_t
         c = Components(task=ParityTask(arithmetic_task), tokenizer=AutoTokenizer.from_pretrained(small_model_path),
                        sampler=HFSampler(small_model_path, fp32, options, seed=0), trainer=trainer,
                        correction=correction, algo=GRPO(**ALGO), sampling=options)
-        metrics = rl_step(c, prompts, ratio_cap=2.0)
+        metrics = rl_step(c, prompts, ratio_cap=2.0, reuse_training_forward=False)
         results[name] = (metrics, {k: v - initial[k] for k, v in trainer.state_dict().items()})
     (none_metrics, none_update), (tis_metrics, tis_update) = results["none"], results["tis"]
     assert abs(tis_metrics["correction/weight_mean"] - 1) < 1e-5

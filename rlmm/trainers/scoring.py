@@ -63,11 +63,16 @@ def response_logprobs(forward: ForwardFn, rollouts: Rollouts, rows: list[int], o
 def score_rollouts(forward: ForwardFn, rollouts: Rollouts, options: SamplingOptions, micro_batch_size: int,
                    pad_id: int) -> torch.Tensor:
     """[B, T] float32 log π_train of each response token, laid out like `rollouts.padded_sampler_logprobs()`."""
-    pieces = []
-    for rows in micro_batches(list(range(len(rollouts))), micro_batch_size):
-        logprobs, _ = response_logprobs(forward, rollouts, rows, options, pad_id)
-        pieces.extend(lp[:len(rollouts.response_ids[i])].float().cpu() for i, lp in zip(rows, logprobs))
-    return pad_right(pieces)[0]
+    chunks = micro_batches(list(range(len(rollouts))), micro_batch_size)
+    return padded_rows(rollouts, chunks, [response_logprobs(forward, rollouts, rows, options, pad_id)[0]
+                                          for rows in chunks])
+
+
+def padded_rows(rollouts: Rollouts, chunks: list[list[int]], logprobs: list[torch.Tensor]) -> torch.Tensor:
+    """The micro-batches' [b, T_chunk] log-probs as one detached float32 [rows, T] tensor on the CPU,
+    each row cut to its response and right-padded, in the order of `chunks`."""
+    return pad_right([lp[:len(rollouts.response_ids[i])].detach().float().cpu()
+                      for rows, chunk_logprobs in zip(chunks, logprobs) for i, lp in zip(rows, chunk_logprobs)])[0]
 
 
 def accumulate_gradients(forward: ForwardFn, backward: Callable[[torch.Tensor], None], rollouts: Rollouts,
@@ -85,20 +90,14 @@ def accumulate_gradients(forward: ForwardFn, backward: Callable[[torch.Tensor], 
     (what it costs: every micro-batch's activations are held at once).
     """
     chunks = micro_batches(rows, micro_batch_size)
-    if score is None:
-        outputs = None
-    else:
-        outputs = [response_logprobs(forward, rollouts, chunk, options, pad_id, with_entropy=True) for chunk in chunks]
-        score(pad_right([lp[:len(rollouts.response_ids[i])].detach().float().cpu()
-                         for chunk, (logprobs, _) in zip(chunks, outputs) for i, lp in zip(chunk, logprobs)])[0])
+    passes = (response_logprobs(forward, rollouts, chunk, options, pad_id, with_entropy=True) for chunk in chunks)
+    if score is not None:  # every forward first (backward frees each graph's activations as it goes)
+        passes = list(passes)
+        score(padded_rows(rollouts, chunks, [logprobs for logprobs, _ in passes]))
     totals: dict[str, float] = {}
-    for k, chunk in enumerate(chunks):
-        logprobs, entropy = (outputs[k] if outputs is not None else
-                             response_logprobs(forward, rollouts, chunk, options, pad_id, with_entropy=True))
+    for chunk, (logprobs, entropy) in zip(chunks, passes):
         loss, metrics = loss_fn(chunk, logprobs, entropy)
         backward(loss)
-        if outputs is not None:
-            outputs[k] = None  # this micro-batch's graph is spent: free its activations now
         for key, value in metrics.items():  # weighted by share of rows, so means stay means
             totals[key] = totals.get(key, 0.0) + value * len(chunk) / len(rows)
     return totals

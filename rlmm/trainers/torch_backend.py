@@ -44,14 +44,14 @@ class TorchTrainer:
         self.sampling = sampling
         self.micro_batch_size = micro_batch_size
         self.grad_clip = grad_clip
-        self.dtype = precision.dtype
         self.model = load_causal_lm(model_path, precision, trainable=True)
         self.model.eval()  # no dropout: scoring and training see the same function
         params = list(self.model.parameters())
         # fp32 weights are their own master copy; 16-bit ones get one in fp32 for AdamW to update.
         self.master_params = None if all(p.dtype == torch.float32 for p in params) else [
             p.detach().float().clone().requires_grad_(True) for p in params]
-        self.optimizer = torch.optim.AdamW(self.master_params or params, lr=lr, weight_decay=weight_decay)
+        self.optimized_params = self.master_params or params
+        self.optimizer = torch.optim.AdamW(self.optimized_params, lr=lr, weight_decay=weight_decay)
         if precision.dtype == "fp16" and not (initial_loss_scale > 0 and loss_scale_growth_interval >= 1):
             raise ValueError(f"trainer.initial_loss_scale must be > 0 and trainer.loss_scale_growth_interval >= 1, "
                              f"got {initial_loss_scale} and {loss_scale_growth_interval}")
@@ -78,7 +78,6 @@ class TorchTrainer:
         `score`: see `accumulate_gradients` (the training forward also scores the rollouts)."""
         scaler = self.grad_scaler
         self.optimizer.zero_grad(set_to_none=True)
-        self.model.zero_grad(set_to_none=True)
         metrics = accumulate_gradients(self._forward, lambda loss: scaler.scale(loss).backward(), rollouts, rows,
                                        self.sampling, self.pad_id, self.micro_batch_size, loss_fn, score)
         if self.master_params is not None:  # the 16-bit gradients move to the fp32 master copy
@@ -89,8 +88,7 @@ class TorchTrainer:
             metrics["loss_scale"] = scaler.get_scale()  # the scale this step's backward used
         scaler.unscale_(self.optimizer)
         max_norm = self.grad_clip if self.grad_clip > 0 else float("inf")
-        metrics["grad_norm"] = torch.nn.utils.clip_grad_norm_(self.optimizer.param_groups[0]["params"],
-                                                              max_norm).item()
+        metrics["grad_norm"] = torch.nn.utils.clip_grad_norm_(self.optimized_params, max_norm).item()
         metrics["lr"] = self.lr_schedule.get_last_lr()[0]
         metrics["skipped"] = float(not math.isfinite(metrics["grad_norm"]))
         if not metrics["skipped"]:  # a NaN/Inf gradient never reaches the weights or AdamW's moments
