@@ -30,13 +30,14 @@ def test_sigterm_midway_then_resume_repeats_the_uninterrupted_run(small_model_pa
     """fp32 on CPU: a run stopped by SIGTERM early on and started again from its checkpoint logs
     exactly the numbers of a run that was never interrupted (same seed), in one W&B run."""
     env = subprocess_env()
+    steps = 12  # at 4 the one-pass step once (probably) outran the signal to the last step
     straight = tmp_path / "straight"
-    result = subprocess.run(train_command(small_model_path, straight, "logger=none"), capture_output=True, text=True,
+    result = subprocess.run(train_command(small_model_path, straight, "logger=none", f"train.steps={steps}"), capture_output=True, text=True,
                             timeout=600, env=env, stdin=subprocess.DEVNULL)
     assert result.returncode == 0, result.stderr[-3000:]
 
     interrupted = tmp_path / "interrupted"
-    command = train_command(small_model_path, interrupted, "train.checkpoint_every=0")
+    command = train_command(small_model_path, interrupted, "train.checkpoint_every=0", f"train.steps={steps}")
     job = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                            stdin=subprocess.DEVNULL)
     deadline = time.monotonic() + 600
@@ -49,7 +50,7 @@ def test_sigterm_midway_then_resume_repeats_the_uninterrupted_run(small_model_pa
     output = job.communicate(timeout=300)[0]
     assert job.returncode == 128 + signal.SIGTERM, output[-3000:]
     stopped_at = json.loads((checkpoint.latest(interrupted) / "state.json").read_text())["step"]
-    assert stopped_at < 4, "the run reached its last step before the signal landed: nothing left to resume"
+    assert stopped_at < steps, "the run reached its last step before the signal landed: nothing left to resume"
     assert not (interrupted / "summary.json").exists()
     run_id = (interrupted / "wandb-run-id").read_text()
 
@@ -58,7 +59,7 @@ def test_sigterm_midway_then_resume_repeats_the_uninterrupted_run(small_model_pa
     assert f"resuming from {checkpoint.latest(interrupted)}" in result.stdout + result.stderr
     assert (interrupted / "wandb-run-id").read_text() == run_id  # the same W&B run continues
     resumed_rows = read_steps(interrupted)
-    assert [row["step"] for row in resumed_rows] == [0, 1, 2, 3, 4]  # none missing, none twice
+    assert [row["step"] for row in resumed_rows] == list(range(steps + 1))  # none missing, none twice
     assert comparable(resumed_rows) == comparable(read_steps(straight))
     summary = json.loads((interrupted / "summary.json").read_text())
     assert summary["resumed_at_step"] == stopped_at + 1
