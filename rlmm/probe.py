@@ -40,6 +40,7 @@ def run_probe(cfg: DictConfig, run_dir: Path, choices: dict[str, str]) -> dict:
     started = time.perf_counter()
     stage_seconds: dict[str, float] = {}
     options = cfg.probe
+    check_micro_batch_sizes(options.trainer_micro_batch_sizes)  # before any engine starts
     task = instantiate(cfg.task)
     with timed(stage_seconds, "model"):
         model_path = instantiate(cfg.model).resolve(task, to_container(cfg.task))
@@ -70,10 +71,9 @@ def run_probe(cfg: DictConfig, run_dir: Path, choices: dict[str, str]) -> dict:
     bucket_size = max(1, math.ceil(mask.sum(1).max().item() / options.position_buckets))
     profile = position_profile(train_logprobs, sampler_logprobs, mask, bucket_size=bucket_size)
 
-    small, large = options.trainer_micro_batch_sizes
     with timed(stage_seconds, "trainer_vs_itself"):
-        trainer_vs_itself = mismatch_metrics(trainer.logprobs(rollouts, large), trainer.logprobs(rollouts, small),
-                                             mask, ratio_cap=options.ratio_cap)
+        trainer_vs_itself = trainer_against_itself(trainer, rollouts, options.trainer_micro_batch_sizes,
+                                                   options.ratio_cap)
     with timed(stage_seconds, "sampler_vs_itself"):
         sampler_vs_itself = batch_invariance(sampler, task, tokenizer, options)
     trainer.close()
@@ -88,7 +88,7 @@ def run_probe(cfg: DictConfig, run_dir: Path, choices: dict[str, str]) -> dict:
                      "frac_truncated": rollouts.finish_reasons.count("length") / len(rollouts)},
         "sampler_vs_trainer": sampler_vs_trainer,
         "position_profile": profile,
-        "trainer_vs_itself": {"micro_batch_sizes": [small, large], **trainer_vs_itself},
+        "trainer_vs_itself": trainer_vs_itself,
         "sampler_vs_itself": sampler_vs_itself,
         "seconds": time.perf_counter() - started,
         "stage_seconds": stage_seconds,
@@ -98,6 +98,25 @@ def run_probe(cfg: DictConfig, run_dir: Path, choices: dict[str, str]) -> dict:
     plot_probe(record, run_dir / "probe.png")
     print_probe(record)
     return record
+
+
+def check_micro_batch_sizes(sizes) -> tuple[int, int]:
+    """`probe.trainer_micro_batch_sizes` as (small, large): two different sizes, each >= 1."""
+    sizes = sorted(sizes)
+    if len(sizes) != 2 or sizes[0] == sizes[1] or sizes[0] < 1:
+        raise ValueError(f"probe.trainer_micro_batch_sizes: two different sizes >= 1, got {sizes}")
+    return sizes[0], sizes[1]
+
+
+def trainer_against_itself(trainer, rollouts: Rollouts, micro_batch_sizes: list[int], ratio_cap: float) -> dict:
+    """The same rollouts scored twice by the same trainer, in micro-batches of the two sizes: what batch
+    shape alone does to the trainer's log-probs (the larger size plays the trainer, the smaller the sampler
+    in the metrics' δ = log π_large - log π_small)."""
+    small, large = check_micro_batch_sizes(micro_batch_sizes)
+    _, mask = rollouts.padded_sampler_logprobs()
+    return {"micro_batch_sizes": [small, large],
+            **mismatch_metrics(trainer.logprobs(rollouts, large), trainer.logprobs(rollouts, small), mask,
+                               ratio_cap=ratio_cap)}
 
 
 def batch_invariance(sampler, task, tokenizer, options) -> dict:

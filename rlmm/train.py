@@ -107,13 +107,17 @@ def rl_step(c: Components, prompts: list, ratio_cap: float, reuse_training_forwa
         # A fault found by the single pass comes with NaN/Inf in the loss: the trainer skips that step.
         for _ in range(algo.epochs if single_pass or not old["fault"] else 0):
             for rows in minibatch_rows(len(rollouts), algo.minibatches):
-                def loss_fn(chunk, logprobs, entropy, rows=rows):
+                normalizer = []  # of this minibatch, taken once (a collective) at its first micro-batch
+
+                def loss_fn(chunk, logprobs, entropy, rows=rows, normalizer=normalizer):
                     corrected, width = old["corrected"], logprobs.size(1)
+                    if not normalizer:
+                        normalizer.append(loss_normalizer_over_ranks(algo, corrected.mask[rows],
+                                                                     c.sampling.max_new_tokens))
                     return algo.policy_loss(logprobs, corrected.old_logprobs[chunk, :width], advantages[chunk],
                                             corrected.mask[chunk, :width], corrected.weights[chunk, :width],
                                             entropy=entropy, max_length=c.sampling.max_new_tokens,
-                                            normalizer=algo.loss_normalizer(corrected.mask[rows],
-                                                                            max_length=c.sampling.max_new_tokens))
+                                            normalizer=normalizer[0])
 
                 score = score_old_policy if single_pass else None
                 losses.append(c.trainer.update(rollouts, rows, loss_fn, score=score))
@@ -184,6 +188,12 @@ def any_rank(fault: str | None) -> str | None:
     return None
 
 
+def rank_share(prompts: list, rank: int, world: int) -> list:
+    """The prompts rank `rank` of `world` samples and trains on: every world-th one from its own index,
+    so the ranks' shares are disjoint, cover the step's prompts, and differ in size by at most one."""
+    return prompts[rank::world]
+
+
 def minibatch_rows(num_rows: int, minibatches: int) -> list[list[int]]:
     """Split rollout rows into shuffled minibatches (one minibatch: all rows, in order). The shuffle
     draws from torch's global generator, seeded once per run."""
@@ -199,6 +209,21 @@ def evaluate(c: Components, examples: list) -> float:
     rollouts: Rollouts = c.sampler.generate([c.tokenizer(e.prompt).input_ids for e in examples], greedy=True)
     texts = c.tokenizer.batch_decode(rollouts.response_ids, skip_special_tokens=True)
     return sum(reward(c.task, e, t) for e, t in zip(examples, texts)) / len(examples)
+
+
+def loss_normalizer_over_ranks(algo, mask: torch.Tensor, max_length: int) -> float:
+    """The loss divisor of one rank's share of a minibatch, so that the ranks' gradients, averaged by
+    the trainer, are the gradient of the whole minibatch's loss: the mean over ranks of each rank's own
+    divisor. Token-level: each rank divides by (all ranks' kept tokens) / ranks, not by its own count,
+    which would weight a token of a rank with short responses more than one of a rank with long ones."""
+    import torch.distributed as dist
+
+    local = algo.loss_normalizer(mask, max_length=max_length)
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return local
+    total = torch.tensor([local], dtype=torch.float64)
+    dist.all_reduce(total)
+    return total.item() / dist.get_world_size()
 
 
 def mean_over_ranks(metrics: dict[str, float]) -> dict[str, float]:
@@ -260,7 +285,7 @@ def run_train(cfg: DictConfig, run_dir: Path, choices: dict[str, str], logger) -
     with StopSignals() as stop:
         for step in bar:
             step_prompts = train_examples[(step - 1) * options.prompts_per_step: step * options.prompts_per_step]
-            metrics = mean_over_ranks(rl_step(components, step_prompts[rank::world], options.ratio_cap,
+            metrics = mean_over_ranks(rl_step(components, rank_share(step_prompts, rank, world), options.ratio_cap,
                                               options.reuse_training_forward))
             bad_in_a_row = bad_in_a_row + 1 if metrics["train/skipped"] else 0
             bad_total += bool(metrics["train/skipped"])

@@ -180,5 +180,7 @@ def test_user_deepspeed_json_is_merged_over_rlmms(tmp_path):
     assert merged["zero_optimization"] == {"stage": 2, "overlap_comm": False}
     assert merged["gradient_clipping"] == 0.5 and merged["optimizer"] == {"type": "AdamW", "params": {"lr": 3e-5}}
     assert merged["train_micro_batch_size_per_gpu"] == 4  # batch sizes follow the run
+    path.write_text(json.dumps({"optimizer": {"type": "SGD", "params": {"lr": 1.0}}}))
+    assert merge_user_config(base, str(path))["optimizer"] == {"type": "SGD", "params": {"lr": 1.0}}  # not AdamW's
     with pytest.raises(ValueError, match="trainer.config_file: '/nope.json' does not exist"):
         merge_user_config(base, "/nope.json")

@@ -32,6 +32,16 @@ def test_default_probe_vllm_deepspeed(tmp_path):
     metrics = record["sampler_vs_trainer"]
     assert metrics["num_tokens"] > 0 and metrics["logprob_abs_diff_mean"] > 0  # bf16 vs fp32 differ
     assert record["trainer_vs_itself"]["logprob_abs_diff_mean"] < metrics["logprob_abs_diff_mean"]
+    assert record["trainer_vs_itself"]["micro_batch_sizes"] == [1, 16]
+    assert record["trainer_vs_itself"]["num_tokens"] == metrics["num_tokens"]  # the same rows, scored twice
+    inv = record["sampler_vs_itself"]  # SMALL: 3 greedy completions in batches of 1, 4 and 8; 2 prompts
+    assert inv["num_greedy_completions"] == 3 and inv["batch_sizes"] == [1, 4, 8]
+    assert 1 <= inv["unique_greedy_completions"] <= 3
+    assert inv["frac_identical_alone_vs_batched"] in (0, 0.5, 1)
+    assert len(inv["first_divergence_index"]) == round(2 * (1 - inv["frac_identical_alone_vs_batched"]))
+    assert all(0 <= i < 16 for i in inv["first_divergence_index"])
+    assert 0 <= inv["logprob_abs_diff_mean"] <= inv["logprob_abs_diff_max"] < 1
+    assert f"{inv['unique_greedy_completions']} unique of 3 completions" in record["stdout"]
     assert 0 <= record["rollouts"]["mean_reward"] <= 1
     assert "sampler vs trainer" in record["stdout"] and "kl_k3" in record["stdout"]
     assert list((tmp_path / "wandb").glob("offline-run-*")), "W&B offline run directory missing"
@@ -59,3 +69,78 @@ def test_gsm8k_task_with_longer_answers(tmp_path, small_model_path):
     assert sum(profile["num_tokens"]) == record["sampler_vs_trainer"]["num_tokens"]  # every token in a bucket
     assert len(profile["bucket_start"]) <= 8
     assert record["sampler_vs_trainer"]["logprob_abs_diff_mean"] > 0
+
+
+def test_trainer_against_itself_scores_at_the_two_micro_batch_sizes(small_model_path, prompts):
+    """The trainer-vs-itself figures come from two scorings of the same rows in micro-batches of each size."""
+    import pytest
+    import torch
+
+    from rlmm.precision import SidePrecision
+    from rlmm.probe import trainer_against_itself
+    from rlmm.samplers.hf import HFSampler
+    from rlmm.trainers.torch_backend import TorchTrainer
+    from tests.conftest import sampling
+
+    options = sampling(max_new_tokens=6)
+    bf16 = SidePrecision("bf16", False)
+    sampler = HFSampler(small_model_path, bf16, options, seed=0)
+    rollouts = sampler.generate(prompts[:4], n=2)  # 8 rows
+    trainer = TorchTrainer(small_model_path, bf16, options, micro_batch_size=3)
+    shapes = []
+    forward = trainer._forward
+    trainer._forward = lambda ids, attention, keep: shapes.append(ids.size(0)) or forward(ids, attention, keep)
+    record = trainer_against_itself(trainer, rollouts, [8, 2], ratio_cap=2.0)
+    assert record["micro_batch_sizes"] == [2, 8]
+    assert sorted(shapes) == [2, 2, 2, 2, 8]  # one pass in micro-batches of 2, one of all 8 rows
+    assert record["num_tokens"] == sum(map(len, rollouts.response_ids))
+    assert record["logprob_abs_diff_max"] >= 0
+    with torch.no_grad():  # the figures are those of the two scorings, larger size first
+        from rlmm.metrics import mismatch_metrics
+
+        _, mask = rollouts.padded_sampler_logprobs()
+        trainer._forward = forward
+        expected = mismatch_metrics(trainer.logprobs(rollouts, 8), trainer.logprobs(rollouts, 2), mask, ratio_cap=2.0)
+    assert {k: v for k, v in record.items() if k != "micro_batch_sizes"} == pytest.approx(expected, nan_ok=True)
+    with pytest.raises(ValueError, match=r"probe.trainer_micro_batch_sizes: two different sizes >= 1, got \[4, 4\]"):
+        trainer_against_itself(trainer, rollouts, [4, 4], ratio_cap=2.0)
+    trainer.close()
+    sampler.close()
+
+
+class BatchDependentSampler:
+    """A scripted greedy engine that is not batch-invariant: in a batch of more than 4 prompts its third
+    token changes (7 -> 9), and every log-prob drops by 0.001 per prompt in the batch beyond the first."""
+
+    def generate(self, prompt_ids, *, n=1, greedy=False):
+        import torch
+
+        from rlmm.samplers.base import Rollouts
+
+        size = len(prompt_ids)
+        tokens = [5, 6, 7, 8] if size <= 4 else [5, 6, 9, 8]
+        return Rollouts(prompt_ids=list(prompt_ids), response_ids=[list(tokens) for _ in prompt_ids],
+                        sampler_logprobs=[torch.full((4,), -0.5 - 0.001 * (size - 1)) for _ in prompt_ids],
+                        finish_reasons=["length"] * size)
+
+
+def test_sampler_against_itself_counts_what_the_batch_changes(small_model_path, arithmetic_task):
+    """The sampler-vs-itself figures on an engine whose output is known to depend on the batch size:
+    batches of 1, 4 (linspace(1, 8, 3) rounded) and 8 give 2 distinct completions; each target decoded
+    alone vs in the batch of 8 first differs at token 2, and their log-probs differ by 0.007 before it."""
+    import pytest
+    from omegaconf import OmegaConf
+    from transformers import AutoTokenizer
+
+    from rlmm.probe import batch_invariance
+
+    options = OmegaConf.create({"split": "test", "batch_invariance": {"num_prompts": 2, "num_completions": 3,
+                                                                      "max_batch_size": 8}})
+    record = batch_invariance(BatchDependentSampler(), arithmetic_task,
+                              AutoTokenizer.from_pretrained(small_model_path), options)
+    assert record["batch_sizes"] == [1, 4, 8]
+    assert record["unique_greedy_completions"] == 2 and record["num_greedy_completions"] == 3
+    assert record["frac_identical_alone_vs_batched"] == 0
+    assert record["first_divergence_index"] == [2, 2]
+    assert record["logprob_abs_diff_mean"] == pytest.approx(0.007, abs=1e-6)
+    assert record["logprob_abs_diff_max"] == pytest.approx(0.007, abs=1e-6)

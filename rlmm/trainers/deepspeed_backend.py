@@ -30,7 +30,10 @@ def _deepspeed_checkpoint_types() -> list[type]:
 
 
 def merge_user_config(config: dict, path: str) -> dict:
-    """Merge a user's DeepSpeed JSON over rlmm's config, recursively; batch sizes stay rlmm's."""
+    """Merge a user's DeepSpeed JSON over rlmm's config, recursively; batch sizes stay rlmm's.
+
+    An optimizer of another `type` replaces rlmm's optimizer node whole: AdamW's params (`torch_adam`,
+    `weight_decay`) mean nothing to, say, SGD, which DeepSpeed builds from `torch.optim` by name."""
     import json
 
     try:
@@ -50,6 +53,9 @@ def merge_user_config(config: dict, path: str) -> dict:
 
     fixed = {k: config[k] for k in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps")}
     user = {k: v for k, v in user.items() if k not in ("train_batch_size", *fixed)}
+    optimizer = user.get("optimizer")
+    if isinstance(optimizer, dict) and optimizer.get("type", config["optimizer"]["type"]) != config["optimizer"]["type"]:
+        config = {k: v for k, v in config.items() if k != "optimizer"}
     return merge(config, user)
 
 

@@ -7,6 +7,7 @@ so position ids are the plain 0..L-1 that the sampler used, and padding only fol
 """
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import torch
@@ -94,10 +95,33 @@ def accumulate_gradients(forward: ForwardFn, backward: Callable[[torch.Tensor], 
     if score is not None:  # every forward first (backward frees each graph's activations as it goes)
         passes = list(passes)
         score(padded_rows(rollouts, chunks, [logprobs for logprobs, _ in passes]))
-    totals: dict[str, float] = {}
+    parts = []
     for chunk, (logprobs, entropy) in zip(chunks, passes):
         loss, metrics = loss_fn(chunk, logprobs, entropy)
         backward(loss)
-        for key, value in metrics.items():  # weighted by share of rows, so means stay means
-            totals[key] = totals.get(key, 0.0) + value * len(chunk) / len(rows)
-    return totals
+        parts.append(metrics)
+    return combine_micro_batches(parts)
+
+
+def combine_micro_batches(parts: list[dict[str, float]]) -> dict[str, float]:
+    """One minibatch's loss metrics from its micro-batches' (`policy_loss`'s names):
+
+    - `loss`, `pg_loss` (each micro-batch's share, already divided by the whole minibatch's normaliser)
+      and `num_tokens` add up, so the logged loss is the minibatch's, whatever the micro-batch size;
+    - `*_min` / `*_max` are the minimum / maximum over micro-batches (NaN ones, with no kept token, skipped);
+    - every other key is a token mean: weighted by each micro-batch's `num_tokens` (by 1 without it).
+    """
+    combined: dict[str, float] = {}
+    for key in parts[0] if parts else ():
+        values = [p[key] for p in parts]
+        if key in ("loss", "pg_loss", "num_tokens"):
+            combined[key] = sum(values)
+        elif key.endswith(("_min", "_max")):
+            finite = [v for v in values if not math.isnan(v)]
+            combined[key] = (min if key.endswith("_min") else max)(finite) if finite else math.nan
+        else:
+            weights = [p.get("num_tokens", 1) for p in parts]
+            kept = [(v, w) for v, w in zip(values, weights) if w and not math.isnan(v)]
+            total = sum(w for _, w in kept)
+            combined[key] = sum(v * w for v, w in kept) / total if total else math.nan
+    return combined

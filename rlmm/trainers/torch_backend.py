@@ -22,6 +22,19 @@ from rlmm.trainers.optim import linear_warmup
 from rlmm.trainers.scoring import LossFn, ScoreFn, accumulate_gradients, score_rollouts
 
 
+def average_over_ranks(gradients: list[torch.Tensor]) -> None:
+    """Data parallelism as DDP and DeepSpeed do it: every rank ends the backward pass holding the mean of
+    all ranks' gradients, so the replicas take the same step (a NaN on one rank reaches all, and every
+    rank skips that step). One all-reduce per tensor: no extra buffer the size of the model."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    for gradient in gradients:
+        dist.all_reduce(gradient)
+        gradient.div_(dist.get_world_size())
+
+
 class TorchTrainer:
     """Args:
         micro_batch_size: rollouts per forward pass (batch shape changes the numerics).
@@ -80,6 +93,7 @@ class TorchTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         metrics = accumulate_gradients(self._forward, lambda loss: scaler.scale(loss).backward(), rollouts, rows,
                                        self.sampling, self.pad_id, self.micro_batch_size, loss_fn, score)
+        average_over_ranks([p.grad for p in self.model.parameters() if p.grad is not None])
         if self.master_params is not None:  # the 16-bit gradients move to the fp32 master copy
             for master, param in zip(self.master_params, self.model.parameters()):
                 master.grad = None if param.grad is None else param.grad.float()

@@ -1,0 +1,151 @@
+"""Break the RL step on purpose, one way at a time, in a scratch copy, and list the tests that catch it.
+
+Each mutant is a small source edit that a plausible bug would make (a flipped sign, two swapped
+arguments, a correction whose weights never reach the loss). For each one this copies the working tree
+(rlmm/, tests/, conf/, pyproject.toml) to a scratch directory, applies the edit there, runs pytest from
+that directory (so the scratch `rlmm` is the one imported, by the tests and by the subprocesses they
+start) and reports which tests failed. A mutant that no test catches is a hole in the suite.
+
+    .venv/bin/python scripts/mutants.py                   # every mutant, against its own tests
+    .venv/bin/python scripts/mutants.py --list            # what each mutant does
+    .venv/bin/python scripts/mutants.py negate_loss --tests tests/test_update.py
+    .venv/bin/python scripts/mutants.py --markdown out.md # also write the results as a table
+
+Run it before reshaping the step (issue 13) and after: the same mutants must stay caught.
+"""
+from __future__ import annotations
+
+import argparse
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+COPIED = ("rlmm", "tests", "conf", "pyproject.toml")
+UPDATE_TESTS = ("tests/test_update.py",)
+
+
+@dataclass
+class Mutant:
+    name: str
+    what: str
+    edits: list[tuple[str, str, str]]  # (file, exact text, replacement): the text must occur
+    tests: tuple[str, ...] = UPDATE_TESTS
+
+
+ZERO_WEIGHTS = [  # every correction but bypass contributes nothing to the loss
+    ("rlmm/corrections/none.py", "weights=torch.ones_like(delta)", "weights=torch.zeros_like(delta)"),
+    ("rlmm/corrections/geo_rs.py", "weights=torch.ones_like(delta)", "weights=torch.zeros_like(delta)"),
+    ("rlmm/corrections/kl_rs.py", "weights=torch.ones_like(delta)", "weights=torch.zeros_like(delta)"),
+    ("rlmm/corrections/tis.py", "weights=r.clamp(max=self.cap)", "weights=0 * r.clamp(max=self.cap)"),
+    ("rlmm/corrections/seq_tis.py", "weights=seq_ratio.clamp(", "weights=0 * seq_ratio.clamp("),
+    ("rlmm/corrections/seq_mis.py", "weights=seq_ratio.expand_as(delta)", "weights=0 * seq_ratio.expand_as(delta)"),
+    ("rlmm/corrections/token_mask.py", "weights = r if self.reweight else torch.ones_like(r)", "weights = 0 * r"),
+]
+
+MUTANTS = [
+    Mutant("negate_loss", "every backward pass the trainers start climbs the loss instead of descending it",
+           [("rlmm/trainers/scoring.py", "        backward(loss)\n", "        backward(-loss)\n")]),
+    Mutant("swap_mismatch_arguments", "rl_step passes sampler and trainer log-probs to mismatch_metrics swapped",
+           [("rlmm/train.py", "mismatch_metrics(train_logprobs, sampler_logprobs, mask,",
+             "mismatch_metrics(sampler_logprobs, train_logprobs, mask,")]),
+    Mutant("swap_correction_arguments", "rl_step passes sampler and trainer log-probs to the correction swapped",
+           [("rlmm/train.py", "c.correction(train_logprobs, sampler_logprobs, mask)",
+             "c.correction(sampler_logprobs, train_logprobs, mask)")]),
+    Mutant("weights_to_ones", "the loss ignores the correction's weights (all ones)",
+           [("rlmm/train.py", "corrected.weights[chunk, :width]", "torch.ones_like(corrected.weights[chunk, :width])")]),
+    Mutant("plain_response_mask", "the loss uses the response mask instead of the correction's mask",
+           [("rlmm/train.py", "corrected.mask[chunk, :width], corrected.weights", "mask[chunk, :width], corrected.weights"),
+            ("rlmm/train.py", "corrected.mask[rows],", "mask[rows],")]),
+    Mutant("zero_weights_except_bypass", "every correction except bypass returns zero weights", ZERO_WEIGHTS),
+    Mutant("deepspeed_loss_quarter", "DeepSpeed backpropagates a quarter of the loss",
+           [("rlmm/trainers/deepspeed_backend.py", "self.engine.backward(loss, scale_wrt_gas=False)",
+             "self.engine.backward(0.25 * loss, scale_wrt_gas=False)")]),
+    Mutant("per_rank_loss_normalizer", "each rank divides its loss by its own kept-token count",
+           [("rlmm/train.py", "    if not dist.is_initialized() or dist.get_world_size() == 1:\n        return local\n",
+             "    return local\n")]),
+    Mutant("torch_no_gradient_averaging", "trainer=torch ranks step on their own gradients",
+           [("rlmm/trainers/torch_backend.py", "    if not dist.is_initialized() or dist.get_world_size() == 1:\n        return\n",
+             "    return\n")]),
+    Mutant("ranks_share_prompts", "every rank trains on all of the step's prompts",
+           [("rlmm/train.py", "    return prompts[rank::world]", "    return prompts")],
+           tests=("tests/test_train.py::test_two_deepspeed_ranks_with_torchrun",)),
+    Mutant("no_weight_sync", "the trainer's new weights never reach the sampler",
+           [("rlmm/train.py", "            c.sampler.load_weights(weights)\n", "            pass\n")]),
+    Mutant("scoring_ignores_temperature", "the trainer scores at temperature 1 whatever the sampler used",
+           [("rlmm/logprobs.py", "logits = logits.float() / options.temperature", "logits = logits.float()")]),
+    Mutant("probe_one_micro_batch_size", "the probe's trainer-vs-itself scores both times at the same size",
+           [("rlmm/probe.py", "trainer.logprobs(rollouts, small), mask", "trainer.logprobs(rollouts, large), mask")],
+           tests=("tests/test_probe.py",)),
+    Mutant("loss_metrics_averaged_over_micro_batches", "the logged loss is the mean of micro-batch shares, not their sum",
+           [("rlmm/trainers/scoring.py", 'if key in ("loss", "pg_loss", "num_tokens"):',
+             'if key in ("num_tokens",):')]),
+]
+
+
+def apply(mutant: Mutant, scratch: Path) -> None:
+    for file, text, replacement in mutant.edits:
+        path = scratch / file
+        source = path.read_text()
+        if text not in source:
+            raise SystemExit(f"mutants: '{mutant.name}' no longer applies: {file} has no {text!r}")
+        path.write_text(source.replace(text, replacement, 1))
+
+
+def run(mutant: Mutant, tests: tuple[str, ...], python: str) -> tuple[list[str], float, str]:
+    with tempfile.TemporaryDirectory(prefix=f"rlmm-mutant-{mutant.name}-") as tmp:
+        scratch = Path(tmp)
+        for name in COPIED:
+            source = ROOT / name
+            (shutil.copytree if source.is_dir() else shutil.copy)(source, scratch / name)
+        apply(mutant, scratch)
+        started = time.perf_counter()
+        result = subprocess.run([python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rf", *tests],
+                                cwd=scratch, capture_output=True, text=True)
+        failed = sorted(set(re.findall(r"^FAILED (\S+)", result.stdout, re.M)))
+        tail = "\n".join(result.stdout.strip().splitlines()[-1:])
+        return failed, time.perf_counter() - started, tail
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("names", nargs="*", help="mutants to run (default: all)")
+    parser.add_argument("--tests", nargs="+", help="pytest arguments instead of each mutant's own tests")
+    parser.add_argument("--list", action="store_true", help="list the mutants and exit")
+    parser.add_argument("--markdown", type=Path, help="also write the results as a Markdown table here")
+    args = parser.parse_args()
+    known = {m.name: m for m in MUTANTS}
+    unknown = [n for n in args.names if n not in known]
+    if unknown:
+        raise SystemExit(f"mutants: unknown mutant '{unknown[0]}' (allowed: {', '.join(known)})")
+    if args.list:
+        for m in MUTANTS:
+            print(f"{m.name:42s} {m.what}")
+        return
+    python = str(ROOT / ".venv" / "bin" / "python") if (ROOT / ".venv").exists() else sys.executable
+    rows, missed = [], []
+    for mutant in [known[n] for n in args.names] or MUTANTS:
+        tests = tuple(args.tests) if args.tests else mutant.tests
+        failed, seconds, tail = run(mutant, tests, python)
+        print(f"{mutant.name}: {len(failed)} failed in {seconds:.0f} s ({tail})", flush=True)
+        for test in failed:
+            print(f"    {test}", flush=True)
+        rows.append((mutant, failed))
+        if not failed:
+            missed.append(mutant.name)
+    if args.markdown:
+        lines = ["| mutant | what it breaks | tests that fail |", "|---|---|---|"]
+        lines += [f"| `{m.name}` | {m.what} | " + ("<br>".join(f"`{t.split('::')[-1]}`" for t in failed) or "**none**")
+                  + " |" for m, failed in rows]
+        args.markdown.write_text("\n".join(lines) + "\n")
+    if missed:
+        raise SystemExit(f"mutants: not caught by any test: {', '.join(missed)}")
+
+
+if __name__ == "__main__":
+    main()

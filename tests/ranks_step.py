@@ -1,0 +1,98 @@
+"""One `rl_step` on replayed rollouts, each rank on its share of the prompts (`rank_share`), on both trainer
+backends; rank 0 writes the new weights. Run under torchrun by test_update (2 ranks) and called in-process
+by it (1 rank): the two must give the same update.
+
+    torchrun --nproc_per_node 2 tests/ranks_step.py MODEL_PATH ROLLOUTS_JSON OUT_DIR
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from rlmm.cli import set_runtime_env
+
+set_runtime_env()
+
+import torch  # noqa: E402
+
+from rlmm.samplers.base import Rollouts  # noqa: E402
+
+BACKENDS = ("torch", "deepspeed")
+
+
+class ReplaySampler:
+    """Hands out recorded rollouts: for each prompt asked for, the next recorded group drawn for it."""
+
+    calls = 0
+
+    def __init__(self, recorded: dict):
+        self.groups: list[tuple[list[int], list[int]]] = []  # (prompt ids, rows)
+        for row, prompt in enumerate(recorded["prompt_ids"]):
+            if self.groups and self.groups[-1][0] == prompt and len(self.groups[-1][1]) < recorded["group_size"]:
+                self.groups[-1][1].append(row)
+            else:
+                self.groups.append((prompt, [row]))
+        self.recorded = recorded
+
+    def generate(self, prompt_ids, *, n=1, greedy=False) -> Rollouts:
+        out = Rollouts([], [], [], [])
+        for prompt in prompt_ids:
+            index = next(i for i, (ids, _) in enumerate(self.groups) if ids == prompt)
+            for row in self.groups.pop(index)[1]:
+                out.prompt_ids.append(self.recorded["prompt_ids"][row])
+                out.response_ids.append(self.recorded["response_ids"][row])
+                out.sampler_logprobs.append(torch.tensor(self.recorded["sampler_logprobs"][row]))
+                out.finish_reasons.append("stop")
+        return out
+
+    def load_weights(self, state_dict) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def step_on_share(model_path: str, recorded: dict, backend: str, scratch: Path) -> dict[str, torch.Tensor]:
+    """This rank's trainer after one step on its share of the recorded prompts (SGD, token-level TIS)."""
+    import torch.distributed as dist
+    from transformers import AutoTokenizer
+
+    from rlmm.corrections.tis import TokenTIS
+    from rlmm.train import Components, rank_share, rl_step
+    from tests.test_update import GROUP, OPTIONS, OddLengthReward, algo, sgd_trainer
+    from rlmm.tasks import ArithmeticTask
+
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    task = ArithmeticTask(seed=0)
+    examples = {e.prompt: e for e in task.examples("train", 64)}
+    prompts = [examples[p] for p in recorded["prompts"]]
+    trainer = sgd_trainer(backend, model_path, scratch, rows_per_minibatch=len(prompts) // world * GROUP)
+    c = Components(task=OddLengthReward(task), tokenizer=AutoTokenizer.from_pretrained(model_path),
+                   sampler=ReplaySampler(recorded), trainer=trainer, correction=TokenTIS(cap=2.0), algo=algo(),
+                   sampling=OPTIONS)
+    try:
+        metrics = rl_step(c, rank_share(prompts, rank, world), ratio_cap=2.0, reuse_training_forward=True)
+        assert metrics["train/skipped"] == 0
+        return {k: v.detach().clone().contiguous() for k, v in trainer.state_dict().items()}
+    finally:
+        trainer.close()
+
+
+def main() -> None:
+    import torch.distributed as dist
+    from safetensors.torch import save_file
+
+    from rlmm.trainers.deepspeed_backend import init_process_group
+
+    model_path, replay, out_dir = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
+    init_process_group()
+    recorded = json.loads(replay.read_text())
+    for backend in BACKENDS:
+        weights = step_on_share(model_path, recorded, backend, out_dir)
+        if dist.get_rank() == 0:
+            save_file(weights, out_dir / f"{backend}-{dist.get_world_size()}.safetensors")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,23 @@
+"""A task that writes down which rank rewarded which prompt, for the tests (selected with
+`task._target_=tests.recording.RecordedArithmetic +task.record_dir=DIR`): every `reward` call appends
+the prompt to DIR/rank<RANK>.txt, so a test can see how a run split its prompts over the ranks."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from rlmm.tasks.arithmetic import ArithmeticTask
+
+
+class RecordedArithmetic(ArithmeticTask):
+    # Explicit signature: rlmm validates a task's config keys against its constructor's.
+    def __init__(self, record_dir: str, seed: int = 0, min_value: int = 0, max_value: int = 99,
+                 operations: list[str] | None = None, careless_demos: float = 0.0):
+        super().__init__(seed=seed, min_value=min_value, max_value=max_value, operations=operations,
+                         careless_demos=careless_demos)
+        self.record = Path(record_dir) / f"rank{os.environ.get('RANK', '0')}.txt"
+
+    def reward(self, example, completion):
+        with self.record.open("a") as out:
+            out.write(example.prompt + "\n")
+        return super().reward(example, completion)
