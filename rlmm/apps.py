@@ -84,8 +84,11 @@ class JobFailed(RuntimeError):
 
 
 def submitted_job() -> bool:
-    """This process is a job that Hydra's submitit launcher started (hydra/launcher=local|slurm|<site>)."""
-    return str(HydraConfig.get().launcher.get("_target_", "")).startswith("hydra_plugins.hydra_submitit_launcher.")
+    """This process is a job that a launcher started in a process of its own: Hydra's submitit launcher
+    (hydra/launcher=local|slurm|<site>) or rlmm's, which runs the plugin's job code in a fresh process
+    (hydra/launcher=process, hydra_plugins/rlmm_launcher)."""
+    return str(HydraConfig.get().launcher.get("_target_", "")).startswith(
+        ("hydra_plugins.hydra_submitit_launcher.", "hydra_plugins.rlmm_launcher."))
 
 
 def fit_env_to_submitted_job() -> None:

@@ -202,7 +202,7 @@ def test_unknown_launcher_is_one_line_error():
                             text=True, timeout=120, stdin=subprocess.DEVNULL, env=subprocess_env())
     assert result.returncode == 2
     assert result.stderr.strip() == ("rlmm: error: unknown hydra/launcher 'slrum' "
-                                     "(allowed: basic, local, slurm, submitit_local, submitit_slurm)")
+                                     "(allowed: basic, local, process, slurm, submitit_local, submitit_slurm)")
 
 
 # ---- real sweeps ----------------------------------------------------------------------------------
