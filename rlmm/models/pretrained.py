@@ -30,6 +30,9 @@ class PretrainedModel:
             try:
                 return snapshot_download(self.path, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"])
             except Exception as err:  # offline, unknown repo, gated: say which, in one line
+                hint = ""
+                if type(err).__name__ == "LocalEntryNotFoundError":  # offline (HF_HUB_OFFLINE=1) and not cached
+                    hint = f"; where there is internet, run: rlmm prefetch model=hf model.path={self.path}"
                 raise ValueError(f"model.path: cannot fetch hub model '{self.path}' "
-                                 f"({type(err).__name__}: {str(err).splitlines()[0][:200]})") from None
+                                 f"({type(err).__name__}: {str(err).splitlines()[0][:200]}){hint}") from None
         return self.path

@@ -80,7 +80,8 @@ class Gsm8kTask:
 
     ``path`` is a local ``.jsonl`` file (one ``{"question", "answer"}`` record per
     line) or a Hugging Face dataset id such as ``openai/gsm8k`` (loaded with
-    ``datasets.load_dataset(path, "main")``; needs ``pip install datasets``).
+    ``datasets.load_dataset(path, "main")``; without network, from the datasets cache
+    that ``rlmm prefetch`` fills).
 
     Splits: a hub dataset keeps its own train/test splits. A local file is split
     80/20 by a shuffle with a fixed seed (at least one test record when there are two
@@ -211,7 +212,7 @@ def _split_local(records: list[tuple[str, str]]) -> dict[str, list[tuple[str, st
 
 def _load_hub(path: str) -> dict[str, list[tuple[str, str]]]:
     try:
-        import datasets  # optional and heavy: only needed for hub ids
+        import datasets  # heavy (pyarrow): imported only for hub ids and dataset folders
     except ImportError:
         raise ValueError(
             f"task.path: {path!r} is not a local file and loading it from the Hugging Face hub "
@@ -219,6 +220,13 @@ def _load_hub(path: str) -> dict[str, list[tuple[str, str]]]:
         ) from None
     try:
         data = datasets.load_dataset(path, HUB_CONFIG)
+    except ConnectionError:
+        # The hub is unreachable (no network, or HF_DATASETS_OFFLINE / HF_HUB_OFFLINE set) and the
+        # dataset is not in the datasets cache, the only place datasets then looks (docs/sweeps.md).
+        raise ValueError(
+            f"task.path: dataset {path!r} is not in the datasets cache ({datasets.config.HF_DATASETS_CACHE}) "
+            f"and the hub cannot be reached; where there is internet, run: rlmm prefetch task=gsm8k task.path={path}"
+        ) from None
     except Exception as err:  # the hub raises many types; all mean "cannot load this"
         raise ValueError(
             f"task.path: {path!r} is neither an existing file nor a loadable Hugging Face dataset "
