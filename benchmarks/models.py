@@ -33,8 +33,10 @@ SIZES: dict[str, dict] = {
 }
 
 
-def build_char_tokenizer_unreachable_eos(eos_id: int):
-    """rlmm's character tokenizer (same pre-tokenizer, decoder and <bos> template) with <eos> at `eos_id`."""
+def build_char_tokenizer_unreachable_eos(eos_id: int, fill: bool = False):
+    """rlmm's character tokenizer (same pre-tokenizer, decoder and <bos> template) with <eos> at `eos_id`;
+    with `fill`, every id below `eos_id` that is not a character is a token of its own (`<t123>`), so that
+    every output row of the model decodes to text, as with a real tokenizer of that size."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
@@ -43,6 +45,8 @@ def build_char_tokenizer_unreachable_eos(eos_id: int):
     vocab = {tok: i for i, tok in enumerate(["<pad>", "<bos>", "<unk>"] + CHARACTERS)}
     if eos_id < len(vocab):
         raise ValueError(f"eos id {eos_id} collides with the {len(vocab)} regular tokens")
+    if fill:
+        vocab.update({f"<t{i}>": i for i in range(len(vocab), eos_id)})
     vocab["<eos>"] = eos_id
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.Split("", "isolated")
@@ -54,11 +58,12 @@ def build_char_tokenizer_unreachable_eos(eos_id: int):
 
 def build_bench_model(out: Path, *, hidden_size: int, num_layers: int, num_heads: int, num_kv_heads: int,
                        intermediate_size: int, vocab_size: int | None = None, tie_word_embeddings: bool = False,
-                       max_position: int = 1024, dtype: str = "float32", seed: int = 0) -> dict:
+                       max_position: int = 1024, dtype: str = "float32", seed: int = 0,
+                       fill_vocab: bool = False) -> dict:
     """Save a random-init Qwen2 + char tokenizer with an unreachable eos into `out` (skipped when already
     there). `vocab_size`: model output rows (default: the 99 regular tokens; larger pads the vocabulary
-    with ids no token string decodes to, like a real tokenizer's unused rows). Returns the model's
-    description (also written to out/bench_model.json)."""
+    with ids no token string decodes to, like a real tokenizer's unused rows; `fill_vocab` gives each of them
+    a token string instead). Returns the model's description (also written to out/bench_model.json)."""
     out = Path(out)
     marker = out / "bench_model.json"
     if marker.exists():
@@ -69,7 +74,7 @@ def build_bench_model(out: Path, *, hidden_size: int, num_layers: int, num_heads
     from rlmm.models.tiny import CHARACTERS
 
     vocab = max(vocab_size or 0, 3 + len(CHARACTERS))
-    tokenizer = build_char_tokenizer_unreachable_eos(eos_id=vocab)
+    tokenizer = build_char_tokenizer_unreachable_eos(eos_id=vocab, fill=fill_vocab)
     torch.manual_seed(seed)
     config = Qwen2Config(
         vocab_size=vocab, hidden_size=hidden_size, intermediate_size=intermediate_size,
@@ -86,7 +91,7 @@ def build_bench_model(out: Path, *, hidden_size: int, num_layers: int, num_heads
             "tokenizer_vocab": len(tokenizer), "hidden_size": hidden_size, "num_layers": num_layers,
             "num_heads": num_heads, "num_kv_heads": num_kv_heads, "intermediate_size": intermediate_size,
             "tie_word_embeddings": tie_word_embeddings, "eos_token_id": tokenizer.eos_token_id,
-            "eos_reachable": False, "seed": seed}
+            "eos_reachable": False, "seed": seed, "max_position": max_position}
     (tmp / "bench_model.json").write_text(json.dumps(info, indent=2))
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)

@@ -78,7 +78,7 @@ def main() -> None:
     from rlmm.config import build, to_container
     from rlmm.records import RunRecord
     from rlmm.train import build_components, rl_step
-    from rlmm.trainers.deepspeed_backend import init_process_group
+    from rlmm.devices import init_process_group
 
     w = workload_from(job)
     overrides = [f"precision={job['precision']}", f"train.prompts_per_step={w.prompts}",

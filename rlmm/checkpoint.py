@@ -62,7 +62,7 @@ def save(run_dir: str | Path, step: int, trainer, sampler, keep: int = 2) -> Pat
         from safetensors.torch import save_file
 
         # clone: tied weights share storage, which safetensors refuses to write twice
-        save_file({k: v.detach().clone().contiguous() for k, v in weights.items()}, path / "model.safetensors")
+        save_file({k: v.detach().cpu().clone().contiguous() for k, v in weights.items()}, path / "model.safetensors")
     _barrier()
     torch.save({"trainer": trainer.checkpoint_state(), "torch_rng": torch.get_rng_state()}, path / f"rank{rank}.pt")
     _barrier()
@@ -88,7 +88,8 @@ def load(path: Path, trainer, sampler) -> dict:
         raise ValueError(f"train.resume: checkpoint {path} was written by {state['world_size']} ranks, this run has "
                          f"{world} (resume with the same number of ranks, or train.resume=false)")
     with torch.serialization.safe_globals(trainer.safe_checkpoint_types()):
-        rank_states = [torch.load(path / f"rank{r}.pt", weights_only=True) for r in range(world)]
+        # map_location: a GPU run's states come back on the CPU (every rank reads every rank's file)
+        rank_states = [torch.load(path / f"rank{r}.pt", weights_only=True, map_location="cpu") for r in range(world)]
     weights = load_file(path / "model.safetensors")
     trainer.load_checkpoint(weights, [s["trainer"] for s in rank_states])
     torch.set_rng_state(rank_states[rank]["torch_rng"])

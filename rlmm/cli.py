@@ -60,6 +60,9 @@ def check_overrides(config_name: str, overrides: list[str]) -> None:
             for value in values:
                 if str(value) not in options:
                     fail(f"unknown {group} '{value}' (allowed: {', '.join(options)})")
+    from rlmm.launcher import launcher_target
+
+    elsewhere = runs_on_another_machine(launcher_target(config_name, overrides) or "")
     combinations = [batch for batches in BasicSweeper.split_arguments(parsed, None) for batch in batches]
     combinations = with_config_sweep_params(config_name, combinations)
     from rlmm.config import CONF_DIR
@@ -78,7 +81,8 @@ def check_overrides(config_name: str, overrides: list[str]) -> None:
                 for group in ("model", "precision", "correction", "algo"):
                     if group in cfg:
                         instantiate(cfg[group])
-                check_engines_support(cfg)
+                if not elsewhere:  # a SLURM job asks its own node's hardware when it starts
+                    check_engines_support(cfg)
         except ConfigError as err:
             fail(str(err))
         except InstantiationException as err:
@@ -137,6 +141,12 @@ def _hydra_group_options(group: str) -> list[str]:
         GlobalHydra.instance().clear()
 
 
+def runs_on_another_machine(launcher_target: str) -> bool:
+    """Whether the jobs of this launcher run on other nodes (SLURM), whose hardware this one (a login node
+    without GPUs, say) cannot speak for."""
+    return launcher_target.endswith("SlurmLauncher")
+
+
 def check_engines_support(cfg) -> None:
     """Ask each engine class whether it can run its side's precision here (classes that can tell
     define a static `unsupported(side_precision) -> str | None`)."""
@@ -187,11 +197,16 @@ def main(argv: list[str] | None = None) -> None:
         from rlmm.table import main as table_main
 
         return table_main(argv[1:])
+    if argv and argv[0] == "prefetch":  # not a Hydra app: caches a run's model and dataset for offline nodes
+        from rlmm.prefetch import main as prefetch_main
+
+        return prefetch_main(argv[1:])
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in APPS:
         if argv and argv[0] not in ("-h", "--help"):
-            fail(f"unknown command '{argv[0]}' (allowed: {', '.join([*APPS, 'table'])})")
+            fail(f"unknown command '{argv[0]}' (allowed: {', '.join([*APPS, 'table', 'prefetch'])})")
         print("usage: rlmm {" + ",".join(APPS) + "} [hydra overrides]   e.g. rlmm probe precision=fp16 sampler=hf\n"
-              "       rlmm table SWEEP_DIR [--metric NAME[:final|best|mean]]...   (rlmm table -h for more)")
+              "       rlmm table SWEEP_DIR [--metric NAME[:final|best|mean]]...   (rlmm table -h for more)\n"
+              "       rlmm prefetch [train|probe] [hydra overrides]   (caches a run's hub model and dataset)")
         return
     command, args = argv[0], argv[1:]
     set_runtime_env()
@@ -203,6 +218,14 @@ def main(argv: list[str] | None = None) -> None:
         run_id = run_id if run_id != "none" else os.environ.get("MASTER_PORT", "0")
         args.append(f"hydra.run.dir=outputs/{command}/{time.strftime('%Y-%m-%d')}/ranks-{run_id}")
     check_overrides(APPS[command], [a for a in args if not a.startswith("-")])
+    if "-m" in args or "--multirun" in args:
+        from rlmm.launcher import launcher_target, sweep_launcher_warning
+
+        overrides = [a for a in args if not a.startswith("-")]
+        warning = sweep_launcher_warning(launcher_target(APPS[command], overrides),
+                                         cuda=os.path.exists("/dev/nvidiactl"), config_name=APPS[command])
+        if warning:
+            print(warning, file=sys.stderr)
     sys.argv = [f"rlmm {command}"] + args
     from rlmm.apps import run_app
 

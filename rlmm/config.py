@@ -29,7 +29,7 @@ BUILD_TIME_ARGS: dict[str, set[str]] = {
     "model": set(),
     "task": set(),
     "precision": set(),
-    "sampler": {"model_path", "precision", "sampling", "seed"},
+    "sampler": {"model_path", "precision", "sampling", "seed", "prompt_tokens"},
     "trainer": {"model_path", "precision", "sampling", "accumulation_steps"},
     "logger": {"run_config", "run_dir", "sweep"},
     "correction": set(),

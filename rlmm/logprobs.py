@@ -29,7 +29,14 @@ def mask_logits(logits: torch.Tensor, options: SamplingOptions) -> torch.Tensor:
     return logits
 
 
+def sampled_logits(logits: torch.Tensor, options: SamplingOptions) -> torch.Tensor:
+    """fp32 logits of the distribution `options.logprobs` refers to: processed (temperature, top-k,
+    top-p) or raw."""
+    return mask_logits(logits, options) if options.logprobs == "processed" else logits.float()
+
+
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, options: SamplingOptions) -> torch.Tensor:
-    """log π(token) for logits [..., V] and tokens [...], under `options.logprobs` semantics."""
-    logits = mask_logits(logits, options) if options.logprobs == "processed" else logits.float()
-    return logits.log_softmax(-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    """log π(token) = z_token - logsumexp(z) for logits [..., V] and tokens [...], under `options.logprobs`
+    semantics (gathered before the normalisation: no [..., V] log-softmax is built)."""
+    z = sampled_logits(logits, options)
+    return z.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - z.logsumexp(-1)

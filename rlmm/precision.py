@@ -55,14 +55,30 @@ class PrecisionPolicy:
         trainer_dtype: format the trainer scores (and later trains) in.
         sampler_fp32_head: compute the sampler's LM head (final projection + softmax) in fp32.
         trainer_fp32_head: the same on the trainer side.
+        tf32: let fp32 matrix multiplications on NVIDIA GPUs round their inputs to TF32 (10-bit mantissa,
+            as bf16's 7 and fp16's 10): faster, but then "fp32" is not the fp32 reference. Off by default;
+            `apply()` pins it process-wide and the run's precision report records what was in force.
     """
 
     def __init__(self, sampler_dtype: str, trainer_dtype: str, sampler_fp32_head: bool = False,
-                 trainer_fp32_head: bool = False):
+                 trainer_fp32_head: bool = False, tf32: bool = False):
         to_dtype(sampler_dtype, "precision.sampler_dtype")
         to_dtype(trainer_dtype, "precision.trainer_dtype")
         self.sampler = SidePrecision(sampler_dtype, bool(sampler_fp32_head))
         self.trainer = SidePrecision(trainer_dtype, bool(trainer_fp32_head))
+        self.tf32 = bool(tf32)
+
+    @property
+    def fp32_matmul(self) -> str:
+        """torch's name for the fp32 matmul precision this policy asks for."""
+        return "high" if self.tf32 else "highest"
+
+    def apply(self) -> None:
+        """Pin fp32 matmul precision for this process, before any engine starts (torch's default is
+        "highest" with TF32 off for matmuls, but a library may change it; cuDNN's TF32 is on by default)."""
+        torch.set_float32_matmul_precision(self.fp32_matmul)
+        torch.backends.cuda.matmul.allow_tf32 = self.tf32
+        torch.backends.cudnn.allow_tf32 = self.tf32
 
     def __repr__(self) -> str:
         return f"PrecisionPolicy(sampler={self.sampler}, trainer={self.trainer})"
@@ -70,8 +86,13 @@ class PrecisionPolicy:
 
 def check_precision(policy, sampler_actual: dict, trainer_actual: dict) -> dict:
     """Compare what each engine runs in with what was asked; warn loudly about silent casts."""
-    report = {"requested": {"sampler": str(policy.sampler), "trainer": str(policy.trainer)},
-              "actual": {"sampler": sampler_actual, "trainer": trainer_actual}, "silent_casts": []}
+    report = {"requested": {"sampler": str(policy.sampler), "trainer": str(policy.trainer),
+                            "fp32_matmul": policy.fp32_matmul},
+              "actual": {"sampler": sampler_actual, "trainer": trainer_actual,
+                         "fp32_matmul": torch.get_float32_matmul_precision()}, "silent_casts": []}
+    if report["actual"]["fp32_matmul"] != policy.fp32_matmul:  # an engine changed it after apply()
+        report["silent_casts"].append(f"fp32 matmul precision: asked for {policy.fp32_matmul}, "
+                                      f"in force {report['actual']['fp32_matmul']}")
     for side, asked, actual in (("sampler", policy.sampler, sampler_actual), ("trainer", policy.trainer, trainer_actual)):
         if actual["dtype"] != asked.dtype:
             report["silent_casts"].append(f"{side}: asked for {asked.dtype}, engine runs {actual['dtype']}")

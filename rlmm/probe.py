@@ -45,19 +45,26 @@ def run_probe(cfg: DictConfig, run_dir: Path, choices: dict[str, str]) -> dict:
     with timed(stage_seconds, "model"):
         model_path = instantiate(cfg.model).resolve(task, to_container(cfg.task))
     precision = instantiate(cfg.precision)
+    precision.apply()
     sampling = SamplingOptions(**cfg.sampling)
-    with timed(stage_seconds, "sampler_init"):
-        sampler = build(cfg.sampler, model_path=model_path, precision=precision.sampler, sampling=sampling,
-                        seed=cfg.seed)
-    with timed(stage_seconds, "trainer_init"):
-        trainer = build(cfg.trainer, model_path=model_path, precision=precision.trainer, sampling=sampling)
-    precision_report = check_precision(precision, sampler.actual_precision, trainer.actual_precision)
 
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     examples = task.examples(options.split, options.num_prompts)
     prompt_ids = [tokenizer(e.prompt).input_ids for e in examples]
+    fillers = task.examples("train", options.batch_invariance.max_batch_size)  # batch_invariance's
+    with timed(stage_seconds, "sampler_init"):
+        sampler = build(cfg.sampler, model_path=model_path, precision=precision.sampler, sampling=sampling,
+                        seed=cfg.seed, prompt_tokens=max(map(len, prompt_ids + tokenizer(
+                            [e.prompt for e in fillers]).input_ids)))
+    with timed(stage_seconds, "trainer_init"):
+        try:
+            trainer = build(cfg.trainer, model_path=model_path, precision=precision.trainer, sampling=sampling)
+        except BaseException:
+            sampler.close()
+            raise
+    precision_report = check_precision(precision, sampler.actual_precision, trainer.actual_precision)
 
     with timed(stage_seconds, "generate"):
         rollouts = sampler.generate(prompt_ids, n=options.samples_per_prompt)
@@ -66,6 +73,8 @@ def run_probe(cfg: DictConfig, run_dir: Path, choices: dict[str, str]) -> dict:
     sampler_logprobs, mask = rollouts.padded_sampler_logprobs()
     with timed(stage_seconds, "score"):
         train_logprobs = trainer.logprobs(rollouts)
+    check_finite({"sampler": sampler_logprobs[mask], "trainer": train_logprobs[mask]}, precision_report,
+                 close=(trainer, sampler))
     sampler_vs_trainer = mismatch_metrics(train_logprobs, sampler_logprobs, mask, ratio_cap=options.ratio_cap)
     # Whole-token buckets of equal width, so short answers get one bucket per position.
     bucket_size = max(1, math.ceil(mask.sum(1).max().item() / options.position_buckets))
@@ -98,6 +107,21 @@ def run_probe(cfg: DictConfig, run_dir: Path, choices: dict[str, str]) -> dict:
     plot_probe(record, run_dir / "probe.png")
     print_probe(record)
     return record
+
+
+def check_finite(logprobs: dict[str, torch.Tensor], precision_report: dict, close=()) -> None:
+    """Stop with one line instead of reporting NaN metrics when a side's log-probs are not finite
+    (the known cause: fp16 activations that overflow, as Qwen2's do)."""
+    bad = {side: 1 - torch.isfinite(lp).float().mean().item() for side, lp in logprobs.items()}
+    if not any(bad.values()):
+        return
+    for engine in close:
+        engine.close()
+    dtypes = {side: precision_report["actual"][side]["dtype"] for side in bad}
+    sides = ", ".join(f"{frac:.1%} of the {side}'s ({dtypes[side]})" for side, frac in bad.items() if frac)
+    hint = ("; fp16 activations overflow in some models (Qwen2 is known to): use precision=bf16 or fp32"
+            if "fp16" in dtypes.values() else "")
+    raise ValueError(f"probe: non-finite log-probs: {sides}{hint}")
 
 
 def check_micro_batch_sizes(sizes) -> tuple[int, int]:
@@ -182,8 +206,10 @@ def print_probe(record: dict) -> None:
     console.print(table)
     inv = record["sampler_vs_itself"]
     precision = record["precision"]
-    engines = {side: ", ".join(f"{k} {v}" for k, v in actual.items()) for side, actual in precision["actual"].items()}
-    console.print(f"engines run: sampler ({engines['sampler']}); trainer ({engines['trainer']})")
+    engines = {side: ", ".join(f"{k} {v}" for k, v in precision["actual"][side].items() if k != "engine")
+               for side in ("sampler", "trainer")}
+    console.print(f"engines run: sampler ({engines['sampler']}); trainer ({engines['trainer']}); fp32 matmul "
+                  f"{precision['actual']['fp32_matmul']}")
     for line in precision["silent_casts"]:
         console.print(f"[bold red]precision mismatch:[/] {line}")
     console.print(f"sampler vs itself (greedy): {inv['unique_greedy_completions']} unique of "

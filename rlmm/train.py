@@ -56,9 +56,12 @@ class Components:
 
 
 def build_components(cfg: DictConfig) -> tuple[Components, dict]:
+    from transformers import AutoTokenizer
+
     task = instantiate(cfg.task)
     model_path = instantiate(cfg.model).resolve(task, to_container(cfg.task))
     precision = instantiate(cfg.precision)
+    precision.apply()
     sampling = SamplingOptions(**cfg.sampling)
     algo = instantiate(cfg.algo)
     import torch.distributed as dist
@@ -66,14 +69,25 @@ def build_components(cfg: DictConfig) -> tuple[Components, dict]:
     ranks = dist.get_world_size() if dist.is_initialized() else 1
     rows_per_minibatch = cfg.train.prompts_per_step // ranks * algo.group_size // algo.minibatches
     accumulation_steps = math.ceil(rows_per_minibatch / cfg.trainer.micro_batch_size)
-    sampler = build(cfg.sampler, model_path=model_path, precision=precision.sampler, sampling=sampling, seed=cfg.seed)
-    trainer = build(cfg.trainer, model_path=model_path, precision=precision.trainer, sampling=sampling,
-                    accumulation_steps=accumulation_steps)
-    from transformers import AutoTokenizer
-
-    components = Components(task=task, tokenizer=AutoTokenizer.from_pretrained(model_path), sampler=sampler,
-                            trainer=trainer, correction=instantiate(cfg.correction), algo=algo, sampling=sampling)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    prompts = (task.examples("train", cfg.train.steps * cfg.train.prompts_per_step)
+               + task.examples("test", cfg.train.eval_prompts))
+    sampler = build(cfg.sampler, model_path=model_path, precision=precision.sampler, sampling=sampling, seed=cfg.seed,
+                    prompt_tokens=longest_prompt(tokenizer, prompts))
+    try:
+        trainer = build(cfg.trainer, model_path=model_path, precision=precision.trainer, sampling=sampling,
+                        accumulation_steps=accumulation_steps)
+    except BaseException:
+        sampler.close()  # one engine per process: never leave one behind
+        raise
+    components = Components(task=task, tokenizer=tokenizer, sampler=sampler, trainer=trainer,
+                            correction=instantiate(cfg.correction), algo=algo, sampling=sampling)
     return components, check_precision(precision, sampler.actual_precision, trainer.actual_precision)
+
+
+def longest_prompt(tokenizer, examples: list) -> int:
+    """The longest of the examples' prompts in tokens (sizes the sampler's max_model_len)."""
+    return max(len(ids) for ids in tokenizer([e.prompt for e in examples]).input_ids)
 
 
 def rl_step(c: Components, prompts: list, ratio_cap: float, reuse_training_forward: bool) -> dict[str, float]:
@@ -82,6 +96,7 @@ def rl_step(c: Components, prompts: list, ratio_cap: float, reuse_training_forwa
     with timed(seconds, "generate"):
         prompt_ids = [c.tokenizer(e.prompt).input_ids for e in prompts]
         rollouts = c.sampler.generate(prompt_ids, n=algo.group_size)
+        c.sampler.sleep()  # the trainer has the accelerator until the weight sync
     with timed(seconds, "reward"):
         texts = c.tokenizer.batch_decode(rollouts.response_ids, skip_special_tokens=True)
         rewards = torch.tensor([reward(c.task, prompts[i // algo.group_size], t) for i, t in enumerate(texts)])
@@ -92,6 +107,8 @@ def rl_step(c: Components, prompts: list, ratio_cap: float, reuse_training_forwa
     def score_old_policy(train_logprobs: torch.Tensor) -> None:
         old["fault"] = any_rank(first_fault(rewards=rewards, trainer_logprobs=train_logprobs[mask],
                                             sampler_logprobs=sampler_logprobs[mask]))
+        old["nonfinite"] = {side: 1 - torch.isfinite(lp[mask]).float().mean().item()
+                            for side, lp in (("trainer", train_logprobs), ("sampler", sampler_logprobs))}
         old["mismatch"] = mismatch_metrics(train_logprobs, sampler_logprobs, mask, ratio_cap=ratio_cap)
         old["corrected"] = c.correction(train_logprobs, sampler_logprobs, mask)
 
@@ -122,6 +139,8 @@ def rl_step(c: Components, prompts: list, ratio_cap: float, reuse_training_forwa
                 score = score_old_policy if single_pass else None
                 losses.append(c.trainer.update(rollouts, rows, loss_fn, score=score))
     fault, mismatch, corrected = old["fault"], old["mismatch"], old["corrected"]
+    if fault and fault.startswith("non-finite") and "logprobs" in fault:
+        fault += nonfinite_hint(old["nonfinite"], c)
     if not fault and any(m["skipped"] for m in losses):
         fault = "non-finite gradient (optimizer step skipped)"
     with timed(seconds, "weight_sync"):
@@ -145,7 +164,17 @@ def rl_step(c: Components, prompts: list, ratio_cap: float, reuse_training_forwa
         **{f"loss/{k}": sum(m[k] for m in losses) / len(losses) for k in (losses[0] if losses else ())},
         **{f"perf/{k}_seconds": v for k, v in seconds.items()},
         "perf/tokens_per_second": lengths.sum().item() / max(sum(seconds.values()), 1e-9),
+        **{f"rollout/frac_nonfinite_{side}_logprobs": v for side, v in old["nonfinite"].items()},
     }
+
+
+def nonfinite_hint(fractions: dict[str, float], c: Components) -> str:
+    """Which side's log-probs are non-finite, how many, and the known cause when it is fp16."""
+    sides = ", ".join(f"{frac:.1%} of the {side}'s" for side, frac in fractions.items() if frac > 0)
+    dtypes = {c.sampler.actual_precision.get("dtype"), c.trainer.actual_precision.get("dtype")}
+    known = ("; fp16 activations overflow in some models (Qwen2 is known to): use precision=bf16 or fp32"
+             if "fp16" in dtypes else "")
+    return f" ({sides}){known}"
 
 
 def reward(task, example, completion: str) -> float:
@@ -249,11 +278,13 @@ def run_train(cfg: DictConfig, run_dir: Path, choices: dict[str, str], logger) -
     from rlmm import checkpoint
     from rlmm.logging import NoOpLogger
     from rlmm.preemption import StopSignals, any_rank as on_any_rank
-    from rlmm.trainers.deepspeed_backend import init_process_group
+    from rlmm.devices import init_process_group, select_device
 
     started = time.perf_counter()
     options = cfg.train
-    # Before any engine: in-process vLLM joins an existing process group instead of making its own.
+    # Before any engine: each rank on its own GPU, and in-process vLLM joins an existing process group
+    # instead of making its own.
+    select_device()
     init_process_group()
     rank, world = dist.get_rank(), dist.get_world_size()
     if options.prompts_per_step % world:

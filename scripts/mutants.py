@@ -97,12 +97,18 @@ def apply(mutant: Mutant, scratch: Path) -> None:
         path.write_text(source.replace(text, replacement, 1))
 
 
-def run(mutant: Mutant, tests: tuple[str, ...], python: str) -> tuple[list[str], float, str]:
+def snapshot(into: Path) -> Path:
+    """The tree as it is now, copied once: edits made while the mutants run do not leak into them."""
+    for name in COPIED:
+        source = ROOT / name
+        (shutil.copytree if source.is_dir() else shutil.copy)(source, into / name)
+    return into
+
+
+def run(mutant: Mutant, tests: tuple[str, ...], python: str, base: Path) -> tuple[list[str], float, str]:
     with tempfile.TemporaryDirectory(prefix=f"rlmm-mutant-{mutant.name}-") as tmp:
-        scratch = Path(tmp)
-        for name in COPIED:
-            source = ROOT / name
-            (shutil.copytree if source.is_dir() else shutil.copy)(source, scratch / name)
+        scratch = Path(tmp) / "tree"
+        shutil.copytree(base, scratch)
         apply(mutant, scratch)
         started = time.perf_counter()
         result = subprocess.run([python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rf", *tests],
@@ -129,20 +135,30 @@ def main() -> None:
         return
     python = str(ROOT / ".venv" / "bin" / "python") if (ROOT / ".venv").exists() else sys.executable
     rows, missed = [], []
+    base = snapshot(Path(tempfile.mkdtemp(prefix="rlmm-mutants-base-")))
     for mutant in [known[n] for n in args.names] or MUTANTS:
         tests = tuple(args.tests) if args.tests else mutant.tests
-        failed, seconds, tail = run(mutant, tests, python)
+        failed, seconds, tail = run(mutant, tests, python, base)
         print(f"{mutant.name}: {len(failed)} failed in {seconds:.0f} s ({tail})", flush=True)
         for test in failed:
             print(f"    {test}", flush=True)
         rows.append((mutant, failed))
         if not failed:
             missed.append(mutant.name)
+    shutil.rmtree(base, ignore_errors=True)
     if args.markdown:
         lines = ["| mutant | what it breaks | tests that fail |", "|---|---|---|"]
-        lines += [f"| `{m.name}` | {m.what} | " + ("<br>".join(f"`{t.split('::')[-1]}`" for t in failed) or "**none**")
-                  + " |" for m, failed in rows]
+        lines += [f"| `{m.name}` | {m.what} | {by_function(failed) or '**none**'} |" for m, failed in rows]
         args.markdown.write_text("\n".join(lines) + "\n")
+
+
+def by_function(failed: list[str]) -> str:
+    """`test_a[x]`, `test_a[y]`, `test_b` -> "`test_a` (2 cases), `test_b`"."""
+    counts: dict[str, int] = {}
+    for test in failed:
+        name = test.split("::")[-1].split("[")[0]
+        counts[name] = counts.get(name, 0) + 1
+    return ", ".join(f"`{name}`" + (f" ({n} cases)" if n > 1 else "") for name, n in counts.items())
     if missed:
         raise SystemExit(f"mutants: not caught by any test: {', '.join(missed)}")
 

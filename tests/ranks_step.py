@@ -49,6 +49,9 @@ class ReplaySampler:
     def load_weights(self, state_dict) -> None:
         pass
 
+    def sleep(self) -> None:
+        pass
+
     def close(self) -> None:
         pass
 
@@ -83,7 +86,7 @@ def main() -> None:
     import torch.distributed as dist
     from safetensors.torch import save_file
 
-    from rlmm.trainers.deepspeed_backend import init_process_group
+    from rlmm.devices import init_process_group
 
     model_path, replay, out_dir = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
     init_process_group()

@@ -29,7 +29,7 @@ TRAIN_CASES = [
     (["correction.cap=-1"], "correction.cap: must be a finite number >= 1, got -1"),
     (["algo.group_size=0"], "algo.group_size: must be >= 2, got 0"),
     (["train.steps=ten"], "Value 'ten' of type 'str' could not be converted to Integer"),
-    (["-m", "hydra/launcher=nope"], "unknown hydra/launcher 'nope' (allowed: basic, local, slurm,"),
+    (["-m", "hydra/launcher=nope"], "unknown hydra/launcher 'nope' (allowed: basic, local, process, slurm,"),
     (["trainer=torch", "trainer.zero_stage=3"], "(allowed: micro_batch_size, lr, weight_decay, warmup_steps,"),
 ]
 
@@ -83,7 +83,7 @@ def test_a_raising_reward_function_names_the_prompt():
 
 def test_unknown_command():
     result = run_cli("trian")
-    assert result.returncode == 2 and "unknown command 'trian' (allowed: train, probe, table)" in result.stderr
+    assert result.returncode == 2 and "unknown command 'trian' (allowed: train, probe, table, prefetch)" in result.stderr
 
 
 def test_help_lists_commands():
@@ -100,3 +100,19 @@ def test_precision_the_trainer_cannot_run_fails_before_any_work():
     assert result.returncode == 2
     assert result.stderr.strip() == ("rlmm: error: precision: trainer=deepspeed cannot run fp16 on this machine's cpu "
                                      "accelerator (allowed here: fp32, bf16; trainer=torch scores in any)")
+
+
+def test_hardware_checks_of_a_slurm_sweep_wait_for_the_job(monkeypatch):
+    """A login node without the hardware does not refuse what a SLURM job's node may run: with the slurm
+    launcher the check is left to the job (its trainer refuses with the same line when it starts there).
+    The trainer here is told fp16 is unsupported, as it is on CPUs without AVX512-FP16."""
+    from rlmm.cli import check_overrides
+    from rlmm.trainers.deepspeed_backend import DeepSpeedTrainer
+
+    def no_fp16(precision):
+        return "precision: no fp16 here" if precision.dtype == "fp16" else None
+
+    monkeypatch.setattr(DeepSpeedTrainer, "unsupported", staticmethod(no_fp16))
+    with pytest.raises(SystemExit):
+        check_overrides("train", ["precision=fp16", "trainer=deepspeed"])
+    check_overrides("train", ["precision=fp16", "trainer=deepspeed", "hydra/launcher=slurm"])  # no refusal here

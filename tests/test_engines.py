@@ -184,3 +184,45 @@ def test_user_deepspeed_json_is_merged_over_rlmms(tmp_path):
     assert merge_user_config(base, str(path))["optimizer"] == {"type": "SGD", "params": {"lr": 1.0}}  # not AdamW's
     with pytest.raises(ValueError, match="trainer.config_file: '/nope.json' does not exist"):
         merge_user_config(base, "/nope.json")
+
+
+@pytest.mark.parametrize("zero_stage", [0, 2])
+def test_deepspeed_trains_a_bf16_body_with_an_fp32_head(small_model_path, arithmetic_task, tmp_path, zero_stage):
+    """MiniMax's recipe on the default backend: after one step the head's weight is still fp32 and has moved,
+    the body is bf16 and has moved, the head's AdamW state is fp32, and a checkpoint brings both back exactly.
+    ZeRO-3 is refused with its reason."""
+    from rlmm import checkpoint
+    from rlmm.corrections.tis import TokenTIS
+    from rlmm.trainers.deepspeed_backend import DeepSpeedTrainer
+    from rlmm.train import rl_step
+    from tests.test_update import components
+
+    precision = SidePrecision("bf16", True)
+    with pytest.raises(ValueError, match="needs zero_stage 0, 1 or 2 .ZeRO-3 partitions every parameter"):
+        DeepSpeedTrainer(small_model_path, precision, sampling(), micro_batch_size=8, zero_stage=3)
+    trainer = DeepSpeedTrainer(small_model_path, precision, sampling(max_new_tokens=6), micro_batch_size=8,
+                               zero_stage=zero_stage, lr=1e-3, accumulation_steps=2)
+    c = components(small_model_path, arithmetic_task, trainer, TokenTIS(cap=2.0))
+    try:
+        head = trainer.engine.module.get_output_embeddings().weight
+        body = trainer.engine.module.get_input_embeddings().weight
+        head_before, body_before = head.detach().clone(), body.detach().clone()
+        metrics = rl_step(c, arithmetic_task.examples("train", 4), ratio_cap=2.0, reuse_training_forward=True)
+        assert metrics["train/skipped"] == 0 and metrics["loss/grad_norm"] > 0
+        assert head.dtype == torch.float32 and body.dtype == torch.bfloat16
+        assert trainer.actual_precision == {"dtype": "bf16", "head_dtype": "fp32"}
+        assert (head - head_before).abs().max() > 0 and (body.float() - body_before.float()).abs().max() > 0
+        moments = trainer.head_optimizer.optimizer.state[head]
+        assert moments["exp_avg"].dtype == torch.float32 and moments["exp_avg"].abs().max() > 0
+        saved = checkpoint.save(tmp_path, 1, trainer, c.sampler)
+        weights = {k: v.clone() for k, v in trainer.state_dict().items()}
+        saved_moment = moments["exp_avg"].clone()
+        rl_step(c, arithmetic_task.examples("train", 8)[4:], ratio_cap=2.0, reuse_training_forward=True)
+        assert not torch.equal(trainer.state_dict()["lm_head.weight"], weights["lm_head.weight"])
+        checkpoint.load(saved, trainer, c.sampler)
+        for key, value in weights.items():
+            assert torch.equal(trainer.state_dict()[key], value), key
+        assert torch.equal(trainer.head_optimizer.optimizer.state[head]["exp_avg"], saved_moment)
+    finally:
+        trainer.close()
+        c.sampler.close()

@@ -395,6 +395,6 @@ def test_wandb_runs_take_the_local_shape():
 
 
 def test_rlmm_command_lists_table():
-    assert "unknown command 'tabel' (allowed: train, probe, table)" in one_line_error(rlmm("tabel"))
+    assert "unknown command 'tabel' (allowed: train, probe, table, prefetch)" in one_line_error(rlmm("tabel"))
     result = rlmm("--help")
     assert result.returncode == 0 and "rlmm table SWEEP_DIR" in result.stdout

@@ -81,8 +81,6 @@ def test_every_correction_runs_two_steps(small_model_path, arithmetic_task, samp
     policy = instantiate(OmegaConf.load(CONF_DIR / "precision" / f"{precision_name}.yaml"))
     if trainer_name == "deepspeed" and DeepSpeedTrainer.unsupported(policy.trainer):
         pytest.skip(DeepSpeedTrainer.unsupported(policy.trainer))
-    if trainer_name == "deepspeed" and policy.trainer.fp32_head:
-        pytest.skip("training with an fp32 LM head on trainer=deepspeed is not supported yet (docs/training.md)")
     c = make_components(small_model_path, ParityTask(arithmetic_task), sampler_name, trainer_name, precision_name)
     prompts = arithmetic_task.examples("train", 4)  # 4 prompts x 4 samples = 16 rows = 2 micro-batches
     try:

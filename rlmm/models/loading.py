@@ -4,44 +4,22 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from rlmm.models.head import install_output_head
 from rlmm.precision import SidePrecision, dtype_name
 
 
-class FP32Head(nn.Module):
-    """LM head whose weight is kept and applied in fp32, whatever the body's dtype.
-
-    The hidden state is upcast before the projection, so the logits carry no 16-bit rounding from
-    the head (MiniMax-M1, 2025). The weight is a separate fp32 copy, which also unties a head tied to
-    the input embedding; `load_state_dict` updates it through the usual `lm_head.weight` name.
-    """
-
-    def __init__(self, weight: torch.Tensor):
-        super().__init__()
-        self.weight = nn.Parameter(weight.detach().to(torch.float32).clone(), requires_grad=weight.requires_grad)
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return nn.functional.linear(hidden.to(torch.float32), self.weight)
-
-
-def install_fp32_head(model: nn.Module, fp32_weight: torch.Tensor | None = None) -> None:
-    """Swap `model`'s output projection for an FP32Head (from `fp32_weight` when given: the
-    checkpoint's own fp32 values, not a 16-bit copy cast back up)."""
-    head = model.get_output_embeddings()
-    if getattr(head, "bias", None) is not None:
-        raise ValueError("fp32 LM head: heads with a bias are not supported")
-    model.set_output_embeddings(FP32Head(head.weight if fp32_weight is None else fp32_weight))
-    model.config.tie_word_embeddings = False
-
-
-def load_causal_lm(path: str, side: SidePrecision, *, trainable: bool = False) -> nn.Module:
+def load_causal_lm(path: str, side: SidePrecision, *, trainable: bool = False, logits_chunk_size: int = 512,
+                   device: torch.device | str = "cpu") -> nn.Module:
+    """The checkpoint at `path` in `side`'s precision on `device`, its head an `OutputHead` (fp32 when
+    the side asks for it: the checkpoint's own fp32 values, not a 16-bit copy cast back up)."""
     from transformers import AutoModelForCausalLM
 
     dtype = side.torch_dtype
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32 if side.fp32_head else dtype)
-    if side.fp32_head:
-        fp32_head = model.get_output_embeddings().weight.detach().clone()
-        model.to(dtype)
-        install_fp32_head(model, fp32_head)
+    fp32_head = model.get_output_embeddings().weight.detach().clone() if side.fp32_head else None
+    model.to(dtype)
+    install_output_head(model, fp32=side.fp32_head, chunk_size=logits_chunk_size, fp32_weight=fp32_head)
+    model.to(device)
     model.train(trainable)
     model.requires_grad_(trainable)
     return model

@@ -80,9 +80,11 @@ def pad_right(rows: list[torch.Tensor], value: float = 0.0) -> tuple[torch.Tenso
 
 
 class Sampler(Protocol):
-    """What every engine provides. `actual_precision` records what the engine really runs in."""
+    """What every engine provides. `actual_precision` records what the engine really runs in; `calls`
+    counts generate calls (their seeds derive from it; a checkpoint saves and restores it)."""
 
     actual_precision: dict[str, str]
+    calls: int
 
     def generate(self, prompt_ids: list[list[int]], *, n: int = 1, greedy: bool = False) -> Rollouts:
         """n samples per prompt (grouped: all samples of prompt 0 first). Greedy ignores temperature."""
@@ -90,6 +92,11 @@ class Sampler(Protocol):
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Replace the engine's weights in place with a Hugging Face-named state dict."""
+        ...
+
+    def sleep(self) -> None:
+        """Release accelerator memory the trainer needs until the next generate or load_weights (vLLM's
+        sleep mode on CUDA; a no-op where there is nothing to release)."""
         ...
 
     def close(self) -> None:

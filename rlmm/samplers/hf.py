@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from rlmm.devices import select_device
 from rlmm.logprobs import token_logprobs
 from rlmm.models.loading import load_causal_lm, model_precision, padding_id
 from rlmm.precision import SidePrecision
@@ -22,10 +23,11 @@ class HFSampler:
         batch_size: prompts per `generate` call (0: all at once). Batch shape changes the numerics.
         perturb: mismatch injection: relative std ε of the Gaussian noise added to every weight the
             sampler loads, at start and at each weight sync (0: off; rlmm/samplers/perturb.py).
+        prompt_tokens: (set by the app) the longest prompt of the run; unused here.
     """
 
     def __init__(self, model_path: str, precision: SidePrecision, sampling: SamplingOptions, seed: int,
-                 batch_size: int = 0, perturb: float = 0.0):
+                 batch_size: int = 0, perturb: float = 0.0, prompt_tokens: int | None = None):
         from transformers import AutoTokenizer
 
         self.noise = WeightNoise(perturb, seed)
@@ -33,7 +35,8 @@ class HFSampler:
         self.batch_size = batch_size
         self.seed = seed
         self.calls = 0
-        self.model = load_causal_lm(model_path, precision)
+        self.device = select_device()
+        self.model = load_causal_lm(model_path, precision, device=self.device)
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.pad_id = padding_id(tokenizer, model_path)
         eos = self.model.generation_config.eos_token_id
@@ -68,9 +71,10 @@ class HFSampler:
         # position ids from the attention mask, so padded rows see the positions vLLM uses.
         ids = torch.tensor([[self.pad_id] * (width - len(p)) + p for p in prompts])
         attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-        result = self.model.generate(input_ids=ids, attention_mask=attention, generation_config=config)
-        generated = result.sequences[:, width:]
-        logits = torch.stack(result.logits, dim=1)  # [B*n, T, V], fp32
+        result = self.model.generate(input_ids=ids.to(self.device), attention_mask=attention.to(self.device),
+                                     generation_config=config)
+        generated = result.sequences[:, width:].cpu()
+        logits = torch.stack(result.logits, dim=1).cpu()  # [B*n, T, V], fp32
         options = self.sampling if not greedy else None
         for row in range(generated.size(0)):
             tokens, reason = truncate_at_eos(generated[row].tolist(), self.eos_ids)
@@ -93,6 +97,9 @@ class HFSampler:
                 if name not in params:
                     raise KeyError(f"sampler=hf: weight '{name}' is not a parameter of the model")
                 params[name].copy_(tensor)
+
+    def sleep(self) -> None:
+        """Nothing to release: generate holds no cache between calls."""
 
     def close(self) -> None:
         del self.model

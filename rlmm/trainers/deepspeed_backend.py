@@ -2,16 +2,17 @@
 from __future__ import annotations
 
 import math
-import os
-import socket
 from pathlib import Path
 
 import torch
 
-from rlmm.models.loading import install_fp32_head, model_precision, padding_id
+from rlmm.devices import average_over_ranks, init_process_group, select_device
+from rlmm.models.head import install_output_head
+from rlmm.models.loading import model_precision, padding_id
 from rlmm.precision import SidePrecision
 from rlmm.samplers.base import Rollouts, SamplingOptions
 from rlmm.trainers.optim import linear_warmup
+from rlmm.trainers.memory import OnePassBudget, activation_bytes_per_token, prepare_for_training
 from rlmm.trainers.scoring import LossFn, ScoreFn, accumulate_gradients, score_rollouts
 
 
@@ -77,24 +78,46 @@ def forget_stale_groups() -> None:
         ds_comm.cdb = None
 
 
-def init_process_group() -> None:
-    """Start torch.distributed from the launcher's environment (torchrun, the deepspeed launcher, SLURM
-    via submitit), or as a world of one; a no-op when it is already running."""
-    import deepspeed
-    import torch.distributed as dist
+class FP32HeadOptimizer:
+    """The fp32 LM head's own optimizer beside DeepSpeed's (see `DeepSpeedTrainer`): torch AdamW on the
+    fp32 weight, the trainers' linear warm-up, the gradient averaged over the ranks, fp16 loss scaling
+    undone, and clipping to `grad_clip` by the head's own norm."""
 
-    # DeepSpeed checks these even when a process group exists (in-process vLLM creates its own).
-    for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}.items():
-        os.environ.setdefault(key, value)
-    if dist.is_available() and dist.is_initialized():
-        return
-    if "MASTER_PORT" not in os.environ:
-        with socket.socket() as s:  # a free port, so parallel runs on one node do not collide
-            s.bind(("127.0.0.1", 0))
-            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    deepspeed.init_distributed(dist_backend=backend, verbose=False)
+    def __init__(self, param: torch.nn.Parameter, lr: float, weight_decay: float, warmup_steps: int,
+                 grad_clip: float):
+        self.param = param
+        self.optimizer = torch.optim.AdamW([param], lr=lr, weight_decay=weight_decay)
+        self.schedule = linear_warmup(self.optimizer, warmup_steps)
+        self.grad_clip = grad_clip
+        self.norm = 0.0
+
+    def reduce(self, loss_scale: float | None) -> bool:
+        """At the accumulation boundary, before DeepSpeed steps: average, unscale; True when finite."""
+        grad = self.param.grad
+        if grad is None:
+            self.norm = 0.0
+            return True
+        average_over_ranks([grad])
+        if loss_scale:
+            grad.div_(loss_scale)
+        self.norm = torch.linalg.vector_norm(grad).item()
+        return math.isfinite(self.norm)
+
+    def step(self, skip: bool) -> None:
+        """Step with the body, or skip with it; the gradient is cleared either way."""
+        if not skip and self.param.grad is not None:
+            if self.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_([self.param], self.grad_clip)
+            self.optimizer.step()
+            self.schedule.step()
+        self.param.grad = None
+
+    def state_dict(self) -> dict:
+        return {"optimizer": self.optimizer.state_dict(), "schedule": self.schedule.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.schedule.load_state_dict(state["schedule"])
 
 
 class DeepSpeedTrainer:
@@ -104,14 +127,25 @@ class DeepSpeedTrainer:
         lr, weight_decay: AdamW (torch's implementation, so it runs on CPU too).
         warmup_steps: linear learning-rate warm-up over this many optimizer steps (0: none).
         grad_clip: clip the global gradient norm to this (0: off).
+        logits_chunk_size: response positions whose full-vocabulary logits exist at once while scoring
+            (memory: about 5 x this x vocabulary x 4 bytes; rlmm/models/head.py).
+        gradient_checkpointing: recompute each decoder layer in the backward pass instead of keeping its
+            activations (transformers' gradient checkpointing; about a third more compute).
         config_file: a DeepSpeed JSON of your own, merged over the config rlmm derives from the values
             above and the precision (yours wins key by key; batch sizes stay rlmm's, they follow the run).
         accumulation_steps: micro-batches per optimizer step (set by the app from the minibatch size).
+
+    An fp32 LM head under a 16-bit body (precision `*_fp32head`) trains as a parameter group of its own:
+    DeepSpeed casts the whole module to 16 bits and its optimizer keeps one dtype per group, so the head
+    stays out of it (`FP32HeadOptimizer`): its fp32 weight, gradient and AdamW moments are rlmm's, its
+    gradient is averaged over the ranks and clipped to `grad_clip` by its own norm, and it steps with the
+    body (and skips with it). ZeRO-3 cannot hold it: it partitions every parameter of the module into its
+    16-bit flat buffers, the head included.
     """
 
     def __init__(self, model_path: str, precision: SidePrecision, sampling: SamplingOptions, micro_batch_size: int,
                  zero_stage: int = 0, lr: float = 1e-4, weight_decay: float = 0.0, warmup_steps: int = 0,
-                 grad_clip: float = 1.0,
+                 grad_clip: float = 1.0, logits_chunk_size: int = 512, gradient_checkpointing: bool = False,
                  config_file: str | None = None, accumulation_steps: int = 1):
         import deepspeed
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -120,15 +154,23 @@ class DeepSpeedTrainer:
             raise ValueError(f"trainer.micro_batch_size: must be >= 1, got {micro_batch_size}")
         if zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"trainer.zero_stage: unknown stage {zero_stage} (allowed: 0, 1, 2, 3)")
+        if precision.fp32_head and zero_stage == 3:
+            raise ValueError("precision: an fp32 LM head on trainer=deepspeed needs zero_stage 0, 1 or 2 (ZeRO-3 "
+                             "partitions every parameter, the head included, into its 16-bit buffers)")
         problem = self.unsupported(precision)
         if problem:
             raise ValueError(problem)
         self.sampling = sampling
         self.micro_batch_size = micro_batch_size
+        self.device = select_device()
         forget_stale_groups()
         init_process_group()
+        deepspeed.init_distributed(verbose=False)  # DeepSpeed's handle on the group just made (or vLLM's)
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
         fp32_head = model.get_output_embeddings().weight.detach().clone() if precision.fp32_head else None
+        self.head = install_output_head(model, fp32=precision.fp32_head, chunk_size=logits_chunk_size,
+                                        fp32_weight=fp32_head)
+        prepare_for_training(model, gradient_checkpointing)
         config = {
             "train_micro_batch_size_per_gpu": micro_batch_size,
             "gradient_accumulation_steps": accumulation_steps,
@@ -141,20 +183,19 @@ class DeepSpeedTrainer:
         }
         if config_file:
             config = merge_user_config(config, config_file)
-        self.engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config,
+        body = [p for p in model.parameters() if p is not self.head.weight or fp32_head is None]
+        self.engine, *_ = deepspeed.initialize(model=model, model_parameters=body, config=config,
                                                lr_scheduler=lambda optimizer: linear_warmup(optimizer, warmup_steps))
+        self.head_optimizer = None
+        if fp32_head is not None:
+            # DeepSpeed cast the whole module to 16 bits: give the head its fp32 values back.
+            self.head.weight.data = fp32_head.to(self.engine.device)
+            self.head_optimizer = FP32HeadOptimizer(self.head.weight, lr, weight_decay, warmup_steps, grad_clip)
         # fp16/bf16 optimizers check for overflow and skip the step themselves (dynamic loss scaling).
         self.loss_scaled = precision.dtype in ("fp16", "bf16")
         self.fp16 = precision.dtype == "fp16"
-        self.fp32_head = fp32_head is not None
-        if fp32_head is not None:
-            # DeepSpeed casts the whole module to 16 bits; put the checkpoint's fp32 head back (for
-            # scoring: DeepSpeed's optimizer still holds the 16-bit head, see update()).
-            if zero_stage == 3:
-                raise ValueError("precision: an fp32 LM head on trainer=deepspeed needs zero_stage 0, 1 or 2 (ZeRO-3 "
-                                 "partitions the head)")
-            install_fp32_head(self.engine.module, fp32_head)
-        self.engine.eval()  # no dropout: scoring and training see the same function
+        self.one_pass_budget = OnePassBudget(activation_bytes_per_token(model.config, precision.torch_dtype,
+                                                                        gradient_checkpointing), self.engine.device)
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.pad_id = padding_id(tokenizer, model_path)
         self.actual_precision = model_precision(self.engine.module)
@@ -176,11 +217,11 @@ class DeepSpeedTrainer:
     def _forward(self, ids: torch.Tensor, attention: torch.Tensor, keep: int) -> torch.Tensor:
         device = self.engine.device
         return self.engine(input_ids=ids.to(device), attention_mask=attention.to(device), logits_to_keep=keep,
-                           use_cache=False).logits.cpu()
+                           use_cache=False).logits
 
     def logprobs(self, rollouts: Rollouts, micro_batch_size: int | None = None) -> torch.Tensor:
-        return score_rollouts(self._forward, rollouts, self.sampling, micro_batch_size or self.micro_batch_size,
-                              self.pad_id)
+        return score_rollouts(self._forward, self.head, rollouts, self.sampling,
+                              micro_batch_size or self.micro_batch_size, self.pad_id)
 
     def update(self, rollouts: Rollouts, rows: list[int], loss_fn: LossFn,
                score: ScoreFn | None = None) -> dict[str, float]:
@@ -188,37 +229,41 @@ class DeepSpeedTrainer:
         A non-finite gradient skips the step (metrics["skipped"] = 1, DeepSpeed's skipped_steps + 1):
         in fp16/bf16 DeepSpeed's loss scaler does it, in fp32 rlmm drops the gradients first.
         `score`: see `accumulate_gradients` (the training forward also scores the rollouts)."""
-        if self.fp32_head:
-            raise ValueError("precision: training with an fp32 LM head is not supported on trainer=deepspeed yet "
-                             "(its optimizer holds the 16-bit head); use trainer=torch, or rlmm probe to score")
         own_norm, skipped = [], []
         skipped_before = self.engine.skipped_steps
         lr = self.engine.get_lr()[0]  # the rate this step uses (the schedule advances inside engine.step)
         # The scale this step's backward uses (DeepSpeed's fp16 optimizers, ZeRO or not; GPU only here).
         loss_scale = float(self.engine.optimizer.loss_scale) if self.fp16 else None
+        head = self.head_optimizer
 
         def backward(loss: torch.Tensor) -> None:
             # loss_fn already normalises by the whole minibatch: no extra 1/accumulation_steps.
             self.engine.backward(loss, scale_wrt_gas=False)
-            if self.engine.is_gradient_accumulation_boundary() and self.engine.zero_optimization_stage() == 0:
+            if not self.engine.is_gradient_accumulation_boundary():
+                self.engine.step()  # DeepSpeed only steps the optimizer at the accumulation boundary
+                return
+            head_finite = head.reduce(loss_scale) if head else True
+            if self.engine.zero_optimization_stage() == 0:
                 # DeepSpeed reports no norm for plain fp32 without ZeRO: take it before it clips.
-                params = [p for p in self.engine.module.parameters() if p.grad is not None]
+                params = [p for p in self.engine.module.parameters() if p.grad is not None
+                          and (head is None or p is not head.param)]
                 own_norm.append(torch.linalg.vector_norm(torch.stack([p.grad.float().norm() for p in params])).item())
-                if not math.isfinite(own_norm[-1]) and not self.loss_scaled:
-                    # Plain AdamW has no overflow check (the loss-scaled optimizers skip by themselves):
-                    # let DeepSpeed finish the step (counters, zeroed gradients) without the optimizer.
-                    skipped.append(True)
-                    optimizer = self.engine.optimizer
-                    optimizer.step = lambda *args, **kwargs: None  # shadows the method for this one call
-                    try:
-                        self.engine.step()
-                    finally:
-                        del optimizer.step
-                    return
-            self.engine.step()  # DeepSpeed only steps the optimizer at the accumulation boundary
+            if not head_finite or (own_norm and not math.isfinite(own_norm[-1]) and not self.loss_scaled):
+                # Plain AdamW has no overflow check (the loss-scaled optimizers skip by themselves), and
+                # a non-finite fp32 head must stop the body too: let DeepSpeed finish the step (counters,
+                # zeroed gradients) without the optimizer.
+                skipped.append(True)
+                optimizer = self.engine.optimizer
+                optimizer.step = lambda *args, **kwargs: None  # shadows the method for this one call
+                try:
+                    self.engine.step()
+                finally:
+                    del optimizer.step
+                return
+            self.engine.step()
 
-        metrics = accumulate_gradients(self._forward, backward, rollouts, rows, self.sampling, self.pad_id,
-                                       self.micro_batch_size, loss_fn, score)
+        metrics = accumulate_gradients(self._forward, self.head, backward, rollouts, rows, self.sampling, self.pad_id,
+                                       self.micro_batch_size, loss_fn, score, graphs_fit=self.one_pass_budget)
         if self.engine.micro_steps % self.engine.gradient_accumulation_steps() != 0:
             raise RuntimeError("DeepSpeedTrainer.update: the minibatch did not fill accumulation_steps micro-batches")
         metrics["lr"] = lr
@@ -232,6 +277,9 @@ class DeepSpeedTrainer:
             for group in self.engine.optimizer.param_groups:
                 group["lr"] = lr
         metrics["skipped"] = float(self.engine.skipped_steps > skipped_before)
+        if head:
+            metrics["grad_norm"] = math.hypot(metrics["grad_norm"], head.norm)
+            head.step(skip=bool(metrics["skipped"]))
         return metrics
 
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -253,8 +301,11 @@ class DeepSpeedTrainer:
         counters: tensors and plain values only, so `torch.load(weights_only=True)` reads them back
         (with DeepSpeed's bookkeeping types allowed, see `safe_checkpoint_types`)."""
         engine = self.engine
-        return {"optimizer": engine.optimizer.state_dict(), "lr_schedule": engine.lr_scheduler.state_dict(),
-                "counters": {k: getattr(engine, k) for k in ENGINE_COUNTERS}}
+        state = {"optimizer": engine.optimizer.state_dict(), "lr_schedule": engine.lr_scheduler.state_dict(),
+                 "counters": {k: getattr(engine, k) for k in ENGINE_COUNTERS}}
+        if self.head_optimizer is not None:
+            state["fp32_head"] = self.head_optimizer.state_dict()
+        return state
 
     def load_checkpoint(self, weights: dict[str, torch.Tensor], rank_states: list[dict]) -> None:
         """Restore the state `state_dict()` and every rank's `checkpoint_state()` saved (same world size)."""
@@ -275,6 +326,8 @@ class DeepSpeedTrainer:
                                              load_from_fp32_weights=True)
         own = rank_states[dist.get_rank()]
         engine.lr_scheduler.load_state_dict(own["lr_schedule"])
+        if self.head_optimizer is not None:  # its weight came back with the module's state dict, in fp32
+            self.head_optimizer.load_state_dict(own["fp32_head"])
         for key, value in own["counters"].items():
             setattr(engine, key, value)
 

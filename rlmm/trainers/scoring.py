@@ -2,8 +2,10 @@
 
 Each micro-batch packs `prompt + response` rows right-padded to the micro-batch's own longest row,
 so position ids are the plain 0..L-1 that the sampler used, and padding only follows real tokens
-(causal attention never looks at it). Only the logits that predict response tokens are computed
-(`logits_to_keep`): prompt positions would cost a full-vocabulary projection each for nothing.
+(causal attention never looks at it). Only the positions that predict response tokens reach the head
+(`logits_to_keep`), and the head (`rlmm.models.head.OutputHead`, aimed at those positions and tokens)
+returns log π and entropy chunk by chunk instead of [b, T, V] logits, so a real vocabulary costs
+`chunk_size x V` logits at a time, not a micro-batch's worth.
 """
 from __future__ import annotations
 
@@ -12,10 +14,11 @@ from typing import Callable
 
 import torch
 
-from rlmm.logprobs import mask_logits, token_logprobs
+from rlmm.models.head import OutputHead
 from rlmm.samplers.base import Rollouts, SamplingOptions, pad_right
 
-# forward(input_ids [B, L], attention_mask [B, L], logits_to_keep) -> logits [B, K, V]
+# forward(input_ids [B, L], attention_mask [B, L], logits_to_keep) -> the model output's `logits` field,
+# which is [B, T, 2] (log π, entropy) while the head is aimed (see response_logprobs)
 ForwardFn = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
 # loss_fn(rows, logprobs [b, T], entropy [b, T]) -> (loss, metrics); rows index the rollouts
 LossFn = Callable[[list[int], torch.Tensor, torch.Tensor], tuple[torch.Tensor, dict[str, float]]]
@@ -29,10 +32,12 @@ def micro_batches(rows: list[int], size: int) -> list[list[int]]:
     return [rows[i:i + size] for i in range(0, len(rows), size)]
 
 
-def response_logprobs(forward: ForwardFn, rollouts: Rollouts, rows: list[int], options: SamplingOptions, pad_id: int,
+def response_logprobs(forward: ForwardFn, head: OutputHead, rollouts: Rollouts, rows: list[int],
+                      options: SamplingOptions, pad_id: int,
                       with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """[b, T] log π of each response token of `rows` (T = their longest response), and optionally the
-    per-token entropy of the same (processed) distribution. Differentiable when grad is enabled."""
+    """[b, T] float32 log π of each response token of `rows` (T = their longest response) on the model's
+    device, and optionally the per-token entropy of the same (processed) distribution. Differentiable
+    when grad is enabled."""
     prompts = [rollouts.prompt_ids[i] for i in rows]
     responses = [rollouts.response_ids[i] for i in rows]
     full = [p + r for p, r in zip(prompts, responses)]
@@ -42,7 +47,6 @@ def response_logprobs(forward: ForwardFn, rollouts: Rollouts, rows: list[int], o
     # Logits at position t predict token t+1: response token j of row i is predicted at
     # len(prompt_i) - 1 + j. Keep enough trailing positions to cover the earliest of them.
     keep = width - min(len(p) for p in prompts) + 1
-    logits = forward(ids, attention, keep)  # [b, keep, V]
     offset = width - keep
     length = max(len(r) for r in responses)
     index = torch.zeros(len(rows), length, dtype=torch.long)  # where each response token's logits sit
@@ -51,22 +55,19 @@ def response_logprobs(forward: ForwardFn, rollouts: Rollouts, rows: list[int], o
         first = len(prompt) - 1 - offset
         index[i, :len(response)] = torch.arange(first, first + len(response))
         tokens[i, :len(response)] = torch.tensor(response)
-    gathered = logits.gather(1, index.to(logits.device)[..., None].expand(-1, -1, logits.size(-1)))
-    logprobs = token_logprobs(gathered, tokens.to(logits.device), options)
-    entropy = None
-    if with_entropy:
-        processed = mask_logits(gathered, options) if options.logprobs == "processed" else gathered.float()
-        entropy = torch.special.entr(processed.softmax(-1)).sum(-1)
-    return logprobs, entropy
+    with head.aimed_at(index, tokens, options, entropy=with_entropy):
+        scored = forward(ids, attention, keep)  # [b, T, 2]
+    return scored[..., 0], scored[..., 1] if with_entropy else None
 
 
 @torch.no_grad()
-def score_rollouts(forward: ForwardFn, rollouts: Rollouts, options: SamplingOptions, micro_batch_size: int,
-                   pad_id: int) -> torch.Tensor:
-    """[B, T] float32 log π_train of each response token, laid out like `rollouts.padded_sampler_logprobs()`."""
-    chunks = micro_batches(list(range(len(rollouts))), micro_batch_size)
-    return padded_rows(rollouts, chunks, [response_logprobs(forward, rollouts, rows, options, pad_id)[0]
-                                          for rows in chunks])
+def score_rollouts(forward: ForwardFn, head: OutputHead, rollouts: Rollouts, options: SamplingOptions,
+                   micro_batch_size: int, pad_id: int, rows: list[int] | None = None) -> torch.Tensor:
+    """[len(rows), T] float32 log π_train of each response token of `rows` (default: all) on the CPU,
+    laid out like `rollouts.padded_sampler_logprobs()`."""
+    chunks = micro_batches(list(range(len(rollouts))) if rows is None else rows, micro_batch_size)
+    return padded_rows(rollouts, chunks, [response_logprobs(forward, head, rollouts, chunk, options, pad_id)[0]
+                                          for chunk in chunks])
 
 
 def padded_rows(rollouts: Rollouts, chunks: list[list[int]], logprobs: list[torch.Tensor]) -> torch.Tensor:
@@ -76,25 +77,30 @@ def padded_rows(rollouts: Rollouts, chunks: list[list[int]], logprobs: list[torc
                       for rows, chunk_logprobs in zip(chunks, logprobs) for i, lp in zip(rows, chunk_logprobs)])[0]
 
 
-def accumulate_gradients(forward: ForwardFn, backward: Callable[[torch.Tensor], None], rollouts: Rollouts,
-                         rows: list[int], options: SamplingOptions, pad_id: int, micro_batch_size: int,
-                         loss_fn: LossFn, score: ScoreFn | None = None) -> dict[str, float]:
+def accumulate_gradients(forward: ForwardFn, head: OutputHead, backward: Callable[[torch.Tensor], None],
+                         rollouts: Rollouts, rows: list[int], options: SamplingOptions, pad_id: int,
+                         micro_batch_size: int, loss_fn: LossFn, score: ScoreFn | None = None,
+                         graphs_fit: Callable[[int], bool] = lambda tokens: True) -> dict[str, float]:
     """Forward and backward every micro-batch of `rows`; the caller steps the optimizer once after.
 
     `loss_fn` must normalise each micro-batch's loss by the whole minibatch (e.g. a fixed token
     count), so the accumulated gradient equals the gradient of the minibatch loss.
 
-    `score`: when given, every micro-batch is forwarded first, keeping its graph; `score` gets the
-    [len(rows), T] float32 detached log-probs of `rows` (laid out like `score_rollouts`); only then are
-    the losses taken and backpropagated. With one PPO epoch over one minibatch the policy being
-    updated is the one that scored the rollouts, so this forward doubles as the no-grad scoring pass
-    (what it costs: every micro-batch's activations are held at once).
+    `score`: when given, it gets the [len(rows), T] float32 detached log-probs of `rows` (laid out like
+    `score_rollouts`) before any loss is taken. With one PPO epoch over one minibatch the policy being
+    updated is the one that scored the rollouts, so the training forward doubles as the scoring pass:
+    every micro-batch is forwarded first, keeping its graph, when `graphs_fit(tokens)` says that many
+    tokens' activations fit in memory; otherwise a no-grad scoring pass runs first (the same numbers,
+    one more forward) and each micro-batch's graph is freed by its backward as usual.
     """
     chunks = micro_batches(rows, micro_batch_size)
-    passes = (response_logprobs(forward, rollouts, chunk, options, pad_id, with_entropy=True) for chunk in chunks)
-    if score is not None:  # every forward first (backward frees each graph's activations as it goes)
-        passes = list(passes)
-        score(padded_rows(rollouts, chunks, [logprobs for logprobs, _ in passes]))
+    passes = (response_logprobs(forward, head, rollouts, chunk, options, pad_id, with_entropy=True) for chunk in chunks)
+    if score is not None:
+        if graphs_fit(sum(len(rollouts.prompt_ids[i]) + len(rollouts.response_ids[i]) for i in rows)):
+            passes = list(passes)  # every forward first (backward frees each graph's activations as it goes)
+            score(padded_rows(rollouts, chunks, [logprobs for logprobs, _ in passes]))
+        else:
+            score(score_rollouts(forward, head, rollouts, options, micro_batch_size, pad_id, rows))
     parts = []
     for chunk, (logprobs, entropy) in zip(chunks, passes):
         loss, metrics = loss_fn(chunk, logprobs, entropy)

@@ -15,24 +15,13 @@ import math
 
 import torch
 
+from rlmm.devices import average_over_ranks, select_device
 from rlmm.models.loading import load_causal_lm, model_precision, padding_id
 from rlmm.precision import SidePrecision
 from rlmm.samplers.base import Rollouts, SamplingOptions
 from rlmm.trainers.optim import linear_warmup
+from rlmm.trainers.memory import OnePassBudget, activation_bytes_per_token, prepare_for_training
 from rlmm.trainers.scoring import LossFn, ScoreFn, accumulate_gradients, score_rollouts
-
-
-def average_over_ranks(gradients: list[torch.Tensor]) -> None:
-    """Data parallelism as DDP and DeepSpeed do it: every rank ends the backward pass holding the mean of
-    all ranks' gradients, so the replicas take the same step (a NaN on one rank reaches all, and every
-    rank skips that step). One all-reduce per tensor: no extra buffer the size of the model."""
-    import torch.distributed as dist
-
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return
-    for gradient in gradients:
-        dist.all_reduce(gradient)
-        gradient.div_(dist.get_world_size())
 
 
 class TorchTrainer:
@@ -41,11 +30,19 @@ class TorchTrainer:
         lr, weight_decay: AdamW.
         warmup_steps: linear learning-rate warm-up over this many optimizer steps (0: none).
         grad_clip: clip the global gradient norm to this (0: off).
+        logits_chunk_size: response positions whose full-vocabulary logits exist at once while scoring
+            (rlmm/models/head.py).
+        gradient_checkpointing: recompute each decoder layer in the backward pass instead of keeping its
+            activations.
         initial_loss_scale, loss_scale_growth_interval: fp16 dynamic loss scaling (ignored otherwise).
+
+    Several ranks (torchrun, SLURM tasks): each holds a full replica on its own device and the gradients
+    are averaged over the ranks before each step (`average_over_ranks`), as DDP does.
     """
 
     def __init__(self, model_path: str, precision: SidePrecision, sampling: SamplingOptions, micro_batch_size: int,
                  lr: float = 1e-4, weight_decay: float = 0.0, warmup_steps: int = 0, grad_clip: float = 1.0,
+                 logits_chunk_size: int = 512, gradient_checkpointing: bool = False,
                  accumulation_steps: int = 1, initial_loss_scale: float = 2.0 ** 16,
                  loss_scale_growth_interval: int = 1000):
         from transformers import AutoTokenizer
@@ -57,8 +54,11 @@ class TorchTrainer:
         self.sampling = sampling
         self.micro_batch_size = micro_batch_size
         self.grad_clip = grad_clip
-        self.model = load_causal_lm(model_path, precision, trainable=True)
-        self.model.eval()  # no dropout: scoring and training see the same function
+        self.device = select_device()
+        self.model = load_causal_lm(model_path, precision, trainable=True, logits_chunk_size=logits_chunk_size,
+                                    device=self.device)
+        prepare_for_training(self.model, gradient_checkpointing)
+        self.head = self.model.get_output_embeddings()
         params = list(self.model.parameters())
         # fp32 weights are their own master copy; 16-bit ones get one in fp32 for AdamW to update.
         self.master_params = None if all(p.dtype == torch.float32 for p in params) else [
@@ -68,20 +68,23 @@ class TorchTrainer:
         if precision.dtype == "fp16" and not (initial_loss_scale > 0 and loss_scale_growth_interval >= 1):
             raise ValueError(f"trainer.initial_loss_scale must be > 0 and trainer.loss_scale_growth_interval >= 1, "
                              f"got {initial_loss_scale} and {loss_scale_growth_interval}")
-        self.grad_scaler = torch.amp.GradScaler(params[0].device.type, init_scale=initial_loss_scale,
+        self.grad_scaler = torch.amp.GradScaler(self.device.type, init_scale=initial_loss_scale,
                                                 growth_interval=loss_scale_growth_interval,
                                                 enabled=precision.dtype == "fp16")
         self.lr_schedule = linear_warmup(self.optimizer, warmup_steps)
+        self.one_pass_budget = OnePassBudget(activation_bytes_per_token(self.model.config, precision.torch_dtype,
+                                                                        gradient_checkpointing), self.device)
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.pad_id = padding_id(tokenizer, model_path)
         self.actual_precision = model_precision(self.model)
 
     def _forward(self, ids: torch.Tensor, attention: torch.Tensor, keep: int) -> torch.Tensor:
-        return self.model(input_ids=ids, attention_mask=attention, logits_to_keep=keep, use_cache=False).logits
+        return self.model(input_ids=ids.to(self.device), attention_mask=attention.to(self.device),
+                          logits_to_keep=keep, use_cache=False).logits
 
     def logprobs(self, rollouts: Rollouts, micro_batch_size: int | None = None) -> torch.Tensor:
-        return score_rollouts(self._forward, rollouts, self.sampling, micro_batch_size or self.micro_batch_size,
-                              self.pad_id)
+        return score_rollouts(self._forward, self.head, rollouts, self.sampling,
+                              micro_batch_size or self.micro_batch_size, self.pad_id)
 
     def update(self, rollouts: Rollouts, rows: list[int], loss_fn: LossFn,
                score: ScoreFn | None = None) -> dict[str, float]:
@@ -91,8 +94,9 @@ class TorchTrainer:
         `score`: see `accumulate_gradients` (the training forward also scores the rollouts)."""
         scaler = self.grad_scaler
         self.optimizer.zero_grad(set_to_none=True)
-        metrics = accumulate_gradients(self._forward, lambda loss: scaler.scale(loss).backward(), rollouts, rows,
-                                       self.sampling, self.pad_id, self.micro_batch_size, loss_fn, score)
+        metrics = accumulate_gradients(self._forward, self.head, lambda loss: scaler.scale(loss).backward(), rollouts,
+                                       rows, self.sampling, self.pad_id, self.micro_batch_size, loss_fn, score,
+                                       graphs_fit=self.one_pass_budget)
         average_over_ranks([p.grad for p in self.model.parameters() if p.grad is not None])
         if self.master_params is not None:  # the 16-bit gradients move to the fp32 master copy
             for master, param in zip(self.master_params, self.model.parameters()):
