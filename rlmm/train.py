@@ -306,14 +306,16 @@ def run_train(cfg: DictConfig, run_dir: Path, choices: dict[str, str], logger) -
     def evaluate_on_rank_zero() -> float:
         return evaluate(components, eval_examples) if rank == 0 else float("nan")
 
-    if first_step == 1:
-        accuracy = evaluate_on_rank_zero()
-        record.log({"eval/accuracy": accuracy}, step=0)
-        logger.log({"eval/accuracy": accuracy}, step=0)
-    bad_in_a_row, bad_total, shown_accuracy = 0, 0, float("nan")
-    bar = tqdm(range(first_step, options.steps + 1), desc="rlmm train", unit="step", initial=first_step - 1,
-               total=options.steps, disable=None if rank == 0 else True)
+    # Signals are recorded from before the first logged row: a SIGTERM that lands between step 0's
+    # evaluation and the loop must still end in a checkpoint, not in the default handler.
     with StopSignals() as stop:
+        if first_step == 1:
+            accuracy = evaluate_on_rank_zero()
+            record.log({"eval/accuracy": accuracy}, step=0)
+            logger.log({"eval/accuracy": accuracy}, step=0)
+        bad_in_a_row, bad_total, shown_accuracy = 0, 0, float("nan")
+        bar = tqdm(range(first_step, options.steps + 1), desc="rlmm train", unit="step", initial=first_step - 1,
+                   total=options.steps, disable=None if rank == 0 else True)
         for step in bar:
             step_prompts = train_examples[(step - 1) * options.prompts_per_step: step * options.prompts_per_step]
             metrics = mean_over_ranks(rl_step(components, rank_share(step_prompts, rank, world), options.ratio_cap,

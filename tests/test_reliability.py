@@ -65,6 +65,36 @@ def test_sigterm_midway_then_resume_repeats_the_uninterrupted_run(small_model_pa
     assert summary["resumed_at_step"] == stopped_at + 1
 
 
+SIGNAL_AFTER_STEP_ZERO = """
+import os, signal, sys
+from rlmm.records import RunRecord
+
+log = RunRecord.log
+
+def log_then_signal(self, metrics, step):
+    log(self, metrics, step)
+    if step == 0:  # the moment the test above signals at: step 0 logged, the loop not yet entered
+        os.kill(os.getpid(), signal.SIGTERM)
+
+RunRecord.log = log_then_signal
+from rlmm.cli import main
+main(sys.argv[1:])
+"""
+
+
+def test_sigterm_right_after_step_zero_still_checkpoints(small_model_path, tmp_path):
+    """The signal lands the instant step 0's evaluation is recorded, before the first training step
+    (in CI the default handler was still in place there and the process died without a checkpoint)."""
+    run_dir = tmp_path / "run"
+    command = train_command(small_model_path, run_dir, "sampler=hf", "trainer=torch", "logger=none",
+                            "train.checkpoint_every=0")
+    result = subprocess.run([sys.executable, "-c", SIGNAL_AFTER_STEP_ZERO, *command[3:]], capture_output=True,
+                            text=True, timeout=600, env=subprocess_env(), stdin=subprocess.DEVNULL)
+    assert result.returncode == 128 + signal.SIGTERM, result.stderr[-3000:]
+    assert json.loads((checkpoint.latest(run_dir) / "state.json").read_text())["step"] == 1
+    assert [row["step"] for row in read_steps(run_dir)] == [0, 1]
+
+
 def make_faulty_components(model_path, task, trainer_name, dtype):
     from transformers import AutoTokenizer
 
