@@ -83,8 +83,12 @@ def check_overrides(config_name: str, overrides: list[str]) -> None:
                         instantiate(cfg[group])
                 if not elsewhere:  # a SLURM job asks its own node's hardware when it starts
                     check_engines_support(cfg)
-        except ConfigError as err:
-            fail(str(err))
+                if "probe" in cfg:
+                    from rlmm.probe import check_micro_batch_sizes
+
+                    check_micro_batch_sizes(cfg.probe.trainer_micro_batch_sizes)
+        except (ConfigError, ValueError) as err:
+            fail(str(err).splitlines()[0])
         except InstantiationException as err:
             fail(str(err.__cause__ or err).splitlines()[0])
         except (HydraException, OmegaConfBaseException) as err:

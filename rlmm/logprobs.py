@@ -15,7 +15,9 @@ from rlmm.samplers.base import SamplingOptions
 
 def mask_logits(logits: torch.Tensor, options: SamplingOptions) -> torch.Tensor:
     """Temperature, top-k, top-p applied to fp32 logits [..., V] (masked entries become -inf)."""
-    logits = logits.float() / options.temperature
+    logits = logits.float()
+    if options.temperature != 1.0:  # x / 1 == x: skip a full-vocabulary copy
+        logits = logits / options.temperature
     if options.top_k and options.top_k < logits.size(-1):
         kth = torch.topk(logits, options.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))

@@ -70,7 +70,7 @@ MUTANTS = [
            [("rlmm/train.py", "    if not dist.is_initialized() or dist.get_world_size() == 1:\n        return local\n",
              "    return local\n")]),
     Mutant("torch_no_gradient_averaging", "trainer=torch ranks step on their own gradients",
-           [("rlmm/trainers/torch_backend.py", "    if not dist.is_initialized() or dist.get_world_size() == 1:\n        return\n",
+           [("rlmm/devices.py", "    if not dist.is_initialized() or dist.get_world_size() == 1:\n        return\n",
              "    return\n")]),
     Mutant("ranks_share_prompts", "every rank trains on all of the step's prompts",
            [("rlmm/train.py", "    return prompts[rank::world]", "    return prompts")],
@@ -82,6 +82,19 @@ MUTANTS = [
     Mutant("probe_one_micro_batch_size", "the probe's trainer-vs-itself scores both times at the same size",
            [("rlmm/probe.py", "trainer.logprobs(rollouts, small), mask", "trainer.logprobs(rollouts, large), mask")],
            tests=("tests/test_probe.py",)),
+    Mutant("zero3_holds_graphs", "the one-pass step holds every micro-batch's graph under ZeRO-3 too",
+           [("rlmm/trainers/deepspeed_backend.py", "self.one_pass_allowed = zero_stage != 3",
+             "self.one_pass_allowed = True")]),
+    Mutant("head_entropy_through_entr", "the chunked head's entropy as sum entr(softmax) (NaN gradients under top-k/top-p)",
+           [("rlmm/models/head.py", "ent = normalizer - ((logits - normalizer[:, None]).exp() * kept).sum(-1)",
+             "ent = torch.special.entr(logits.softmax(-1)).sum(-1)")], tests=("tests/test_head.py",)),
+    Mutant("head_chunks_overlap", "the chunked head's chunks start one position late",
+           [("rlmm/models/head.py", "args = (flat_hidden[start:start + self.chunk_size], flat_tokens[start:start + self.chunk_size])",
+             "args = (flat_hidden[start + 1:start + 1 + self.chunk_size], flat_tokens[start + 1:start + 1 + self.chunk_size])")],
+           tests=("tests/test_head.py",)),
+    Mutant("fp32_head_never_steps", "trainer=deepspeed's fp32 head is left out of every update",
+           [("rlmm/trainers/deepspeed_backend.py", "        if not skip and self.param.grad is not None:",
+             "        if False:")], tests=("tests/test_engines.py",)),
     Mutant("loss_metrics_averaged_over_micro_batches", "the logged loss is the mean of micro-batch shares, not their sum",
            [("rlmm/trainers/scoring.py", 'if key in ("loss", "pg_loss", "num_tokens"):',
              'if key in ("num_tokens",):')]),
@@ -150,6 +163,8 @@ def main() -> None:
         lines = ["| mutant | what it breaks | tests that fail |", "|---|---|---|"]
         lines += [f"| `{m.name}` | {m.what} | {by_function(failed) or '**none**'} |" for m, failed in rows]
         args.markdown.write_text("\n".join(lines) + "\n")
+    if missed:
+        raise SystemExit(f"mutants: not caught by any test: {', '.join(missed)}")
 
 
 def by_function(failed: list[str]) -> str:
@@ -159,8 +174,6 @@ def by_function(failed: list[str]) -> str:
         name = test.split("::")[-1].split("[")[0]
         counts[name] = counts.get(name, 0) + 1
     return ", ".join(f"`{name}`" + (f" ({n} cases)" if n > 1 else "") for name, n in counts.items())
-    if missed:
-        raise SystemExit(f"mutants: not caught by any test: {', '.join(missed)}")
 
 
 if __name__ == "__main__":

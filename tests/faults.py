@@ -35,7 +35,7 @@ class _NaNUpdates:
 class NaNTorchTrainer(_NaNUpdates, TorchTrainer):
     def __init__(self, model_path: str, precision: SidePrecision, sampling: SamplingOptions, micro_batch_size: int,
                  lr: float = 1e-4, weight_decay: float = 0.0, warmup_steps: int = 0, grad_clip: float = 1.0,
-                 logits_chunk_size: int = 512, gradient_checkpointing: bool = False,
+                 logits_chunk_size: int = 512, gradient_checkpointing: bool | None = None,
                  accumulation_steps: int = 1, initial_loss_scale: float = 2.0 ** 16,
                  loss_scale_growth_interval: int = 1000, nan_from_update: int = 1):
         TorchTrainer.__init__(self, model_path, precision, sampling, micro_batch_size, lr=lr, weight_decay=weight_decay,
@@ -49,7 +49,7 @@ class NaNTorchTrainer(_NaNUpdates, TorchTrainer):
 class NaNDeepSpeedTrainer(_NaNUpdates, DeepSpeedTrainer):
     def __init__(self, model_path: str, precision: SidePrecision, sampling: SamplingOptions, micro_batch_size: int,
                  zero_stage: int = 0, lr: float = 1e-4, weight_decay: float = 0.0, warmup_steps: int = 0,
-                 grad_clip: float = 1.0, logits_chunk_size: int = 512, gradient_checkpointing: bool = False,
+                 grad_clip: float = 1.0, logits_chunk_size: int = 512, gradient_checkpointing: bool | None = None,
                  config_file: str | None = None, accumulation_steps: int = 1, nan_from_update: int = 1):
         DeepSpeedTrainer.__init__(self, model_path, precision, sampling, micro_batch_size, zero_stage=zero_stage, lr=lr,
                                   weight_decay=weight_decay, warmup_steps=warmup_steps, grad_clip=grad_clip,

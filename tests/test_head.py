@@ -104,11 +104,11 @@ def test_one_pass_fallback_and_gradient_checkpointing_leave_the_update_unchanged
     options = sampling(max_new_tokens=6)
     results = {}
     for name, checkpointing, fits in (("held", False, True), ("scored_first", False, False),
-                                      ("checkpointed", True, True)):
+                                      ("checkpointed", True, True)):  # False/True: forced, not left to the budget
         trainer = TorchTrainer(small_model_path, fp32, options, micro_batch_size=5, grad_clip=0.0,
                                gradient_checkpointing=checkpointing)
         trainer.optimizer = torch.optim.SGD(trainer.optimized_params, lr=1.0)
-        trainer.one_pass_budget = lambda tokens, fits=fits: fits
+        trainer.budget.graphs_fit = lambda checkpointing, fits=fits: (lambda tokens: fits)
         forwards = []
         forward = trainer._forward
         trainer._forward = lambda *args: forwards.append(1) or forward(*args)
@@ -176,3 +176,26 @@ def test_scoring_and_a_step_at_a_real_vocabulary_stay_within_a_chunk(tmp_path):
     figures = json.loads(result.stdout.strip().splitlines()[-1])
     assert figures["vocab"] == 151936
     assert figures["growth"] < 1.2e9, figures
+
+
+def test_activation_budget_checkpoints_and_scores_first_only_when_needed(monkeypatch):
+    """The per-update choices: checkpoint when the largest micro-batch does not fit in half the free memory
+    less the optimizer state still to come; hold every graph only when all of them fit."""
+    from types import SimpleNamespace
+
+    from rlmm.trainers import memory
+
+    config = SimpleNamespace(hidden_size=896, intermediate_size=4864, num_hidden_layers=24)  # Qwen2.5-0.5B
+    assert memory.activation_bytes_per_token(config, torch.bfloat16, False) == 24 * (8 * 896 + 4 * 4864) * 2
+    assert memory.activation_bytes_per_token(config, torch.float32, True) == 24 * 896 * 4
+    monkeypatch.setattr(memory, "free_bytes", lambda device: 16e9)
+    budget = memory.ActivationBudget(config, torch.bfloat16, torch.device("cpu"), None, pending_bytes=6e9)
+    assert budget.room() == 0.5 * 10e9
+    assert budget.checkpointing(3000) is False  # 3.8 GB fits in 5 GB
+    assert budget.checkpointing(4400) is True  # 5.6 GB does not
+    assert budget.graphs_fit(False)(3000) and not budget.graphs_fit(False)(4400)
+    assert budget.graphs_fit(True)(4400)  # 0.19 GB with checkpointing
+    budget.settled()
+    assert budget.room() == 8e9 and budget.checkpointing(4400) is False
+    forced = memory.ActivationBudget(config, torch.bfloat16, torch.device("cpu"), False, pending_bytes=0)
+    assert forced.checkpointing(10**9) is False

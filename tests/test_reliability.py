@@ -255,3 +255,26 @@ def test_run_stops_after_max_bad_steps_with_a_checkpoint(small_model_path, tmp_p
     after_bad = load_file(last / "model.safetensors")
     before_bad = load_file(last.parent / "step-000002" / "model.safetensors")
     assert all(torch.equal(after_bad[k], before_bad[k]) for k in after_bad)
+
+
+def test_nonfinite_logprobs_say_which_side_how_many_and_the_fp16_cause():
+    """fp16 activations overflow in some models (Qwen2's do): the probe stops with one line naming the side,
+    the share and the cause, and a training step's skip reason says the same."""
+    from types import SimpleNamespace
+
+    from rlmm.probe import check_finite
+    from rlmm.train import nonfinite_hint
+
+    report = {"actual": {"sampler": {"dtype": "fp16"}, "trainer": {"dtype": "fp32"}}}
+    with pytest.raises(ValueError, match=r"^probe: non-finite log-probs: 25.0% of the sampler's \(fp16\); fp16 "
+                                         r"activations overflow in some models \(Qwen2 is known to\): use "
+                                         r"precision=bf16 or fp32$"):
+        check_finite({"sampler": torch.tensor([0.1, float("nan"), -1.0, -2.0]), "trainer": torch.zeros(4)}, report)
+    check_finite({"sampler": torch.zeros(3), "trainer": torch.zeros(3)}, report)  # all finite: nothing to say
+    engines = SimpleNamespace(sampler=SimpleNamespace(actual_precision={"dtype": "bf16"}),
+                              trainer=SimpleNamespace(actual_precision={"dtype": "fp16"}))
+    assert nonfinite_hint({"trainer": 0.5, "sampler": 0.0}, engines) == (
+        " (50.0% of the trainer's); fp16 activations overflow in some models (Qwen2 is known to): use precision=bf16 "
+        "or fp32")
+    engines.trainer.actual_precision["dtype"] = "fp32"
+    assert nonfinite_hint({"trainer": 0.5, "sampler": 0.0}, engines) == " (50.0% of the trainer's)"

@@ -89,15 +89,19 @@ class RecordingSampler:
 
 def sgd_trainer(backend: str, model_path: str, tmp_path: Path, rows_per_minibatch: int, micro_batch_size: int = 8,
                 lr: float = 1.0):
-    """A trainer whose optimizer is plain SGD (no clipping), so an update is -lr x the gradient."""
+    """A trainer whose optimizer is plain SGD (no clipping), so an update is -lr x the gradient.
+    `deepspeed-zero3`: DeepSpeed with its parameters partitioned (ZeRO-3)."""
     accumulation_steps = math.ceil(rows_per_minibatch / micro_batch_size)
-    if backend == "deepspeed":
+    if backend.startswith("deepspeed"):
         from rlmm.trainers.deepspeed_backend import DeepSpeedTrainer
 
         config = tmp_path / "sgd.json"
-        config.write_text(json.dumps({"optimizer": {"type": "SGD", "params": {"lr": lr}}}))
+        config.write_text(json.dumps({"optimizer": {"type": "SGD", "params": {"lr": lr}},
+                                      "zero_allow_untested_optimizer": True}))
         return DeepSpeedTrainer(model_path, FP32, OPTIONS, micro_batch_size=micro_batch_size, grad_clip=0.0,
-                                config_file=str(config), accumulation_steps=accumulation_steps)
+                                zero_stage=int(backend[-1]) if backend.startswith("deepspeed-zero") else 0,
+                                config_file=str(config),
+                                accumulation_steps=accumulation_steps)
     from rlmm.trainers.torch_backend import TorchTrainer
 
     trainer = TorchTrainer(model_path, FP32, OPTIONS, micro_batch_size=micro_batch_size, grad_clip=0.0)
@@ -196,7 +200,7 @@ def check_step(model_path, arithmetic_task, tmp_path, backend, fix, reuse_traini
 
 
 @pytest.mark.parametrize("reuse_training_forward", [False, True], ids=["scored_first", "one_pass"])
-@pytest.mark.parametrize("backend", ["torch", "deepspeed"])
+@pytest.mark.parametrize("backend", ["torch", "deepspeed", "deepspeed-zero2", "deepspeed-zero3"])
 def test_step_equals_the_hand_computed_sgd_step(small_model_path, arithmetic_task, tmp_path, backend,
                                                 reuse_training_forward):
     """One step (two micro-batches of 8 rows, TIS): the logged mismatch and correction figures are those of

@@ -27,3 +27,30 @@ def test_batch_invariant_mode_is_refused_without_a_gpu(small_model_path):
         pytest.skip("GPU machine: batch-invariant kernels can run")
     with pytest.raises(ValueError, match=r"sampler.batch_invariant: .*need a GPU .*\(allowed here: false\)"):
         VLLMSampler(small_model_path, SidePrecision("bf16", False), sampling(), seed=0, batch_invariant=True)
+
+
+def test_vllm_engine_options_resolve_per_device_and_are_recorded(small_model_path):
+    """The null engine options pick the CPU's values and the run's report records what the engine got;
+    max_model_len follows the run's longest prompt; sleep mode is refused on a CPU when asked for, and
+    a no-op when left to the device (it says so once per process in the log)."""
+    import pytest
+    import torch
+
+    from rlmm.precision import SidePrecision
+    from rlmm.samplers.vllm import VLLMSampler
+    from tests.conftest import sampling
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA machine: the GPU check covers the GPU defaults")
+    with pytest.raises(ValueError, match="sampler.sleep_mode: vLLM's sleep mode needs a CUDA GPU"):
+        VLLMSampler(small_model_path, SidePrecision("bf16", False), sampling(), seed=0, sleep_mode=True)
+    sampler = VLLMSampler(small_model_path, SidePrecision("bf16", False), sampling(max_new_tokens=8), seed=0,
+                          prompt_tokens=12)
+    try:
+        assert sampler.actual_precision["engine"] == {
+            "enforce_eager": True, "enable_prefix_caching": False, "distributed_executor_backend": None,
+            "max_model_len": 20, "seed_per_request": True, "sleep_mode": False, "device": "cpu"}
+        sampler.sleep()
+        assert sampler.generate([[1, 5, 6]], n=2).response_ids  # still generates after a skipped sleep
+    finally:
+        sampler.close()

@@ -12,8 +12,9 @@ from rlmm.models.loading import model_precision, padding_id
 from rlmm.precision import SidePrecision
 from rlmm.samplers.base import Rollouts, SamplingOptions
 from rlmm.trainers.optim import linear_warmup
-from rlmm.trainers.memory import OnePassBudget, activation_bytes_per_token, prepare_for_training
-from rlmm.trainers.scoring import LossFn, ScoreFn, accumulate_gradients, score_rollouts
+from rlmm.trainers.memory import (ActivationBudget, optimizer_state_bytes, prepare_for_training,
+                                  set_gradient_checkpointing)
+from rlmm.trainers.scoring import LossFn, ScoreFn, accumulate_gradients, micro_batch_tokens, score_rollouts
 
 
 # DeepSpeed engine attributes that count steps (the LR schedule and loss scaler read them).
@@ -130,7 +131,8 @@ class DeepSpeedTrainer:
         logits_chunk_size: response positions whose full-vocabulary logits exist at once while scoring
             (memory: about 5 x this x vocabulary x 4 bytes; rlmm/models/head.py).
         gradient_checkpointing: recompute each decoder layer in the backward pass instead of keeping its
-            activations (transformers' gradient checkpointing; about a third more compute).
+            activations (transformers' gradient checkpointing; about a third more compute). null: for an
+            update whose largest micro-batch would not fit otherwise (rlmm/trainers/memory.py).
         config_file: a DeepSpeed JSON of your own, merged over the config rlmm derives from the values
             above and the precision (yours wins key by key; batch sizes stay rlmm's, they follow the run).
         accumulation_steps: micro-batches per optimizer step (set by the app from the minibatch size).
@@ -145,9 +147,10 @@ class DeepSpeedTrainer:
 
     def __init__(self, model_path: str, precision: SidePrecision, sampling: SamplingOptions, micro_batch_size: int,
                  zero_stage: int = 0, lr: float = 1e-4, weight_decay: float = 0.0, warmup_steps: int = 0,
-                 grad_clip: float = 1.0, logits_chunk_size: int = 512, gradient_checkpointing: bool = False,
+                 grad_clip: float = 1.0, logits_chunk_size: int = 512, gradient_checkpointing: bool | None = None,
                  config_file: str | None = None, accumulation_steps: int = 1):
         import deepspeed
+        import torch.distributed as dist
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         if micro_batch_size < 1:
@@ -186,6 +189,10 @@ class DeepSpeedTrainer:
         body = [p for p in model.parameters() if p is not self.head.weight or fp32_head is None]
         self.engine, *_ = deepspeed.initialize(model=model, model_parameters=body, config=config,
                                                lr_scheduler=lambda optimizer: linear_warmup(optimizer, warmup_steps))
+        if zero_stage == 0 and dist.get_world_size() == 1:
+            # Nothing to average over one rank, and DeepSpeed's ZeRO-0 all-reduce first flattens every gradient
+            # into 500M-element buckets: a second copy of all gradients (2 GB at 0.5B parameters in fp32).
+            self.engine.enable_backward_allreduce = False
         self.head_optimizer = None
         if fp32_head is not None:
             # DeepSpeed cast the whole module to 16 bits: give the head its fp32 values back.
@@ -194,8 +201,15 @@ class DeepSpeedTrainer:
         # fp16/bf16 optimizers check for overflow and skip the step themselves (dynamic loss scaling).
         self.loss_scaled = precision.dtype in ("fp16", "bf16")
         self.fp16 = precision.dtype == "fp16"
-        self.one_pass_budget = OnePassBudget(activation_bytes_per_token(model.config, precision.torch_dtype,
-                                                                        gradient_checkpointing), self.engine.device)
+        parameters = sum(p.numel() for p in model.parameters())
+        self.budget = ActivationBudget(model.config, precision.torch_dtype, self.engine.device, gradient_checkpointing,
+                                       optimizer_state_bytes(parameters // max(1, dist.get_world_size())
+                                                             if zero_stage else parameters, precision.torch_dtype))
+        # ZeRO-3 releases each module's parameters after its forward and fetches them again for its
+        # backward, in the order of the last forward: several forwards before the first backward gave wrong
+        # gradients (relative error 0.65 against the hand-computed step, tests/test_update.py), so under
+        # ZeRO-3 the one-pass step always scores first.
+        self.one_pass_allowed = zero_stage != 3
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.pad_id = padding_id(tokenizer, model_path)
         self.actual_precision = model_precision(self.engine.module)
@@ -262,8 +276,12 @@ class DeepSpeedTrainer:
                 return
             self.engine.step()
 
+        checkpointing = self.budget.checkpointing(max(micro_batch_tokens(rollouts, rows, self.micro_batch_size)))
+        set_gradient_checkpointing(self.engine.module, checkpointing)
+        fits = self.budget.graphs_fit(checkpointing) if self.one_pass_allowed else (lambda tokens: False)
         metrics = accumulate_gradients(self._forward, self.head, backward, rollouts, rows, self.sampling, self.pad_id,
-                                       self.micro_batch_size, loss_fn, score, graphs_fit=self.one_pass_budget)
+                                       self.micro_batch_size, loss_fn, score, graphs_fit=fits)
+        self.budget.settled()
         if self.engine.micro_steps % self.engine.gradient_accumulation_steps() != 0:
             raise RuntimeError("DeepSpeedTrainer.update: the minibatch did not fill accumulation_steps micro-batches")
         metrics["lr"] = lr

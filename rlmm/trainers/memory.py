@@ -1,17 +1,24 @@
 """What the trainers need to know about memory: activations per token, memory free now, dropout off.
 
-The one-pass step (`train.reuse_training_forward`) forwards every micro-batch of a minibatch before the
-first backward, so it holds every micro-batch's activations at once. `OnePassBudget` decides, per
-minibatch, whether that fits; when it does not, the trainer scores first (one more no-grad forward)
-and frees each graph as usual. The estimate of activations per token for a decoder layer, saved for the
-backward pass (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
-Models", counted for a gated MLP and fused attention that keeps no score matrix):
+Two choices depend on whether a micro-batch's activations fit, and both are made per update from an
+estimate (`ActivationBudget`):
+
+- gradient checkpointing (`trainer.gradient_checkpointing: null`, the default): on for an update whose
+  largest micro-batch would not fit without it; `true` / `false` force it;
+- the one-pass step (`train.reuse_training_forward`) forwards every micro-batch of a minibatch before the
+  first backward, so it holds all their activations at once; when they would not fit, the trainer scores
+  first (one more no-grad forward) and frees each graph as usual.
+
+Activations a decoder layer keeps per token for the backward pass (Korthikanti et al. 2022, "Reducing
+Activation Recomputation in Large Transformer Models", counted for a gated MLP and fused attention that
+keeps no score matrix):
 
     bytes/token ≈ layers x (8 h + 4 i) x bytes per element      (h hidden, i MLP intermediate size)
     with gradient checkpointing: layers x h x bytes per element  (each layer's input only)
 
 e.g. Qwen2.5-0.5B in bf16: 24 x (8·896 + 4·4864) x 2 = 1.3 MB per token; 32 rows of 650 tokens = 27 GB.
-It is an estimate: `train.reuse_training_forward=false` always scores first.
+"Fits" means at most half of the memory free now, less what the optimizer has yet to allocate (AdamW's
+moments and the gradient buffers appear at the first update: `pending_bytes` until one has completed).
 """
 from __future__ import annotations
 
@@ -41,37 +48,85 @@ def free_bytes(device: torch.device) -> int:
     return psutil.virtual_memory().available
 
 
-class OnePassBudget:
-    """`fits(tokens)`: whether holding `tokens` tokens' activations takes at most `share` of the memory
-    free now. Says so in the log the first time it answers no."""
+class ActivationBudget:
+    """Per update: whether to checkpoint, and whether the one-pass step may hold every graph.
 
-    def __init__(self, bytes_per_token: int, device: torch.device, share: float = 0.5):
-        self.bytes_per_token, self.device, self.share = bytes_per_token, device, share
-        self.warned = False
+    Args:
+        config: the model's (hidden_size, intermediate_size, num_hidden_layers).
+        dtype: the trainer's body dtype.
+        device: where the activations live.
+        checkpointing: None (decide per update), True or False (always, never).
+        pending_bytes: optimizer state not allocated yet (until `settled()` is called after an update).
+        share: the part of the free memory activations may take.
+    """
 
-    def __call__(self, tokens: int) -> bool:
-        needed, free = tokens * self.bytes_per_token, free_bytes(self.device)
-        fits = needed <= self.share * free
-        if not fits and not self.warned:
-            log.info("one-pass step: holding %d tokens' activations (~%.1f GB) would take more than %.0f%% of the "
-                     "%.1f GB free; scoring first instead (one more no-grad forward)", tokens, needed / 1e9,
-                     100 * self.share, free / 1e9)
-            self.warned = True
+    def __init__(self, config, dtype: torch.dtype, device: torch.device, checkpointing: bool | None,
+                 pending_bytes: int, share: float = 0.5):
+        self.per_token = {flag: activation_bytes_per_token(config, dtype, flag) for flag in (False, True)}
+        self.device, self.mode, self.pending, self.share = device, checkpointing, pending_bytes, share
+        self.said: set[str] = set()
+
+    def room(self) -> float:
+        return self.share * max(0, free_bytes(self.device) - self.pending)
+
+    def checkpointing(self, micro_batch_tokens: int) -> bool:
+        """Whether this update checkpoints: as configured, or when its largest micro-batch does not fit."""
+        if self.mode is not None:
+            return self.mode
+        needed, room = micro_batch_tokens * self.per_token[False], self.room()
+        on = needed > room
+        self._say("checkpointing" if on else "", f"gradient checkpointing on: a micro-batch of {micro_batch_tokens} "
+                  f"tokens keeps ~{needed / 1e9:.1f} GB of activations, more than the {room / 1e9:.1f} GB it may "
+                  f"take (trainer.gradient_checkpointing=false to refuse)")
+        return on
+
+    def graphs_fit(self, checkpointing: bool):
+        """For `accumulate_gradients(graphs_fit=...)`: whether a minibatch's `tokens` may all be held."""
+        def fits(tokens: int) -> bool:
+            needed, room = tokens * self.per_token[checkpointing], self.room()
+            ok = needed <= room
+            self._say("" if ok else "scoring first", f"one-pass step: holding {tokens} tokens' activations "
+                      f"(~{needed / 1e9:.1f} GB) would take more than the {room / 1e9:.1f} GB they may; scoring "
+                      f"first instead (one more no-grad forward)")
+            return ok
         return fits
 
+    def settled(self) -> None:
+        """An update has completed: the optimizer's state is allocated and counted in the free memory."""
+        self.pending = 0
 
-def prepare_for_training(model: nn.Module, gradient_checkpointing: bool) -> None:
-    """Dropout off everywhere, so that scoring and training compute the same function; with gradient
-    checkpointing (transformers recomputes each decoder layer in the backward pass instead of keeping its
-    activations; it only acts in train mode) the model is put in train mode, which without dropout
-    computes what eval mode does."""
+    def _say(self, key: str, message: str) -> None:
+        if key and key not in self.said:
+            log.info(message)
+            self.said.add(key)
+
+
+def optimizer_state_bytes(parameters: int, dtype: torch.dtype) -> int:
+    """What the first update allocates: AdamW's two fp32 moments, and the gradients (16-bit ones plus an
+    fp32 copy under a 16-bit body, fp32 otherwise)."""
+    gradients = 4 if dtype == torch.float32 else 2 + 4
+    return parameters * (8 + gradients)
+
+
+def set_gradient_checkpointing(model: nn.Module, on: bool) -> None:
+    """transformers' gradient checkpointing: each decoder layer is recomputed in the backward pass instead
+    of keeping its activations (it acts only in train mode; see `prepare_for_training`)."""
+    if on == bool(getattr(model, "is_gradient_checkpointing", False)):
+        return
+    if on:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_disable()
+
+
+def prepare_for_training(model: nn.Module, gradient_checkpointing: bool | None) -> None:
+    """Dropout off everywhere, so that scoring and training compute the same function. Gradient
+    checkpointing acts only in train mode, so a model that may checkpoint (`true`, or `null`: decided per
+    update) is put in train mode, which without dropout computes what eval mode does."""
     for module in model.modules():
         if isinstance(module, nn.Dropout):
             module.p = 0.0
         if isinstance(getattr(module, "attention_dropout", None), float):
             module.attention_dropout = 0.0
-    if gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.train()
-    else:
-        model.eval()
+    set_gradient_checkpointing(model, bool(gradient_checkpointing))
+    model.train(gradient_checkpointing is not False)

@@ -32,6 +32,12 @@ def micro_batches(rows: list[int], size: int) -> list[list[int]]:
     return [rows[i:i + size] for i in range(0, len(rows), size)]
 
 
+def micro_batch_tokens(rollouts: Rollouts, rows: list[int], size: int) -> list[int]:
+    """Tokens (prompt + response) in each micro-batch of `rows`: what its activations scale with."""
+    return [sum(len(rollouts.prompt_ids[i]) + len(rollouts.response_ids[i]) for i in chunk)
+            for chunk in micro_batches(rows, size)]
+
+
 def response_logprobs(forward: ForwardFn, head: OutputHead, rollouts: Rollouts, rows: list[int],
                       options: SamplingOptions, pad_id: int,
                       with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -96,7 +102,7 @@ def accumulate_gradients(forward: ForwardFn, head: OutputHead, backward: Callabl
     chunks = micro_batches(rows, micro_batch_size)
     passes = (response_logprobs(forward, head, rollouts, chunk, options, pad_id, with_entropy=True) for chunk in chunks)
     if score is not None:
-        if graphs_fit(sum(len(rollouts.prompt_ids[i]) + len(rollouts.response_ids[i]) for i in rows)):
+        if graphs_fit(sum(micro_batch_tokens(rollouts, rows, micro_batch_size))):
             passes = list(passes)  # every forward first (backward frees each graph's activations as it goes)
             score(padded_rows(rollouts, chunks, [logprobs for logprobs, _ in passes]))
         else:

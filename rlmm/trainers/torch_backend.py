@@ -20,8 +20,9 @@ from rlmm.models.loading import load_causal_lm, model_precision, padding_id
 from rlmm.precision import SidePrecision
 from rlmm.samplers.base import Rollouts, SamplingOptions
 from rlmm.trainers.optim import linear_warmup
-from rlmm.trainers.memory import OnePassBudget, activation_bytes_per_token, prepare_for_training
-from rlmm.trainers.scoring import LossFn, ScoreFn, accumulate_gradients, score_rollouts
+from rlmm.trainers.memory import (ActivationBudget, optimizer_state_bytes, prepare_for_training,
+                                  set_gradient_checkpointing)
+from rlmm.trainers.scoring import LossFn, ScoreFn, accumulate_gradients, micro_batch_tokens, score_rollouts
 
 
 class TorchTrainer:
@@ -33,7 +34,7 @@ class TorchTrainer:
         logits_chunk_size: response positions whose full-vocabulary logits exist at once while scoring
             (rlmm/models/head.py).
         gradient_checkpointing: recompute each decoder layer in the backward pass instead of keeping its
-            activations.
+            activations (null: for an update whose largest micro-batch would not fit otherwise).
         initial_loss_scale, loss_scale_growth_interval: fp16 dynamic loss scaling (ignored otherwise).
 
     Several ranks (torchrun, SLURM tasks): each holds a full replica on its own device and the gradients
@@ -42,7 +43,7 @@ class TorchTrainer:
 
     def __init__(self, model_path: str, precision: SidePrecision, sampling: SamplingOptions, micro_batch_size: int,
                  lr: float = 1e-4, weight_decay: float = 0.0, warmup_steps: int = 0, grad_clip: float = 1.0,
-                 logits_chunk_size: int = 512, gradient_checkpointing: bool = False,
+                 logits_chunk_size: int = 512, gradient_checkpointing: bool | None = None,
                  accumulation_steps: int = 1, initial_loss_scale: float = 2.0 ** 16,
                  loss_scale_growth_interval: int = 1000):
         from transformers import AutoTokenizer
@@ -72,8 +73,8 @@ class TorchTrainer:
                                                 growth_interval=loss_scale_growth_interval,
                                                 enabled=precision.dtype == "fp16")
         self.lr_schedule = linear_warmup(self.optimizer, warmup_steps)
-        self.one_pass_budget = OnePassBudget(activation_bytes_per_token(self.model.config, precision.torch_dtype,
-                                                                        gradient_checkpointing), self.device)
+        self.budget = ActivationBudget(self.model.config, precision.torch_dtype, self.device, gradient_checkpointing,
+                                       optimizer_state_bytes(sum(p.numel() for p in params), precision.torch_dtype))
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.pad_id = padding_id(tokenizer, model_path)
         self.actual_precision = model_precision(self.model)
@@ -94,9 +95,12 @@ class TorchTrainer:
         `score`: see `accumulate_gradients` (the training forward also scores the rollouts)."""
         scaler = self.grad_scaler
         self.optimizer.zero_grad(set_to_none=True)
+        checkpointing = self.budget.checkpointing(max(micro_batch_tokens(rollouts, rows, self.micro_batch_size)))
+        set_gradient_checkpointing(self.model, checkpointing)
         metrics = accumulate_gradients(self._forward, self.head, lambda loss: scaler.scale(loss).backward(), rollouts,
                                        rows, self.sampling, self.pad_id, self.micro_batch_size, loss_fn, score,
-                                       graphs_fit=self.one_pass_budget)
+                                       graphs_fit=self.budget.graphs_fit(checkpointing))
+        self.budget.settled()
         average_over_ranks([p.grad for p in self.model.parameters() if p.grad is not None])
         if self.master_params is not None:  # the 16-bit gradients move to the fp32 master copy
             for master, param in zip(self.master_params, self.model.parameters()):
