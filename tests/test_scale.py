@@ -1,0 +1,53 @@
+"""The real-scale path (scripts/scale_check.py): the GPU check's dry run on CPU in the default suite, and
+the Qwen2.5-0.5B-size CPU run with its memory limit under `slow`."""
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import subprocess_env
+
+ROOT = Path(__file__).parent.parent
+
+
+def test_gpu_check_dry_run(tmp_path):
+    """`bash scripts/gpu_check.sh --dry-run`: every stage of the prepared GPU check runs on this CPU with a
+    tiny model of the same family, and its JSON holds the figures the GPU run would report."""
+    env = subprocess_env(OUT=str(tmp_path), RLMM_CACHE=str(tmp_path / "cache"), OMP_NUM_THREADS="2")
+    # Two of the four probes (fp16 is refused on CPUs without AVX512-FP16, and the sweep below probes fp32):
+    # every probe runs the same code, and each costs a vLLM start (~20 s) of CI's time.
+    result = subprocess.run(["bash", "scripts/gpu_check.sh", "--dry-run", "--precisions", "bf16", "bf16_fp32head"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=1500, env=env)
+    record = json.loads((tmp_path / "scale_check" / "scale_check.json").read_text())
+    rows = {row["name"]: row for row in record["rows"]}
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert set(rows) == {"probe-bf16", "probe-bf16_fp32head", "train-bf16", "sweep-process-launcher",
+                         "standalone-vllm"}
+    swept = rows["sweep-process-launcher"]["logprob_abs_diff_mean"]
+    assert swept["fp32/fp32"] < swept["bf16/bf16"]
+    assert rows["probe-bf16_fp32head"]["precision"]["actual"]["trainer"]["head_dtype"] == "fp32"
+    assert rows["train-bf16"]["steps"] == 2 and rows["train-bf16"]["skipped"] == 0
+    assert {"generate", "train", "weight_sync"} <= set(rows["train-bf16"]["stage_seconds_median"])
+    assert rows["sweep-process-launcher"]["jobs_with_record"] == 2
+    assert rows["standalone-vllm"]["tokens"] > 0 and rows["standalone-vllm"]["rlmm_over_standalone"] > 0
+    assert all(row["peak_rss_gib"] > 0 for row in rows.values())
+    assert "scale check" in result.stdout
+
+
+@pytest.mark.slow
+def test_qwen_size_model_trains_on_cpu_within_16_gib(tmp_path):
+    """A Qwen2.5-0.5B-architecture checkpoint (494M parameters, 151,936-token vocabulary, tied embeddings):
+    `rlmm probe` and 2 steps of `rlmm train`, vLLM + DeepSpeed, bf16 and fp32, 8 prompts x 4 samples x 128
+    new tokens, each process under 16 GiB of RSS (the watchdog stops it past that). About 30 minutes."""
+    cache = os.environ.get("RLMM_CACHE", str(Path.home() / ".cache" / "rlmm"))
+    result = subprocess.run([str(ROOT / ".venv" / "bin" / "python"), "scripts/scale_check.py", "cpu", "--out",
+                             str(tmp_path), "--cache", cache], cwd=ROOT, capture_output=True, text=True,
+                            timeout=7200, env=subprocess_env())
+    record = json.loads((tmp_path / "scale_check.json").read_text())
+    assert result.returncode == 0, [row.get("failed") for row in record["rows"]]
+    assert [row["name"] for row in record["rows"]] == ["probe-bf16", "train-bf16", "probe-fp32", "train-fp32"]
+    assert all(row["peak_rss_gib"] < 16 for row in record["rows"])
+    train = [row for row in record["rows"] if row["name"].startswith("train")]
+    assert all(row["steps"] == 2 and row["skipped"] == 0 for row in train)
