@@ -12,8 +12,7 @@ from rlmm.models.loading import model_precision, padding_id
 from rlmm.precision import SidePrecision
 from rlmm.samplers.base import Rollouts, SamplingOptions
 from rlmm.trainers.optim import linear_warmup
-from rlmm.trainers.memory import (ActivationBudget, optimizer_state_bytes, prepare_for_training,
-                                  set_gradient_checkpointing)
+from rlmm.trainers.memory import ActivationBudget, optimizer_state_bytes, prepare_for_training
 from rlmm.trainers.scoring import LossFn, ScoreFn, accumulate_gradients, micro_batch_tokens, score_rollouts
 
 
@@ -202,14 +201,14 @@ class DeepSpeedTrainer:
         self.loss_scaled = precision.dtype in ("fp16", "bf16")
         self.fp16 = precision.dtype == "fp16"
         parameters = sum(p.numel() for p in model.parameters())
-        self.budget = ActivationBudget(model.config, precision.torch_dtype, self.engine.device, gradient_checkpointing,
-                                       optimizer_state_bytes(parameters // max(1, dist.get_world_size())
-                                                             if zero_stage else parameters, precision.torch_dtype))
         # ZeRO-3 releases each module's parameters after its forward and fetches them again for its
         # backward, in the order of the last forward: several forwards before the first backward gave wrong
         # gradients (relative error 0.65 against the hand-computed step, tests/test_update.py), so under
         # ZeRO-3 the one-pass step always scores first.
-        self.one_pass_allowed = zero_stage != 3
+        self.budget = ActivationBudget(model.config, precision.torch_dtype, self.engine.device, gradient_checkpointing,
+                                       optimizer_state_bytes(parameters // dist.get_world_size() if zero_stage
+                                                             else parameters, precision.torch_dtype),
+                                       one_pass=zero_stage != 3)
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.pad_id = padding_id(tokenizer, model_path)
         self.actual_precision = model_precision(self.engine.module)
@@ -276,9 +275,7 @@ class DeepSpeedTrainer:
                 return
             self.engine.step()
 
-        checkpointing = self.budget.checkpointing(max(micro_batch_tokens(rollouts, rows, self.micro_batch_size)))
-        set_gradient_checkpointing(self.engine.module, checkpointing)
-        fits = self.budget.graphs_fit(checkpointing) if self.one_pass_allowed else (lambda tokens: False)
+        fits = self.budget.for_update(self.engine.module, micro_batch_tokens(rollouts, rows, self.micro_batch_size))
         metrics = accumulate_gradients(self._forward, self.head, backward, rollouts, rows, self.sampling, self.pad_id,
                                        self.micro_batch_size, loss_fn, score, graphs_fit=fits)
         self.budget.settled()

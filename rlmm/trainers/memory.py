@@ -23,6 +23,7 @@ moments and the gradient buffers appear at the first update: `pending_bytes` unt
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -57,14 +58,23 @@ class ActivationBudget:
         device: where the activations live.
         checkpointing: None (decide per update), True or False (always, never).
         pending_bytes: optimizer state not allocated yet (until `settled()` is called after an update).
+        one_pass: whether the trainer may hold several graphs at all (false: always score first).
         share: the part of the free memory activations may take.
     """
 
     def __init__(self, config, dtype: torch.dtype, device: torch.device, checkpointing: bool | None,
-                 pending_bytes: int, share: float = 0.5):
+                 pending_bytes: int, one_pass: bool = True, share: float = 0.5):
         self.per_token = {flag: activation_bytes_per_token(config, dtype, flag) for flag in (False, True)}
         self.device, self.mode, self.pending, self.share = device, checkpointing, pending_bytes, share
+        self.one_pass = one_pass
         self.said: set[str] = set()
+
+    def for_update(self, model: nn.Module, tokens_per_micro_batch: list[int]) -> Callable[[int], bool]:
+        """Set `model`'s gradient checkpointing for this update (from its largest micro-batch) and return
+        the `graphs_fit` that `accumulate_gradients` asks before holding every graph."""
+        checkpointing = self.checkpointing(max(tokens_per_micro_batch))
+        set_gradient_checkpointing(model, checkpointing)
+        return self.graphs_fit(checkpointing) if self.one_pass else (lambda tokens: False)
 
     def room(self) -> float:
         return self.share * max(0, free_bytes(self.device) - self.pending)

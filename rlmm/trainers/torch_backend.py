@@ -20,8 +20,7 @@ from rlmm.models.loading import load_causal_lm, model_precision, padding_id
 from rlmm.precision import SidePrecision
 from rlmm.samplers.base import Rollouts, SamplingOptions
 from rlmm.trainers.optim import linear_warmup
-from rlmm.trainers.memory import (ActivationBudget, optimizer_state_bytes, prepare_for_training,
-                                  set_gradient_checkpointing)
+from rlmm.trainers.memory import ActivationBudget, optimizer_state_bytes, prepare_for_training
 from rlmm.trainers.scoring import LossFn, ScoreFn, accumulate_gradients, micro_batch_tokens, score_rollouts
 
 
@@ -95,11 +94,10 @@ class TorchTrainer:
         `score`: see `accumulate_gradients` (the training forward also scores the rollouts)."""
         scaler = self.grad_scaler
         self.optimizer.zero_grad(set_to_none=True)
-        checkpointing = self.budget.checkpointing(max(micro_batch_tokens(rollouts, rows, self.micro_batch_size)))
-        set_gradient_checkpointing(self.model, checkpointing)
+        fits = self.budget.for_update(self.model, micro_batch_tokens(rollouts, rows, self.micro_batch_size))
         metrics = accumulate_gradients(self._forward, self.head, lambda loss: scaler.scale(loss).backward(), rollouts,
                                        rows, self.sampling, self.pad_id, self.micro_batch_size, loss_fn, score,
-                                       graphs_fit=self.budget.graphs_fit(checkpointing))
+                                       graphs_fit=fits)
         self.budget.settled()
         average_over_ranks([p.grad for p in self.model.parameters() if p.grad is not None])
         if self.master_params is not None:  # the 16-bit gradients move to the fp32 master copy
