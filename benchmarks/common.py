@@ -184,9 +184,9 @@ def package_versions(python: str) -> dict:
         return {}
 
 
-def git_commit() -> str | None:
+def git_commit(root: Path = ROOT) -> str | None:
     try:
-        return subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True,
+        return subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
                               timeout=10).stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         return None

@@ -20,16 +20,8 @@ if [ "$dry_run" = 1 ]; then
   exec .venv/bin/python -m benchmarks.suite --size gpu-dry --device cpu --precision fp32 --probe --probe-prompts 4 \
     --timeout 1200 "${args[@]}"
 fi
-if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L >/dev/null 2>&1; then
-  echo "benchmarks/gpu.sh: no NVIDIA GPU here (nvidia-smi -L fails); on CPU use --dry-run" >&2
-  exit 2
-fi
-nvidia-smi -L
-[ -x .venv/bin/python ] || make setup   # scripts/setup.sh installs the CUDA vllm when nvidia-smi works
-if ! .venv/bin/python -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
-  echo "benchmarks/gpu.sh: .venv's torch has no CUDA (made on a CPU machine?): remove .venv and rerun" >&2
-  exit 2
-fi
+source scripts/require_cuda_venv.sh
+require_cuda_venv benchmarks/gpu.sh
 bash benchmarks/setup_trl.sh || echo "benchmarks/gpu.sh: TRL could not be installed; its rows will say skipped" >&2
 exec .venv/bin/python -m benchmarks.suite --size gpu --device cuda --precision bf16,fp32 --probe --probe-prompts 64 \
   "${args[@]}"

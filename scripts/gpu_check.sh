@@ -21,14 +21,6 @@ if [ "$dry_run" = 1 ]; then
   [ -x .venv/bin/python ] || make setup
   exec .venv/bin/python scripts/scale_check.py gpu --dry-run --timeout 900 "${out[@]}" "${args[@]}"
 fi
-if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L >/dev/null 2>&1; then
-  echo "scripts/gpu_check.sh: no NVIDIA GPU here (nvidia-smi -L fails); on CPU use --dry-run" >&2
-  exit 2
-fi
-nvidia-smi -L
-[ -x .venv/bin/python ] || make setup   # scripts/setup.sh installs the CUDA vllm when nvidia-smi works
-if ! .venv/bin/python -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
-  echo "scripts/gpu_check.sh: .venv's torch has no CUDA (made on a CPU machine?): remove .venv and rerun" >&2
-  exit 2
-fi
+source scripts/require_cuda_venv.sh
+require_cuda_venv scripts/gpu_check.sh
 exec .venv/bin/python scripts/scale_check.py gpu --timeout 420 "${out[@]}" "${args[@]}"

@@ -309,8 +309,7 @@ def main(argv=None) -> None:
 
     started = time.perf_counter()
     record = {"check": args.check + (" (dry run)" if args.dry_run else ""), "machine": machine_info(),
-              "commit": git_commit() if RLMM_ROOT == ROOT else subprocess.run(
-                  ["git", "-C", str(RLMM_ROOT), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip(),
+              "commit": git_commit(RLMM_ROOT),
               "overrides": args.overrides}
     record.update(cpu_check(args, out) if args.check == "cpu" else gpu_check(args, out))
     record["seconds"] = round(time.perf_counter() - started, 1)
