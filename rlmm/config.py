@@ -20,6 +20,8 @@ from typing import Any, Optional
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from rlmm.errors import ConfigError
+
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 if not CONF_DIR.is_dir():  # installed without the source tree: configs ship inside the package
     CONF_DIR = Path(__file__).resolve().parent / "conf"
@@ -35,10 +37,6 @@ BUILD_TIME_ARGS: dict[str, set[str]] = {
     "correction": set(),
     "algo": set(),
 }
-
-
-class ConfigError(ValueError):
-    """A bad config value, with a one-line message meant for the user."""
 
 
 def group_options(group: str) -> list[str]:

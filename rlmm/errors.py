@@ -1,0 +1,39 @@
+"""rlmm's own exceptions and the one-line exit for bad input: a leaf module (it imports nothing of rlmm),
+so every module can raise and catch these without an import cycle.
+
+- `ConfigError`, and `ValueError` raised inside rlmm: bad input; the CLI prints the first line and
+  exits 2 (`rlmm.apps.user_error`).
+- `RunStopped` and its kinds: the run stopped itself cleanly (exit 3): it is not a bug, and the
+  message says where it can resume.
+- `JobFailed`: why a job of a submitted sweep failed, carried back to `rlmm ... -m`.
+"""
+from __future__ import annotations
+
+import sys
+from typing import NoReturn
+
+
+class ConfigError(ValueError):
+    """A bad config value, with a one-line message meant for the user."""
+
+
+class RunStopped(RuntimeError):
+    """The run stopped itself; the message says why and where it can resume."""
+
+
+class TrainingStopped(RunStopped):
+    """Too many bad (skipped) steps in a row."""
+
+
+class NonFiniteWeights(RunStopped):
+    """The update produced NaN/Inf weights (an optimizer without an overflow check); never synced."""
+
+
+class JobFailed(RuntimeError):
+    """Why a job of a submitted sweep failed, one line, as its result carries it back to `rlmm ... -m`."""
+
+
+def fail(message: str) -> NoReturn:
+    """Print `rlmm: error: <message>` on stderr and exit 2 (bad input on the command line)."""
+    print(f"rlmm: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
