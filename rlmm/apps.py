@@ -13,7 +13,8 @@ from omegaconf import DictConfig
 
 import rlmm.schema  # noqa: F401  (registers the schemas with Hydra)
 from rlmm.logging import NoOpLogger
-from rlmm.config import BUILD_TIME_ARGS, CONF_DIR, ConfigError, build, to_container, validate
+from rlmm.config import BUILD_TIME_ARGS, CONF_DIR, build, to_container, validate
+from rlmm.errors import ConfigError, JobFailed, RunStopped
 
 log = logging.getLogger("rlmm")
 
@@ -79,10 +80,6 @@ PROCESS_GROUP_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL
 MACHINE_VARS = ("OMP_NUM_THREADS", "DS_ACCELERATOR")
 
 
-class JobFailed(RuntimeError):
-    """Why a job of a submitted sweep failed, one line, as its result carries it back to `rlmm ... -m`."""
-
-
 def submitted_job() -> bool:
     """This process is a job that a launcher started in a process of its own: Hydra's submitit launcher
     (hydra/launcher=local|slurm|<site>) or rlmm's, which runs the plugin's job code in a fresh process
@@ -103,7 +100,7 @@ def fit_env_to_submitted_job() -> None:
     submitting machine (a login node without GPUs, all of its CPUs), derived again on the job's node
     with SLURM's CPUs per task as the thread count.
     """
-    from rlmm.cli import set_runtime_env
+    from rlmm.runtime_env import set_runtime_env
 
     for name in PROCESS_GROUP_VARS:
         os.environ.pop(name, None)
@@ -148,7 +145,7 @@ def run_app(command: str, config_name: str) -> None:
         try:
             task(cfg)
         except Exception as err:
-            if type(err).__name__ in ("TrainingStopped", "NonFiniteWeights"):  # rlmm.train: a clean stop
+            if isinstance(err, RunStopped):  # the run stopped itself: not a bug
                 end(f"rlmm: stopped: {err}", 3, submitted)
             message = user_error(err)
             if message is None and not submitted:

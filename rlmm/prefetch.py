@@ -33,7 +33,8 @@ USAGE = ("usage: rlmm prefetch [train|probe] [hydra overrides]   e.g. rlmm prefe
 
 
 def main(argv: list[str]) -> None:
-    from rlmm.cli import fail, set_runtime_env
+    from rlmm.errors import fail
+    from rlmm.runtime_env import set_runtime_env
 
     args = list(argv)
     if args and args[0] in ("-h", "--help"):
@@ -72,7 +73,8 @@ def composed(app: str, overrides: list[str]) -> list[tuple]:
     from omegaconf.errors import OmegaConfBaseException
 
     import rlmm.schema  # noqa: F401  (registers the schemas)
-    from rlmm.cli import fail, with_config_sweep_params
+    from rlmm.errors import fail
+    from rlmm.overrides import with_config_sweep_params
     from rlmm.config import CONF_DIR, ConfigError, group_options, validate
 
     ours = [o for o in overrides if not o.lstrip("+~").startswith("hydra")]  # Hydra's own: launcher, dirs

@@ -17,7 +17,7 @@ Seen on the 1500-step tiny model (issue 3), 64 prompts x 8, 100 held-out prompts
 """
 import argparse
 
-from rlmm.cli import set_runtime_env
+from rlmm.runtime_env import set_runtime_env
 
 set_runtime_env()
 

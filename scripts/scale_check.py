@@ -143,7 +143,7 @@ def train_figures(run_dir: Path, rows_per_step: int) -> dict:
 
 STANDALONE_VLLM = r"""
 import json, os, sys, time
-from rlmm.cli import set_runtime_env
+from rlmm.runtime_env import set_runtime_env
 set_runtime_env()
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # as rlmm's sampler.kv_cache_gb: the same engine budget
 import torch

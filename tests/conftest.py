@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from rlmm.cli import set_runtime_env  # imports neither torch nor vLLM
+from rlmm.runtime_env import set_runtime_env  # imports neither torch nor vLLM
 
 # Before torch/vLLM are imported anywhere: the same environment the `rlmm` command sets.
 set_runtime_env()

@@ -10,7 +10,7 @@ import json
 import sys
 from pathlib import Path
 
-from rlmm.cli import set_runtime_env
+from rlmm.runtime_env import set_runtime_env
 
 set_runtime_env()
 

@@ -42,7 +42,7 @@ FREED_BLOCKS_STAY_RESIDENT = """
 import ctypes, sys
 import psutil
 if sys.argv[1] == "rlmm":
-    from rlmm.cli import return_freed_blocks_to_the_os
+    from rlmm.runtime_env import return_freed_blocks_to_the_os
     return_freed_blocks_to_the_os()
 libc = ctypes.CDLL("libc.so.6")
 libc.malloc.restype = ctypes.c_void_p

@@ -1,0 +1,173 @@
+"""Every override of a command line, and every combination of a sweep, composed and validated before
+Hydra starts: a typo fails in one line (`rlmm: error: ...`, exit 2) before any model is loaded or job
+submitted."""
+from __future__ import annotations
+
+from rlmm.errors import fail
+
+
+def check_overrides(config_name: str, overrides: list[str]) -> None:
+    """Compose and validate the config for every combination of the (sweep) overrides."""
+    from hydra import compose, initialize_config_dir
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException, InstantiationException
+    from hydra.utils import instantiate
+    from omegaconf import open_dict
+    from omegaconf.errors import OmegaConfBaseException
+
+    import rlmm.schema  # noqa: F401  (registers the schemas)
+    from rlmm.config import group_options, validate
+    from rlmm.errors import ConfigError
+
+    ours = [o for o in overrides if not o.lstrip("+~").startswith("hydra")]
+    try:
+        parsed = OverridesParser.create().parse_overrides(ours)
+        # Hydra's own groups too (hydra/launcher=...), unless a searchpath adds options only Hydra sees.
+        searchpath = any(o.startswith("hydra.searchpath") for o in overrides)
+        hydra_groups = [] if searchpath else \
+            OverridesParser.create().parse_overrides([o for o in overrides if o.startswith("hydra/")])
+    except HydraException as err:
+        fail(str(err).splitlines()[0])
+    for override in parsed + hydra_groups:  # unknown option of a group: name it and list the choices
+        group = override.key_or_group
+        options = _hydra_group_options(group) if group.startswith("hydra/") else group_options(group)
+        if options and not override.is_delete():
+            values = list(override.sweep_string_iterator()) if override.is_sweep_override() else [override.value()]
+            for value in values:
+                if str(value) not in options:
+                    fail(f"unknown {group} '{value}' (allowed: {', '.join(options)})")
+    from rlmm.launcher import launcher_target
+
+    elsewhere = runs_on_another_machine(launcher_target(config_name, overrides) or "")
+    combinations = [batch for batches in BasicSweeper.split_arguments(parsed, None) for batch in batches]
+    combinations = with_config_sweep_params(config_name, combinations)
+    from rlmm.config import CONF_DIR
+
+    for combination in combinations:
+        GlobalHydra.instance().clear()
+        try:
+            with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+                cfg = compose(config_name, overrides=combination, return_hydra_config=True)
+                choices = dict(cfg.hydra.runtime.choices)
+                with open_dict(cfg):
+                    del cfg["hydra"]
+                validate(cfg, choices)
+                # These constructors only check their arguments (paths, dtype names, ranges), so bad
+                # values surface here, before a sweep is submitted or an engine starts.
+                for group in ("model", "precision", "correction", "algo"):
+                    if group in cfg:
+                        instantiate(cfg[group])
+                if not elsewhere:  # a SLURM job asks its own node's hardware when it starts
+                    check_engines_support(cfg)
+                if "probe" in cfg:
+                    from rlmm.probe import check_micro_batch_sizes
+
+                    check_micro_batch_sizes(cfg.probe.trainer_micro_batch_sizes)
+        except (ConfigError, ValueError) as err:
+            fail(str(err).splitlines()[0])
+        except InstantiationException as err:
+            fail(str(err.__cause__ or err).splitlines()[0])
+        except (HydraException, OmegaConfBaseException) as err:
+            fail(_one_line(err) + _allowed_keys_hint(config_name, combination, err))
+        finally:
+            GlobalHydra.instance().clear()
+
+
+def with_config_sweep_params(config_name: str, combinations: list[list[str]]) -> list[list[str]]:
+    """Cross each combination with the grid its composed config sets in `hydra.sweeper.params` (an
+    experiment file's sweep, `+experiment=NAME`), as Hydra's basic sweeper will under `-m`: the
+    file's values first, the command line's replacing the file's for the same key. A combination
+    that does not compose is kept as it is, for the caller's checks to report."""
+    from hydra import compose, initialize_config_dir
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    import rlmm.schema  # noqa: F401  (registers the schemas)
+    from rlmm.config import CONF_DIR
+
+    expanded = []
+    for combination in combinations:
+        GlobalHydra.instance().clear()
+        try:
+            with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+                params = compose(config_name, overrides=combination, return_hydra_config=True).hydra.sweeper.params
+            if not params:
+                expanded.append(combination)
+                continue
+            grid = OverridesParser.create().parse_overrides([f"{k}={v}" for k, v in params.items()] + combination)
+            expanded += [batch for batches in BasicSweeper.split_arguments(grid, None) for batch in batches]
+        except (HydraException, OmegaConfBaseException):
+            expanded.append(combination)
+        finally:
+            GlobalHydra.instance().clear()
+    return expanded
+
+
+def _hydra_group_options(group: str) -> list[str]:
+    """Options of one of Hydra's own groups (hydra/launcher: conf/hydra/launcher/ and plugins' configs)."""
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from rlmm.config import CONF_DIR
+
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            return sorted(GlobalHydra.instance().config_loader().get_group_options(group))
+    finally:
+        GlobalHydra.instance().clear()
+
+
+def runs_on_another_machine(launcher_target: str) -> bool:
+    """Whether the jobs of this launcher run on other nodes (SLURM), whose hardware this one (a login node
+    without GPUs, say) cannot speak for."""
+    return launcher_target.endswith("SlurmLauncher")
+
+
+def check_engines_support(cfg) -> None:
+    """Ask each engine class whether it can run its side's precision here (classes that can tell
+    define a static `unsupported(side_precision) -> str | None`)."""
+    from hydra.utils import get_class, instantiate
+
+    policy = instantiate(cfg.precision)
+    for group, side in (("sampler", policy.sampler), ("trainer", policy.trainer)):
+        unsupported = getattr(get_class(cfg[group]._target_), "unsupported", None)
+        problem = unsupported(side) if unsupported else None
+        if problem:
+            fail(problem)
+
+
+def _one_line(err: BaseException) -> str:
+    """Hydra's composition errors span several lines; keep the headline and the reason."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    cause = err.__cause__
+    reason = str(cause).splitlines()[0].strip() if cause is not None and str(cause) else ""
+    if not reason:
+        reason = next((line for line in lines[1:] if not line.startswith(("full_key", "object_type", "To append"))), "")
+    return " ".join(filter(None, [lines[0] if lines else type(err).__name__, reason]))
+
+
+def _allowed_keys_hint(config_name: str, combination: list[str], err: BaseException) -> str:
+    """For `group.key=value` with an unknown key, list the keys the chosen option has."""
+    import re
+
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from rlmm.config import BUILD_TIME_ARGS, CONF_DIR
+
+    match = re.search(r"Could not override '(\w+)\.([\w.]+)'", str(err))
+    if not match or match.group(1) not in BUILD_TIME_ARGS:
+        return ""
+    group = match.group(1)
+    choices_only = [o for o in combination if "." not in o.split("=")[0]]
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        node = compose(config_name, overrides=choices_only)[group]
+    GlobalHydra.instance().clear()
+    return f" (allowed: {', '.join(k for k in node if k != '_target_')})"
