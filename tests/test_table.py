@@ -19,6 +19,7 @@ import pandas as pd
 import pytest
 
 from rlmm import table
+from rlmm.formatting import format_number
 from rlmm.records import RunRecord
 
 RLMM = str(Path(__file__).resolve().parents[1] / ".venv" / "bin" / "rlmm")
@@ -189,7 +190,7 @@ def test_one_run_has_no_ci_and_no_run_has_a_dash():
     assert table.cell({"n": 1, "mean": 0.5, "ci95": math.nan}) == "0.5000 (n=1)"
     assert table.cell({"n": 0, "mean": math.nan, "ci95": math.nan}) == "—"
     assert table.cell({"n": 3, "mean": 0.54, "ci95": 0.1138}) == "0.5400 ± 0.1138 (n=3)"
-    assert table.fmt(0.9999598) == "0.9999598" and table.fmt(7.6e-5) == "7.600e-05"
+    assert format_number(0.9999598) == "0.9999598" and format_number(7.6e-5) == "7.600e-05"
 
 
 def test_bad_metric_names_list_the_available_ones(runs):

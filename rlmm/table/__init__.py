@@ -1,0 +1,87 @@
+"""`rlmm table SWEEP`: ablation tables and plots from a sweep's per-run records.
+
+Reads every run of a sweep (a Hydra multirun directory of `rlmm train -m` or `rlmm probe -m`, or W&B
+runs), groups the runs by the overrides that vary across them, aggregates each chosen metric over the
+seeds (mean and a Student-t 95% confidence interval), and writes `table.md`, `table.csv`, `table.tex`,
+`curves.png` and `bars.png`.
+
+    runs = load_runs(["multirun/2026-11-29/10-00-00"])          # one row per run
+    varying_axes(runs)                                            # ['precision', 'correction']
+    aggregate(runs, ["eval/accuracy:final", "mismatch/kl_k3:mean"])
+
+Run status (the same rule for every source):
+  - complete:   the run's final record exists (`summary.json` for train, `probe.json` for probe;
+                W&B: state `finished`);
+  - failed:     not complete, and no training step was recorded (no `steps.jsonl`, an empty one, a
+                torn line only, or only the step-0 evaluation), or an error marker (W&B: state
+                `failed` or `crashed`; a local record has none, so a local run that crashed after
+                some steps reads as incomplete);
+  - incomplete: not complete, some steps recorded (killed, crashed, timed out, or still running).
+Only complete runs are counted in the table unless `include_incomplete` is set (an incomplete run
+then counts with the values of its last recorded step).
+
+Modules: `discovery` (finding runs, reading their records), `wandb_source` (W&B runs), `frames` (pandas
+frames, metric specs), `stats` (t quantile, confidence intervals, aggregation), `render` (Markdown,
+LaTeX, CSV), `plots`; `base` holds what they share. This module is the `rlmm table` command.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+from pathlib import Path
+
+from rlmm.errors import fail
+from rlmm.table.base import Run, TableError
+from rlmm.table.discovery import read_runs
+from rlmm.table.frames import DEFAULT_METRICS, check_metrics, default_metrics, direction, load_runs, varying_axes
+from rlmm.table.render import cell, write_outputs
+from rlmm.table.stats import aggregate, ci_half_width, t_quantile
+from rlmm.table.wandb_source import _wandb_run, parse_wandb_source
+
+__all__ = ["Run", "TableError", "read_runs", "load_runs", "varying_axes", "direction", "default_metrics",
+           "aggregate", "ci_half_width", "t_quantile", "cell", "write_outputs", "parse_wandb_source", "_wandb_run",
+           "main"]
+
+
+def default_out(sources: list[str]) -> Path:
+    local = [Path(s) for s in sources if not s.startswith("wandb:") and Path(s).exists()]
+    if len(local) == len(sources) and local:
+        return Path(os.path.commonpath([p.resolve() for p in local])) / "table"
+    name = "_".join(re.sub(r"[^\w.-]+", "_", s) for s in sources)[:100]
+    return Path("tables") / name
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="rlmm table", description="Ablation tables from a sweep's run records: rows = configurations "
+        "(the overrides that vary), cells = mean ± 95% CI over seeds.")
+    parser.error = fail  # one line, `rlmm: error: ...`, exit 2
+    parser.add_argument("sources", nargs="+", metavar="SOURCE",
+                        help="sweep dir, run dir, glob, or wandb:ENTITY/PROJECT[/GROUP]")
+    parser.add_argument("--metric", action="append", metavar="NAME[:final|best|mean]",
+                        help="repeatable; default: "
+                        + "; ".join(f"{k}: {', '.join(v)}" for k, v in DEFAULT_METRICS.items()))
+    parser.add_argument("--out", type=Path, help="output dir (default: SWEEP/table)")
+    parser.add_argument("--lower-is-better", action="append", default=[], metavar="GLOB",
+                        help="metrics whose best is the min (repeatable; built-in: mismatch/*, loss/*, ...)")
+    parser.add_argument("--higher-is-better", action="append", default=[], metavar="GLOB",
+                        help="metrics whose best is the max (repeatable)")
+    parser.add_argument("--include-incomplete", action="store_true",
+                        help="count killed/unfinished runs at their last step")
+    args = parser.parse_args(argv)
+    directions = {**{p: "min" for p in args.lower_is_better}, **{p: "max" for p in args.higher_is_better}}
+    try:
+        runs = read_runs(args.sources)
+        df = load_runs(runs, directions)
+        metrics = args.metric or default_metrics(df)
+        if not metrics:
+            counts = df["status"].value_counts()
+            raise TableError(f"no run recorded a metric ({', '.join(f'{n} {s}' for s, n in counts.items())})")
+        check_metrics(df, metrics)
+        out = args.out or default_out(args.sources)
+        text, written = write_outputs(runs, df, metrics, out, args.include_incomplete)
+    except TableError as err:
+        fail(str(err))
+    print(text)
+    print(f"wrote {', '.join(p.name for p in written)} to {out}")
