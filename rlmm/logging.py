@@ -52,8 +52,8 @@ class WandbLogger:
 
     MODES = ("offline", "online", "disabled")
 
-    def __init__(self, run_config: dict, run_dir: str, project: str, mode: str, group: str | None = None,
-                 tags: list[str] | None = None, sweep: str | None = None):
+    def __init__(self, run_config: dict, run_dir: str, project: str, mode: str, group: str | None, tags: list[str],
+                 sweep: str | None = None):
         if mode not in self.MODES:
             raise ValueError(f"logger.mode: unknown mode '{mode}' (allowed: {', '.join(self.MODES)})")
         import wandb
@@ -65,7 +65,7 @@ class WandbLogger:
         id_file = Path(run_dir) / "wandb-run-id"
         run_id = id_file.read_text().strip() if id_file.exists() else secrets.token_hex(4)
         self.run = wandb.init(project=project, mode=mode, group=group or sweep, dir=str(Path(run_dir)),
-                              config=redact(run_config), tags=[*(tags or []), *axis_tags][:64], reinit="finish_previous",
+                              config=redact(run_config), tags=[*tags, *axis_tags][:64], reinit="finish_previous",
                               id=run_id, resume="allow")
         id_file.parent.mkdir(parents=True, exist_ok=True)
         id_file.write_text(run_id)

@@ -56,12 +56,13 @@ class PrecisionPolicy:
         sampler_fp32_head: compute the sampler's LM head (final projection + softmax) in fp32.
         trainer_fp32_head: the same on the trainer side.
         tf32: let fp32 matrix multiplications on NVIDIA GPUs round their inputs to TF32 (10-bit mantissa,
-            as bf16's 7 and fp16's 10): faster, but then "fp32" is not the fp32 reference. Off by default;
-            `apply()` pins it process-wide and the run's precision report records what was in force.
+            as bf16's 7 and fp16's 10): faster, but then "fp32" is not the fp32 reference. Off in every
+            conf/precision option; `apply()` pins it process-wide and the run's precision report records
+            what was in force.
     """
 
-    def __init__(self, sampler_dtype: str, trainer_dtype: str, sampler_fp32_head: bool = False,
-                 trainer_fp32_head: bool = False, tf32: bool = False):
+    def __init__(self, sampler_dtype: str, trainer_dtype: str, sampler_fp32_head: bool, trainer_fp32_head: bool,
+                 tf32: bool):
         to_dtype(sampler_dtype, "precision.sampler_dtype")
         to_dtype(trainer_dtype, "precision.trainer_dtype")
         self.sampler = SidePrecision(sampler_dtype, bool(sampler_fp32_head))

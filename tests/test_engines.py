@@ -5,10 +5,11 @@ kernel rounding, under the same definition (processed: after temperature/top-k/t
 """
 import pytest
 import torch
+from omegaconf import OmegaConf
 
+from rlmm.config import CONF_DIR, build
 from rlmm.precision import SidePrecision
 from rlmm.samplers.base import pad_right
-from rlmm.samplers.hf import HFSampler
 from rlmm.trainers.torch_backend import TorchTrainer
 from tests.conftest import sampling
 
@@ -16,11 +17,15 @@ FP32 = SidePrecision("fp32", False)
 SHARP = dict(temperature=0.7, top_k=8, top_p=0.9)  # every transformation of the logits active
 
 
+def engine(option: str, model_path: str, precision: SidePrecision, options, seed: int, **values):
+    """The sampler `sampler=<option>` builds: its YAML's values (`values` over them) and the app's arguments."""
+    node = OmegaConf.merge(OmegaConf.load(CONF_DIR / "sampler" / f"{option}.yaml"), values)
+    return build(node, model_path=model_path, precision=precision, sampling=options, seed=seed)
+
+
 @pytest.fixture(scope="module")
 def vllm_fp32(small_model_path):
-    from rlmm.samplers.vllm import VLLMSampler
-
-    sampler = VLLMSampler(small_model_path, FP32, sampling(**SHARP), seed=0)
+    sampler = engine("vllm", small_model_path, FP32, sampling(**SHARP), seed=0)
     yield sampler
     sampler.close()
 
@@ -71,7 +76,7 @@ def test_vllm_weight_reload_in_place(vllm_fp32, small_model_path, prompts):
 
 
 def test_hf_sampler_fp32_matches_fp32_trainer(small_model_path, prompts):
-    sampler = HFSampler(small_model_path, FP32, sampling(**SHARP), seed=0)
+    sampler = engine("hf", small_model_path, FP32, sampling(**SHARP), seed=0)
     trainer = TorchTrainer(small_model_path, FP32, sampling(**SHARP), micro_batch_size=3)
     rollouts = sampler.generate(prompts, n=2)
     assert len(rollouts) == 2 * len(prompts)
@@ -80,21 +85,21 @@ def test_hf_sampler_fp32_matches_fp32_trainer(small_model_path, prompts):
 
 def test_hf_sampler_raw_logprobs_match_raw_trainer(small_model_path, prompts):
     options = sampling(temperature=0.5, logprobs="raw")
-    rollouts = HFSampler(small_model_path, FP32, options, seed=0).generate(prompts)
+    rollouts = engine("hf", small_model_path, FP32, options, seed=0).generate(prompts)
     trainer = TorchTrainer(small_model_path, FP32, options, micro_batch_size=8)
     assert _max_abs_delta(rollouts, trainer.logprobs(rollouts)) < 1e-4
 
 
 def test_hf_sampler_is_reproducible_and_seeded(small_model_path, prompts):
-    a = HFSampler(small_model_path, FP32, sampling(), seed=1).generate(prompts, n=2)
-    b = HFSampler(small_model_path, FP32, sampling(), seed=1).generate(prompts, n=2)
-    c = HFSampler(small_model_path, FP32, sampling(), seed=2).generate(prompts, n=2)
+    a = engine("hf", small_model_path, FP32, sampling(), seed=1).generate(prompts, n=2)
+    b = engine("hf", small_model_path, FP32, sampling(), seed=1).generate(prompts, n=2)
+    c = engine("hf", small_model_path, FP32, sampling(), seed=2).generate(prompts, n=2)
     assert a.response_ids == b.response_ids
     assert a.response_ids != c.response_ids
 
 
 def test_hf_sampler_weight_update(small_model_path, prompts):
-    sampler = HFSampler(small_model_path, SidePrecision("bf16", True), sampling(), seed=0)
+    sampler = engine("hf", small_model_path, SidePrecision("bf16", True), sampling(), seed=0)
     trainer = TorchTrainer(small_model_path, FP32, sampling(), micro_batch_size=8)
     state = {k: v + 0.01 for k, v in trainer.state_dict().items()}
     sampler.load_weights(state)
@@ -105,7 +110,7 @@ def test_hf_sampler_weight_update(small_model_path, prompts):
 
 
 def test_trainer_micro_batch_size_changes_only_rounding(small_model_path, prompts):
-    sampler = HFSampler(small_model_path, FP32, sampling(), seed=0)
+    sampler = engine("hf", small_model_path, FP32, sampling(), seed=0)
     rollouts = sampler.generate(prompts, n=3)
     _, mask = rollouts.padded_sampler_logprobs()
     trainer = TorchTrainer(small_model_path, SidePrecision("bf16", False), sampling(), micro_batch_size=1)
@@ -117,7 +122,7 @@ def test_trainer_micro_batch_size_changes_only_rounding(small_model_path, prompt
 def test_deepspeed_fp32_scoring_equals_plain_torch(small_model_path, prompts):
     from rlmm.trainers.deepspeed_backend import DeepSpeedTrainer
 
-    rollouts = HFSampler(small_model_path, FP32, sampling(), seed=0).generate(prompts, n=2)
+    rollouts = engine("hf", small_model_path, FP32, sampling(), seed=0).generate(prompts, n=2)
     torch_lp = TorchTrainer(small_model_path, FP32, sampling(), micro_batch_size=4).logprobs(rollouts)
     ds = DeepSpeedTrainer(small_model_path, FP32, sampling(), micro_batch_size=4, zero_stage=0)
     assert ds.actual_precision == {"dtype": "fp32", "head_dtype": "fp32"}
@@ -140,7 +145,7 @@ def test_deepspeed_bf16_with_fp32_head_keeps_the_checkpoint_head(small_model_pat
 def test_16_bit_sampler_differs_from_fp32_trainer_but_stays_close(small_model_path, prompts, dtype):
     from rlmm.metrics import mismatch_metrics
 
-    sampler = HFSampler(small_model_path, SidePrecision(dtype, False), sampling(), seed=0)
+    sampler = engine("hf", small_model_path, SidePrecision(dtype, False), sampling(), seed=0)
     assert sampler.actual_precision["dtype"] == dtype
     rollouts = sampler.generate(prompts, n=4)
     trainer = TorchTrainer(small_model_path, FP32, sampling(), micro_batch_size=8)
@@ -158,7 +163,7 @@ def test_silent_cast_is_caught_and_reported():
     from rlmm.precision import PrecisionPolicy
     from rlmm.precision import check_precision
 
-    policy = PrecisionPolicy("fp16", "fp32", sampler_fp32_head=True)
+    policy = PrecisionPolicy("fp16", "fp32", sampler_fp32_head=True, trainer_fp32_head=False, tf32=False)
     report = check_precision(policy, {"dtype": "bf16", "head_dtype": "bf16"}, {"dtype": "fp32", "head_dtype": "fp32"})
     assert report["silent_casts"] == ["sampler: asked for fp16, engine runs bf16",
                                       "sampler: asked for an fp32 LM head, engine computes it in bf16"]
@@ -194,7 +199,7 @@ def test_deepspeed_trains_a_bf16_body_with_an_fp32_head(small_model_path, arithm
     from rlmm import checkpoint
     from rlmm.corrections.tis import TokenTIS
     from rlmm.trainers.deepspeed_backend import DeepSpeedTrainer
-    from rlmm.train import rl_step
+    from rlmm.step import rl_step
     from tests.test_update import components
 
     precision = SidePrecision("bf16", True)

@@ -96,7 +96,8 @@ def test_one_pass_fallback_and_gradient_checkpointing_leave_the_update_unchanged
     from rlmm.precision import SidePrecision
     from rlmm.samplers.hf import HFSampler
     from rlmm.trainers.torch_backend import TorchTrainer
-    from rlmm.train import Components, rl_step
+    from rlmm.components import Components
+    from rlmm.step import rl_step
     from tests.test_update import OddLengthReward, algo
     from transformers import AutoTokenizer
 
@@ -114,7 +115,8 @@ def test_one_pass_fallback_and_gradient_checkpointing_leave_the_update_unchanged
         trainer._forward = lambda *args: forwards.append(1) or forward(*args)
         before = {k: v.clone() for k, v in trainer.state_dict().items()}
         c = Components(task=OddLengthReward(arithmetic_task), tokenizer=AutoTokenizer.from_pretrained(small_model_path),
-                       sampler=HFSampler(small_model_path, fp32, options, seed=0), trainer=trainer,
+                       sampler=HFSampler(small_model_path, fp32, options, seed=0, batch_size=0, perturb=0.0),
+                       trainer=trainer,
                        correction=NoCorrection(), algo=algo(), sampling=options)
         metrics = rl_step(c, arithmetic_task.examples("train", 4), ratio_cap=2.0, reuse_training_forward=True)
         results[name] = ({k: v for k, v in metrics.items() if not k.startswith("perf/")},
@@ -135,6 +137,7 @@ from rlmm.cli import set_runtime_env
 set_runtime_env()
 from rlmm.precision import SidePrecision
 from rlmm.samplers.base import Rollouts, SamplingOptions
+from rlmm.trainers.scoring import minibatch_step
 from rlmm.trainers.torch_backend import TorchTrainer
 
 def rss(field):
@@ -155,7 +158,7 @@ open("/proc/self/clear_refs", "w").write("5")  # reset the peak (VmHWM) to the c
 trainer.logprobs(rollouts)
 def loss_fn(chunk, logprobs, entropy):
     return -(logprobs.sum() + entropy.sum()) / 1000, {"loss": 0.0}
-trainer.update(rollouts, list(range(rows)), loss_fn)
+minibatch_step(trainer, rollouts, list(range(rows)), loss_fn)
 print(json.dumps({"growth": rss("VmHWM:") - before, "vocab": vocab}))
 """
 

@@ -54,7 +54,7 @@ class TinyModel:
 
     Args:
         hidden_size, num_layers, num_heads, num_kv_heads, intermediate_size, max_position: the
-            Qwen2 architecture (defaults give about 3M parameters).
+            Qwen2 architecture (conf/model/tiny.yaml's values give about 3M parameters).
         seed: initialisation and data-order seed.
         warm_start_steps: supervised steps on the task's train split (0: random init).
         warm_start_lr: peak AdamW learning rate (linear warm-up, cosine decay).
@@ -64,7 +64,7 @@ class TinyModel:
 
     def __init__(self, hidden_size: int, num_layers: int, num_heads: int, num_kv_heads: int,
                  intermediate_size: int, max_position: int, seed: int, warm_start_steps: int,
-                 warm_start_lr: float, warm_start_batch_size: int, cache_dir: str | None = None):
+                 warm_start_lr: float, warm_start_batch_size: int, cache_dir: str | None):
         if hidden_size % num_heads or num_heads % num_kv_heads:
             raise ValueError(f"model: hidden_size={hidden_size} must divide by num_heads={num_heads}, "
                              f"and num_heads by num_kv_heads={num_kv_heads}")

@@ -27,7 +27,7 @@ class HFSampler:
     """
 
     def __init__(self, model_path: str, precision: SidePrecision, sampling: SamplingOptions, seed: int,
-                 batch_size: int = 0, perturb: float = 0.0, prompt_tokens: int | None = None):
+                 batch_size: int, perturb: float, prompt_tokens: int | None = None):
         from transformers import AutoTokenizer
 
         self.noise = WeightNoise(perturb, seed)

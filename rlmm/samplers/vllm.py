@@ -49,10 +49,9 @@ class VLLMSampler:
     """
 
     def __init__(self, model_path: str, precision: SidePrecision, sampling: SamplingOptions, seed: int,
-                 batch_invariant: bool = False, kv_cache_gb: float = 1.0, gpu_memory_utilization: float = 0.5,
-                 max_model_len: int | None = None, enable_prefix_caching: bool | None = None,
-                 enforce_eager: bool | None = None, seed_per_request: bool | None = None,
-                 sleep_mode: bool | None = None, perturb: float = 0.0, prompt_tokens: int | None = None):
+                 batch_invariant: bool, kv_cache_gb: float, gpu_memory_utilization: float, max_model_len: int | None,
+                 enable_prefix_caching: bool | None, enforce_eager: bool | None, seed_per_request: bool | None,
+                 sleep_mode: bool | None, perturb: float, prompt_tokens: int | None = None):
         self.noise = WeightNoise(perturb, seed)  # checks the value before the engine starts
         cuda = torch.cuda.is_available()
         if batch_invariant and not cuda:
