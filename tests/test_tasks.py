@@ -11,13 +11,24 @@ from rlmm.tasks import ArithmeticTask, Example, Gsm8kTask
 from rlmm.tasks.gsm8k import extract_prediction, extract_reference
 
 SAMPLE = Path(__file__).parent / "data" / "gsm8k_sample.jsonl"
+# The values the tests start from (the tests' own, not a run's: conf/task/ holds those): exact demonstrations.
+ARITHMETIC = dict(seed=0, min_value=0, max_value=99, operations=["+", "-"], careless_demos=0.0)
+TEMPLATE = "Question: {question}\nAnswer: "
+
+
+def arithmetic(**values) -> ArithmeticTask:
+    return ArithmeticTask(**(ARITHMETIC | values))
+
+
+def gsm8k(path, **values) -> Gsm8kTask:
+    return Gsm8kTask(**(dict(path=str(path), seed=0, prompt_template=TEMPLATE) | values))
 
 
 # --- arithmetic -------------------------------------------------------------------
 
 
 def test_arithmetic_is_deterministic_per_seed():
-    a, b, c = ArithmeticTask(seed=1), ArithmeticTask(seed=1), ArithmeticTask(seed=2)
+    a, b, c = arithmetic(seed=1), arithmetic(seed=1), arithmetic(seed=2)
     for split in ("train", "test"):
         assert a.examples(split, 50) == b.examples(split, 50)
         assert a.examples(split, 50) != c.examples(split, 50)
@@ -27,17 +38,17 @@ def test_arithmetic_is_deterministic_per_seed():
 
 
 def test_arithmetic_train_and_test_are_disjoint():
-    task = ArithmeticTask(seed=0, min_value=0, max_value=20, operations=["+", "-", "*"])
+    task = arithmetic(seed=0, min_value=0, max_value=20, operations=["+", "-", "*"])
     train = {e.prompt for e in task.examples("train", 3000)}
     test = {e.prompt for e in task.examples("test", 500)}
     assert train and test and not train & test
     # A different seed draws different problems but keeps the same held-out set.
-    other_train = {e.prompt for e in ArithmeticTask(seed=5, max_value=20, operations=["+", "-", "*"]).examples("train", 3000)}
+    other_train = {e.prompt for e in arithmetic(seed=5, max_value=20, operations=["+", "-", "*"]).examples("train", 3000)}
     assert not other_train & test
 
 
 def test_arithmetic_prompt_format_and_answers():
-    task = ArithmeticTask(seed=3, min_value=0, max_value=99, operations=["+", "-", "*"])
+    task = arithmetic(seed=3, min_value=0, max_value=99, operations=["+", "-", "*"])
     examples = task.examples("train", 300)
     ops = set()
     for e in examples:
@@ -54,7 +65,7 @@ def test_arithmetic_prompt_format_and_answers():
 
 
 def test_careless_demonstrations_forget_the_carry_and_nothing_else():
-    exact, careless = ArithmeticTask(seed=0), ArithmeticTask(seed=0, careless_demos=1.0)
+    exact, careless = arithmetic(seed=0), arithmetic(seed=0, careless_demos=1.0)
     examples = careless.examples("train", 400)
     assert examples == exact.examples("train", 400)  # the problems and their rewards do not change
     wrong = 0
@@ -71,19 +82,19 @@ def test_careless_demonstrations_forget_the_carry_and_nothing_else():
         assert careless.reward(e, target) == 0.0
         assert abs(int(target) - int(e.answer)) == 10, (e, target)  # off by the forgotten ten only
     assert wrong > 100
-    assert {ArithmeticTask(seed=0, max_value=9, operations=["*"], careless_demos=1.0).target(Example("7*8=", "56"))} == {"56"}
-    assert ArithmeticTask(min_value=-9, careless_demos=1.0).target(Example("-3+9=", "6")) == "6"
+    assert {arithmetic(seed=0, max_value=9, operations=["*"], careless_demos=1.0).target(Example("7*8=", "56"))} == {"56"}
+    assert arithmetic(min_value=-9, careless_demos=1.0).target(Example("-3+9=", "6")) == "6"
 
 
 def test_careless_share_and_reproducibility():
     def demos(seed):
-        task = ArithmeticTask(seed=seed, careless_demos=0.5)
+        task = arithmetic(seed=seed, careless_demos=0.5)
         return [task.target(e) for e in task.examples("train", 2000)]
 
-    examples = ArithmeticTask(seed=0).examples("train", 2000)
+    examples = arithmetic(seed=0).examples("train", 2000)
     first = demos(0)
     assert first == demos(0) and first != demos(1)  # the teacher's coin is seeded
-    carry_rows = [i for i, e in enumerate(examples) if ArithmeticTask(seed=0, careless_demos=1.0).target(e) != e.answer]
+    carry_rows = [i for i, e in enumerate(examples) if arithmetic(seed=0, careless_demos=1.0).target(e) != e.answer]
     share = sum(first[i] != examples[i].answer for i in carry_rows) / len(carry_rows)
     assert 0.45 < share < 0.55  # half the demonstrations of carry problems are careless
 
@@ -91,11 +102,11 @@ def test_careless_share_and_reproducibility():
 @pytest.mark.parametrize("value", [-0.1, 1.5, "half", True])
 def test_careless_demos_out_of_range_is_one_line(value):
     with pytest.raises(ValueError, match=r"^task.careless_demos: expected a probability in \[0, 1\], got "):
-        ArithmeticTask(careless_demos=value)
+        arithmetic(careless_demos=value)
 
 
 def test_arithmetic_negative_operands():
-    task = ArithmeticTask(min_value=-5, max_value=5, operations=["-", "*"])
+    task = arithmetic(min_value=-5, max_value=5, operations=["-", "*"])
     for e in task.examples("train", 50):
         assert e.answer == str(eval(e.prompt[:-1].replace("--", "- -").replace("*-", "* -")))
 
@@ -105,7 +116,7 @@ def test_arithmetic_accepts_tuple_like_operations():
         def __iter__(self):
             return iter(["*"])
 
-    task = ArithmeticTask(operations=ListConfigLike(), min_value=2, max_value=5)
+    task = arithmetic(operations=ListConfigLike(), min_value=2, max_value=5)
     assert all("*" in e.prompt for e in task.examples("train", 20))
 
 
@@ -132,7 +143,7 @@ def test_arithmetic_accepts_tuple_like_operations():
     ],
 )
 def test_arithmetic_reward(completion, expected):
-    task = ArithmeticTask()
+    task = arithmetic()
     assert task.reward(Example("23+23=", "46"), completion) == expected
 
 
@@ -140,7 +151,7 @@ def test_arithmetic_reward(completion, expected):
     "completion, expected", [("-13", 1.0), ("-13\n", 1.0), ("13", 0.0), ("-130", 0.0), ("- 13", 0.0), ("-", 0.0)]
 )
 def test_arithmetic_reward_negative(completion, expected):
-    assert ArithmeticTask().reward(Example("5-18=", "-13"), completion) == expected
+    assert arithmetic().reward(Example("5-18=", "-13"), completion) == expected
 
 
 @pytest.mark.parametrize(
@@ -157,12 +168,12 @@ def test_arithmetic_reward_negative(completion, expected):
 )
 def test_arithmetic_bad_arguments(kwargs, message):
     with pytest.raises(ValueError) as info:
-        ArithmeticTask(**kwargs)
+        arithmetic(**kwargs)
     assert message in str(info.value)
     assert "\n" not in str(info.value)
 
 
-@pytest.mark.parametrize("task", [ArithmeticTask(), Gsm8kTask(str(SAMPLE))], ids=["arithmetic", "gsm8k"])
+@pytest.mark.parametrize("task", [arithmetic(), gsm8k(SAMPLE)], ids=["arithmetic", "gsm8k"])
 @pytest.mark.parametrize(
     "split, n, message",
     [
@@ -181,7 +192,7 @@ def test_bad_examples_request(task, split, n, message):
 
 
 def test_gsm8k_loads_sample_file():
-    task = Gsm8kTask(str(SAMPLE), seed=0)
+    task = gsm8k(SAMPLE, seed=0)
     n_records = sum(1 for line in SAMPLE.read_text().splitlines() if line.strip())
     train = task.examples("train", 100)
     test = task.examples("test", 100)
@@ -191,7 +202,7 @@ def test_gsm8k_loads_sample_file():
     assert len(distinct_test) == round(0.2 * n_records)
     assert not distinct_train & distinct_test
     e = train[0]
-    assert e.prompt.startswith("Question: ") and e.prompt.endswith("\nAnswer:")
+    assert e.prompt.startswith("Question: ") and e.prompt.endswith("\nAnswer: ")
     for e in train + test:
         solution = task.target(e)
         assert extract_reference(solution) == e.answer
@@ -202,7 +213,7 @@ def test_gsm8k_loads_sample_file():
 
 
 def test_gsm8k_examples_deterministic_and_cycling():
-    a, b, c = Gsm8kTask(str(SAMPLE), seed=0), Gsm8kTask(str(SAMPLE), seed=0), Gsm8kTask(str(SAMPLE), seed=1)
+    a, b, c = gsm8k(SAMPLE, seed=0), gsm8k(SAMPLE, seed=0), gsm8k(SAMPLE, seed=1)
     assert a.examples("train", 9) == b.examples("train", 9)
     assert a.examples("train", 9) != c.examples("train", 9)
     # The held-out records do not depend on the seed.
@@ -213,7 +224,7 @@ def test_gsm8k_examples_deterministic_and_cycling():
 
 
 def test_gsm8k_prompt_template():
-    task = Gsm8kTask(str(SAMPLE), prompt_template="Q: {question}\nA: {{think}}")
+    task = gsm8k(SAMPLE, prompt_template="Q: {question}\nA: {{think}}")
     assert all(e.prompt.startswith("Q: ") and e.prompt.endswith("\nA: {think}") for e in task.examples("train", 5))
 
 
@@ -224,7 +235,7 @@ def test_gsm8k_prompt_template():
 )
 def test_gsm8k_bad_template(template, message):
     with pytest.raises(ValueError) as info:
-        Gsm8kTask(str(SAMPLE), prompt_template=template)
+        gsm8k(SAMPLE, prompt_template=template)
     assert message in str(info.value) and "\n" not in str(info.value)
 
 
@@ -232,19 +243,19 @@ def test_gsm8k_small_files(tmp_path):
     record = {"question": "What is 1 + 1?", "answer": "1 + 1 = 2\n#### 2"}
     two = tmp_path / "two.jsonl"
     two.write_text(json.dumps(record) + "\n\n" + json.dumps({**record, "question": "Again?"}) + "\n")
-    task = Gsm8kTask(str(two))
+    task = gsm8k(two)
     assert len({e.prompt for e in task.examples("test", 4)}) == 1
     assert len({e.prompt for e in task.examples("train", 4)}) == 1
     one = tmp_path / "one.jsonl"
     one.write_text(json.dumps(record) + "\n")
     with pytest.raises(ValueError, match="has no test examples"):
-        Gsm8kTask(str(one)).examples("test", 1)
+        gsm8k(one).examples("test", 1)
 
 
 def test_gsm8k_missing_file_error_is_one_line():
     path = "/nonexistent/dir/gsm8k_train.jsonl"
     with pytest.raises(ValueError) as info:
-        Gsm8kTask(path)
+        gsm8k(path)
     message = str(info.value)
     assert "\n" not in message and path in message and message.startswith("task.path: file not found")
 
@@ -262,14 +273,14 @@ def test_gsm8k_bad_file(tmp_path, content, message):
     path = tmp_path / "bad.jsonl"
     path.write_text(content)
     with pytest.raises(ValueError) as info:
-        Gsm8kTask(str(path))
+        gsm8k(path)
     assert message in str(info.value) and str(path) in str(info.value) and "\n" not in str(info.value)
 
 
 def test_gsm8k_hub_id_without_datasets(monkeypatch):
     monkeypatch.setitem(sys.modules, "datasets", None)  # makes `import datasets` fail
     with pytest.raises(ValueError) as info:
-        Gsm8kTask("openai/gsm8k")
+        gsm8k("openai/gsm8k")
     message = str(info.value)
     assert "pip install datasets" in message and "openai/gsm8k" in message and "\n" not in message
 
@@ -282,7 +293,7 @@ def test_gsm8k_hub_loading_error_is_one_line(monkeypatch):
 
     monkeypatch.setitem(sys.modules, "datasets", FakeDatasets)
     with pytest.raises(ValueError) as info:
-        Gsm8kTask("nobody/nothing")
+        gsm8k("nobody/nothing")
     message = str(info.value)
     assert "\n" not in message and "'nobody/nothing' is neither an existing file" in message
 
@@ -300,9 +311,9 @@ def test_gsm8k_hub_splits(monkeypatch):
             return rows
 
     monkeypatch.setitem(sys.modules, "datasets", FakeDatasets)
-    task = Gsm8kTask("openai/gsm8k")
+    task = gsm8k("openai/gsm8k")
     assert {e.answer for e in task.examples("train", 5)} == {"0", "1", "2", "3", "4"}
-    assert task.examples("test", 2) == [Example("Question: t\nAnswer:", "1000")] * 2
+    assert task.examples("test", 2) == [Example("Question: t\nAnswer: ", "1000")] * 2
 
 
 @pytest.mark.parametrize(
@@ -357,5 +368,5 @@ def test_extract_prediction(completion, expected):
     ],
 )
 def test_gsm8k_reward(answer, completion, expected):
-    task = Gsm8kTask(str(SAMPLE))
+    task = gsm8k(SAMPLE)
     assert task.reward(Example("p", answer), completion) == expected

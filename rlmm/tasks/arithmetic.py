@@ -5,10 +5,9 @@ import itertools
 import random
 import re
 
-from rlmm.tasks import Example, check_request
+from rlmm.tasks.base import Example, check_request
 
 OPERATIONS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
-DEFAULT_OPERATIONS = ("+", "-")
 TEST_PERCENT = 10  # share of the problem space held out for the test split
 
 _LEADING_INT = re.compile(r"-?[0-9]+")  # ASCII digits only: "٤٦" is not 46
@@ -34,7 +33,7 @@ class ArithmeticTask:
     Prompt format: ``f"{a}{op}{b}="`` with no spaces, chosen to be short for a
     character-level tiny model; ``a`` and ``b`` are drawn uniformly from
     ``[min_value, max_value]`` and ``op`` uniformly from ``operations`` (any of
-    ``+``, ``-``, ``*``; ``None`` means ``["+", "-"]``). The answer is
+    ``+``, ``-``, ``*``). The answer is
     ``str(result)``, negative for ``-`` when ``b > a``; the target completion is the
     answer itself.
 
@@ -59,14 +58,7 @@ class ArithmeticTask:
     ``target()`` call, so a warm start is reproducible.
     """
 
-    def __init__(
-        self,
-        seed: int = 0,
-        min_value: int = 0,
-        max_value: int = 99,
-        operations: list[str] | None = None,
-        careless_demos: float = 0.0,
-    ):
+    def __init__(self, seed: int, min_value: int, max_value: int, operations: list[str], careless_demos: float):
         self.seed = _check_int("seed", seed)
         if isinstance(careless_demos, bool) or not isinstance(careless_demos, (int, float)) \
                 or not 0.0 <= careless_demos <= 1.0:
@@ -80,8 +72,6 @@ class ArithmeticTask:
                 f"task.min_value: {self.min_value} is greater than "
                 f"task.max_value {self.max_value} (need min_value <= max_value)"
             )
-        if operations is None:
-            operations = DEFAULT_OPERATIONS
         if isinstance(operations, str):  # "+-" would otherwise be read char by char
             raise ValueError(
                 f"task.operations: expected a list of operations, got the string {operations!r} "

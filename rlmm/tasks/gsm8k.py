@@ -12,7 +12,7 @@ import random
 import re
 from decimal import Decimal  # exact comparison: 3.50 == 3.5, no float rounding
 
-from rlmm.tasks import Example, check_request
+from rlmm.tasks.base import Example, check_request
 
 HUB_CONFIG = "main"  # the GSM8K config name on the Hugging Face hub
 TEST_FRACTION = 0.2  # held-out share of a local file
@@ -96,12 +96,7 @@ class Gsm8kTask:
     (reasoning and ``#### 42`` line) exactly as in the data.
     """
 
-    def __init__(
-        self,
-        path: str,
-        seed: int = 0,
-        prompt_template: str = "Question: {question}\nAnswer:",
-    ):
+    def __init__(self, path: str, seed: int, prompt_template: str):
         if not isinstance(path, str) or not path:
             raise ValueError(f"task.path: expected a .jsonl file or a dataset id, got {path!r}")
         if isinstance(seed, bool) or not isinstance(seed, int):
