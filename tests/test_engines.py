@@ -199,7 +199,7 @@ def test_deepspeed_trains_a_bf16_body_with_an_fp32_head(small_model_path, arithm
     from rlmm import checkpoint
     from rlmm.corrections.tis import TokenTIS
     from rlmm.trainers.deepspeed_backend import DeepSpeedTrainer
-    from rlmm.step import rl_step
+    from rlmm.train import rl_step
     from tests.test_update import components
 
     precision = SidePrecision("bf16", True)

@@ -96,8 +96,7 @@ def test_one_pass_fallback_and_gradient_checkpointing_leave_the_update_unchanged
     from rlmm.precision import SidePrecision
     from rlmm.samplers.hf import HFSampler
     from rlmm.trainers.torch_backend import TorchTrainer
-    from rlmm.components import Components
-    from rlmm.step import rl_step
+    from rlmm.train import Components, rl_step
     from tests.test_update import OddLengthReward, algo
     from transformers import AutoTokenizer
 
@@ -137,7 +136,6 @@ from rlmm.cli import set_runtime_env
 set_runtime_env()
 from rlmm.precision import SidePrecision
 from rlmm.samplers.base import Rollouts, SamplingOptions
-from rlmm.trainers.scoring import minibatch_step
 from rlmm.trainers.torch_backend import TorchTrainer
 
 def rss(field):
@@ -158,7 +156,7 @@ open("/proc/self/clear_refs", "w").write("5")  # reset the peak (VmHWM) to the c
 trainer.logprobs(rollouts)
 def loss_fn(chunk, logprobs, entropy):
     return -(logprobs.sum() + entropy.sum()) / 1000, {"loss": 0.0}
-minibatch_step(trainer, rollouts, list(range(rows)), loss_fn)
+trainer.update(rollouts, list(range(rows)), loss_fn)
 print(json.dumps({"growth": rss("VmHWM:") - before, "vocab": vocab}))
 """
 
