@@ -30,14 +30,14 @@ def main() -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from rlmm.tasks import ArithmeticTask
+    from rlmm.config import from_yaml
 
     w = workload_from(job)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[job["precision"]]
     device = "cuda" if job.get("device") == "cuda" else "cpu"
     path = job["model_path"]
     tokenizer = AutoTokenizer.from_pretrained(path)
-    examples = ArithmeticTask(seed=0).examples("train", (w.warmup + w.steps) * w.prompts)
+    examples = from_yaml("task", "arithmetic", seed=0).examples("train", (w.warmup + w.steps) * w.prompts)
 
     started = time.perf_counter()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")

@@ -1,4 +1,4 @@
-"""Worker: rlmm's real RL step (`rlmm.train.build_components` + `rl_step`), stage by stage.
+"""Worker: rlmm's real RL step (`rlmm.components.build_components` + `rlmm.step.rl_step`), stage by stage.
 
 The config is composed from conf/train.yaml exactly as `rlmm train` composes it (Hydra, the same
 overrides, validated by rlmm's schema); the loop below is `run_train`'s loop minus evaluation:
@@ -77,8 +77,8 @@ def main() -> None:
 
     from rlmm.config import build, to_container
     from rlmm.records import RunRecord
-    from rlmm.train import build_components, rl_step
-    from rlmm.devices import init_process_group
+    from rlmm.components import build_components
+    from rlmm.step import rl_step
 
     w = workload_from(job)
     overrides = [f"precision={job['precision']}", f"train.prompts_per_step={w.prompts}",
@@ -93,9 +93,11 @@ def main() -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
 
     started = time.perf_counter()
-    init_process_group()
     torch.manual_seed(cfg.seed)
-    c, precision_report = build_components(cfg)
+    c = build_components(cfg, lambda task: (task.examples("train", (w.warmup + w.steps) * w.prompts)
+                                            + (task.examples("test", job["eval_prompts"]) if job.get("eval_prompts")
+                                               else [])))
+    precision_report = c.precision_report
     setup_seconds = time.perf_counter() - started
     record = RunRecord(run_dir, {"choices": choices, **to_container(cfg)})
     logger_error = None

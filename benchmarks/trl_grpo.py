@@ -37,7 +37,8 @@ def main() -> None:
     from transformers import AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from rlmm.tasks import ArithmeticTask, Example
+    from rlmm.config import from_yaml
+    from rlmm.tasks import Example
 
     w = workload_from(job)
     generation = job.get("generation", "vllm")
@@ -45,7 +46,7 @@ def main() -> None:
         raise ValueError(f"generation: {generation} (allowed: {', '.join(GENERATION)})")
     precision = job["precision"]
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
-    task = ArithmeticTask(seed=0)
+    task = from_yaml("task", "arithmetic", seed=0)
     total_steps = w.warmup + w.steps
     examples = task.examples("train", total_steps * w.prompts)
     dataset = Dataset.from_dict({"prompt": [e.prompt for e in examples], "answer": [e.answer for e in examples]})

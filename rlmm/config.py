@@ -125,3 +125,16 @@ def build(node: DictConfig, **runtime: Any) -> Any:
     from hydra.utils import instantiate
 
     return instantiate(node, _partial_=True)(**runtime)
+
+
+def from_yaml(group: str, option: str, **values):
+    """The component `conf/<group>/<option>.yaml` builds, outside Hydra (scripts, tests): `values` replace the
+    YAML's and give the build-time arguments (`BUILD_TIME_ARGS`). Every value not given comes from the YAML,
+    the one place it is written; an interpolation of the app's config (`seed: ${seed}`) must be given."""
+    from hydra.utils import get_class
+
+    node = {**OmegaConf.to_container(OmegaConf.load(CONF_DIR / group / f"{option}.yaml")), **values}
+    unresolved = sorted(k for k, v in node.items() if isinstance(v, str) and v.startswith("${"))
+    if unresolved:
+        raise ConfigError(f"{group}={option}: give {', '.join(unresolved)} (the YAML takes them from the app's config)")
+    return get_class(node.pop("_target_"))(**node)

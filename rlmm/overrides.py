@@ -130,14 +130,13 @@ def runs_on_another_machine(launcher_target: str) -> bool:
 
 
 def check_engines_support(cfg) -> None:
-    """Ask each engine class whether it can run its side's precision here (classes that can tell
-    define a static `unsupported(side_precision) -> str | None`)."""
+    """Ask each engine class whether it can run its side's precision here (`Sampler.unsupported` and
+    `Trainer.unsupported`, rlmm/interfaces.py)."""
     from hydra.utils import get_class, instantiate
 
     policy = instantiate(cfg.precision)
     for group, side in (("sampler", policy.sampler), ("trainer", policy.trainer)):
-        unsupported = getattr(get_class(cfg[group]._target_), "unsupported", None)
-        problem = unsupported(side) if unsupported else None
+        problem = get_class(cfg[group]._target_).unsupported(side)
         if problem:
             fail(problem)
 

@@ -18,14 +18,14 @@ import time
 from pathlib import Path
 
 import torch
-from hydra.utils import instantiate
 from omegaconf import DictConfig
 
-from rlmm.config import build, to_container
+from rlmm.components import build_components
+from rlmm.config import to_container
+from rlmm.formatting import format_number
 from rlmm.logging import redact
 from rlmm.metrics import mismatch_metrics, position_profile
-from rlmm.precision import check_precision
-from rlmm.samplers.base import Rollouts, SamplingOptions, pad_right
+from rlmm.samplers.base import Rollouts, pad_right
 from rlmm.timing import timed
 
 log = logging.getLogger(__name__)
@@ -41,30 +41,13 @@ def run_probe(cfg: DictConfig, run_dir: Path, choices: dict[str, str]) -> dict:
     stage_seconds: dict[str, float] = {}
     options = cfg.probe
     check_micro_batch_sizes(options.trainer_micro_batch_sizes)  # before any engine starts
-    task = instantiate(cfg.task)
-    with timed(stage_seconds, "model"):
-        model_path = instantiate(cfg.model).resolve(task, to_container(cfg.task))
-    precision = instantiate(cfg.precision)
-    precision.apply()
-    sampling = SamplingOptions(**cfg.sampling)
-
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    components = build_components(cfg, lambda task: (task.examples(options.split, options.num_prompts)
+                                                     + task.examples("train", options.batch_invariance.max_batch_size)),
+                                  stage_seconds)
+    task, tokenizer, sampler, trainer = components.task, components.tokenizer, components.sampler, components.trainer
+    precision_report, model_path = components.precision_report, components.model_path
     examples = task.examples(options.split, options.num_prompts)
     prompt_ids = [tokenizer(e.prompt).input_ids for e in examples]
-    fillers = task.examples("train", options.batch_invariance.max_batch_size)  # batch_invariance's
-    with timed(stage_seconds, "sampler_init"):
-        sampler = build(cfg.sampler, model_path=model_path, precision=precision.sampler, sampling=sampling,
-                        seed=cfg.seed, prompt_tokens=max(map(len, prompt_ids + tokenizer(
-                            [e.prompt for e in fillers]).input_ids)))
-    with timed(stage_seconds, "trainer_init"):
-        try:
-            trainer = build(cfg.trainer, model_path=model_path, precision=precision.trainer, sampling=sampling)
-        except BaseException:
-            sampler.close()
-            raise
-    precision_report = check_precision(precision, sampler.actual_precision, trainer.actual_precision)
 
     with timed(stage_seconds, "generate"):
         rollouts = sampler.generate(prompt_ids, n=options.samples_per_prompt)
@@ -201,7 +184,7 @@ def print_probe(record: dict) -> None:
     table.add_column("sampler vs trainer", justify="right")
     table.add_column(f"trainer vs itself (mb {record['trainer_vs_itself']['micro_batch_sizes']})", justify="right")
     for key in HEADLINE:
-        fmt = (lambda v: f"{v:.7f}") if key == "prob_pearson" else _fmt  # its story is in the 5th digit
+        fmt = (lambda v: f"{v:.7f}") if key == "prob_pearson" else format_number  # its story is in the 5th digit
         table.add_row(key, fmt(record["sampler_vs_trainer"][key]), fmt(record["trainer_vs_itself"][key]))
     console.print(table)
     inv = record["sampler_vs_itself"]
@@ -214,19 +197,11 @@ def print_probe(record: dict) -> None:
         console.print(f"[bold red]precision mismatch:[/] {line}")
     console.print(f"sampler vs itself (greedy): {inv['unique_greedy_completions']} unique of "
                   f"{inv['num_greedy_completions']} completions across batch sizes; alone vs batched identical for "
-                  f"{inv['frac_identical_alone_vs_batched']:.0%} of prompts; |delta| mean {_fmt(inv['logprob_abs_diff_mean'])}")
+                  f"{inv['frac_identical_alone_vs_batched']:.0%} of prompts; |delta| mean {format_number(inv['logprob_abs_diff_mean'])}")
     rollouts = record["rollouts"]
     console.print(f"rollouts: {rollouts['num']}, mean reward {rollouts['mean_reward']:.3f}, mean length "
                   f"{rollouts['mean_response_length']:.1f}; {record['seconds']:.1f} s ("
                   + ", ".join(f"{k} {v:.1f}" for k, v in record["stage_seconds"].items()) + ")")
-
-
-def _fmt(value) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, int):
-        return str(value)
-    return f"{value:.3e}" if value != 0 and (abs(value) < 1e-2 or abs(value) >= 1e4) else f"{value:.4f}"
 
 
 def plot_probe(record: dict, path: Path) -> None:

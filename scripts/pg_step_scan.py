@@ -27,8 +27,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 from rlmm.algos import GRPO  # noqa: E402
 from rlmm.precision import SidePrecision  # noqa: E402
 from rlmm.samplers.base import SamplingOptions  # noqa: E402
-from rlmm.samplers.hf import HFSampler  # noqa: E402
-from rlmm.tasks import ArithmeticTask  # noqa: E402
+from rlmm.config import from_yaml  # noqa: E402
 from rlmm.trainers.scoring import response_logprobs  # noqa: E402
 
 parser = argparse.ArgumentParser()
@@ -38,14 +37,15 @@ parser.add_argument("--held-out", type=int, default=100)
 args = parser.parse_args()
 
 options = SamplingOptions(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=8, logprobs="processed")
-task = ArithmeticTask(seed=0)
+task = from_yaml("task", "arithmetic", seed=0)
 tokenizer = AutoTokenizer.from_pretrained(args.model)
 model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
 algo = GRPO(group_size=8, normalize_std=True, clip_low=0.2, clip_high=0.28, loss_aggregation="token",
             kl_coef=0.0, kl_estimator="k3", entropy_coef=0.0, epochs=1, minibatches=1)
 batch, held_out = task.examples("train", args.prompts), task.examples("test", args.held_out)
 
-rollouts = HFSampler(args.model, SidePrecision("fp32", False), options, seed=0).generate(
+rollouts = from_yaml("sampler", "hf", model_path=args.model, precision=SidePrecision("fp32", False), sampling=options,
+                     seed=0).generate(
     [tokenizer(e.prompt).input_ids for e in batch], n=8)
 texts = tokenizer.batch_decode(rollouts.response_ids, skip_special_tokens=True)
 rewards = torch.tensor([task.reward(batch[i // 8], t) for i, t in enumerate(texts)])

@@ -150,10 +150,10 @@ import torch
 from transformers import AutoTokenizer
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
-from rlmm.tasks import ArithmeticTask
+from rlmm.config import from_yaml
 path, prompts, n, tokens, dtype = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
 tokenizer = AutoTokenizer.from_pretrained(path)
-ids = [tokenizer(e.prompt).input_ids for e in ArithmeticTask(seed=0).examples("train", prompts)]
+ids = [tokenizer(e.prompt).input_ids for e in from_yaml("task", "arithmetic", seed=0).examples("train", prompts)]
 gpu = {"gpu_memory_utilization": 0.5} if torch.cuda.is_available() else {}  # as rlmm's sampler default
 llm = LLM(model=path, dtype=dtype, seed=0, max_model_len=max(map(len, ids)) + tokens, max_logprobs=1,
           enforce_eager=not torch.cuda.is_available(), **gpu)

@@ -12,6 +12,7 @@ os.environ.setdefault("WANDB_MODE", "offline")
 
 import pytest  # noqa: E402
 
+from rlmm.config import from_yaml  # noqa: E402
 from rlmm.samplers.base import SamplingOptions  # noqa: E402
 
 
@@ -21,11 +22,15 @@ def sampling(**overrides) -> SamplingOptions:
     return SamplingOptions(**values)
 
 
+def build_trainer(backend: str, model_path: str, precision, options: SamplingOptions, **values):
+    """`trainer=<backend>` with its YAML's values, except `values`; one micro-batch per step unless told."""
+    return from_yaml("trainer", backend, model_path=model_path, precision=precision, sampling=options,
+                     **{"accumulation_steps": 1, **values})
+
+
 @pytest.fixture(scope="session")
 def arithmetic_task():
-    from rlmm.tasks import ArithmeticTask
-
-    return ArithmeticTask(seed=0)
+    return from_yaml("task", "arithmetic", seed=0, careless_demos=0.0)  # exact demos: the tests' warm start
 
 
 @pytest.fixture(scope="session")

@@ -22,22 +22,35 @@ class _NaNUpdates:
         logits = super()._forward(ids, attention, keep)
         return logits * torch.nan if self.poisoning else logits
 
-    def update(self, rollouts, rows, loss_fn, score=None):
+    def begin_update(self, rollouts, rows):
         self.updates += 1
         self.poisoning = self.updates >= self.nan_from_update
+        update = super().begin_update(rollouts, rows)
+        step = update.step
+
+        def step_then_stop_poisoning():
+            try:
+                return step()
+            finally:
+                self.poisoning = False
+
+        update.step = step_then_stop_poisoning
+        return update
+
+    def logprobs(self, rollouts, micro_batch_size=None):
+        poisoning, self.poisoning = self.poisoning, False  # scoring is never poisoned
         try:
-            return super().update(rollouts, rows, loss_fn, score)
+            return super().logprobs(rollouts, micro_batch_size)
         finally:
-            self.poisoning = False
+            self.poisoning = poisoning
 
 
 # Explicit signatures: rlmm validates a trainer's config keys against its constructor's.
 class NaNTorchTrainer(_NaNUpdates, TorchTrainer):
     def __init__(self, model_path: str, precision: SidePrecision, sampling: SamplingOptions, micro_batch_size: int,
-                 lr: float = 1e-4, weight_decay: float = 0.0, warmup_steps: int = 0, grad_clip: float = 1.0,
-                 logits_chunk_size: int = 512, gradient_checkpointing: bool | None = None,
-                 accumulation_steps: int = 1, initial_loss_scale: float = 2.0 ** 16,
-                 loss_scale_growth_interval: int = 1000, nan_from_update: int = 1):
+                 lr: float, weight_decay: float, warmup_steps: int, grad_clip: float, logits_chunk_size: int,
+                 gradient_checkpointing: bool | None, initial_loss_scale: float, loss_scale_growth_interval: int,
+                 accumulation_steps: int, nan_from_update: int = 1):
         TorchTrainer.__init__(self, model_path, precision, sampling, micro_batch_size, lr=lr, weight_decay=weight_decay,
                               warmup_steps=warmup_steps, grad_clip=grad_clip, logits_chunk_size=logits_chunk_size,
                               gradient_checkpointing=gradient_checkpointing, accumulation_steps=accumulation_steps,
@@ -48,9 +61,9 @@ class NaNTorchTrainer(_NaNUpdates, TorchTrainer):
 
 class NaNDeepSpeedTrainer(_NaNUpdates, DeepSpeedTrainer):
     def __init__(self, model_path: str, precision: SidePrecision, sampling: SamplingOptions, micro_batch_size: int,
-                 zero_stage: int = 0, lr: float = 1e-4, weight_decay: float = 0.0, warmup_steps: int = 0,
-                 grad_clip: float = 1.0, logits_chunk_size: int = 512, gradient_checkpointing: bool | None = None,
-                 config_file: str | None = None, accumulation_steps: int = 1, nan_from_update: int = 1):
+                 zero_stage: int, lr: float, weight_decay: float, warmup_steps: int, grad_clip: float,
+                 logits_chunk_size: int, gradient_checkpointing: bool | None, config_file: str | None,
+                 accumulation_steps: int, nan_from_update: int = 1):
         DeepSpeedTrainer.__init__(self, model_path, precision, sampling, micro_batch_size, zero_stage=zero_stage, lr=lr,
                                   weight_decay=weight_decay, warmup_steps=warmup_steps, grad_clip=grad_clip,
                                   logits_chunk_size=logits_chunk_size, gradient_checkpointing=gradient_checkpointing,

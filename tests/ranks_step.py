@@ -10,6 +10,7 @@ import json
 import sys
 from pathlib import Path
 
+from rlmm.config import from_yaml
 from rlmm.runtime_env import set_runtime_env
 
 set_runtime_env()
@@ -62,12 +63,12 @@ def step_on_share(model_path: str, recorded: dict, backend: str, scratch: Path) 
     from transformers import AutoTokenizer
 
     from rlmm.corrections.tis import TokenTIS
-    from rlmm.train import Components, rank_share, rl_step
+    from rlmm.components import Components
+    from rlmm.step import rank_share, rl_step
     from tests.test_update import GROUP, OPTIONS, OddLengthReward, algo, sgd_trainer
-    from rlmm.tasks import ArithmeticTask
 
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    task = ArithmeticTask(seed=0)
+    task = from_yaml("task", "arithmetic", seed=0, careless_demos=0.0)
     examples = {e.prompt: e for e in task.examples("train", 64)}
     prompts = [examples[p] for p in recorded["prompts"]]
     trainer = sgd_trainer(backend, model_path, scratch, rows_per_minibatch=len(prompts) // world * GROUP)

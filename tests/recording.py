@@ -11,8 +11,8 @@ from rlmm.tasks.arithmetic import ArithmeticTask
 
 class RecordedArithmetic(ArithmeticTask):
     # Explicit signature: rlmm validates a task's config keys against its constructor's.
-    def __init__(self, record_dir: str, seed: int = 0, min_value: int = 0, max_value: int = 99,
-                 operations: list[str] | None = None, careless_demos: float = 0.0):
+    def __init__(self, record_dir: str, seed: int, min_value: int, max_value: int, operations: list[str],
+                 careless_demos: float):
         super().__init__(seed=seed, min_value=min_value, max_value=max_value, operations=operations,
                          careless_demos=careless_demos)
         self.record = Path(record_dir) / f"rank{os.environ.get('RANK', '0')}.txt"

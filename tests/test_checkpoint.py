@@ -3,8 +3,10 @@ import pytest
 import torch
 
 from rlmm import checkpoint
+from rlmm.config import from_yaml
 from rlmm.precision import SidePrecision
 from rlmm.samplers.base import Rollouts
+from rlmm.trainers.scoring import minibatch_step
 from tests.conftest import sampling
 
 
@@ -40,14 +42,11 @@ def make_trainer(backend, model_path, dtype, stage):
     options = sampling(max_new_tokens=6)
     precision = SidePrecision(dtype, False)
     if backend == "torch":
-        from rlmm.trainers.torch_backend import TorchTrainer
+        return from_yaml("trainer", "torch", model_path=model_path, precision=precision, sampling=options,
+                         micro_batch_size=4, lr=1e-3, warmup_steps=3, accumulation_steps=2)
 
-        return TorchTrainer(model_path, precision, options, micro_batch_size=4, lr=1e-3, warmup_steps=3,
-                            accumulation_steps=2)
-    from rlmm.trainers.deepspeed_backend import DeepSpeedTrainer
-
-    return DeepSpeedTrainer(model_path, precision, options, micro_batch_size=4, zero_stage=stage, lr=1e-3,
-                            warmup_steps=3, accumulation_steps=2)
+    return from_yaml("trainer", "deepspeed", model_path=model_path, precision=precision, sampling=options,
+                     micro_batch_size=4, zero_stage=stage, lr=1e-3, warmup_steps=3, accumulation_steps=2)
 
 
 @pytest.mark.parametrize("backend,dtype,stage", [("deepspeed", "fp32", 0), ("deepspeed", "bf16", 0),
@@ -60,11 +59,11 @@ def test_resumed_trainer_matches_uninterrupted(small_model_path, arithmetic_task
     sampler = RecordingSampler()
     try:
         for _ in range(2):
-            trainer.update(rollouts, rows, loss_fn)
+            minibatch_step(trainer, rollouts, rows, loss_fn)
         torch.manual_seed(123)
         path = checkpoint.save(tmp_path, step=2, trainer=trainer, sampler=sampler)
         after_save = torch.rand(3)
-        lrs = [trainer.update(rollouts, rows, loss_fn)["lr"] for _ in range(2)]
+        lrs = [minibatch_step(trainer, rollouts, rows, loss_fn)["lr"] for _ in range(2)]
         uninterrupted = {k: v.clone() for k, v in trainer.state_dict().items()}
     finally:
         trainer.close()
@@ -80,7 +79,7 @@ def test_resumed_trainer_matches_uninterrupted(small_model_path, arithmetic_task
         assert state["step"] == 2 and sampler.calls == 7
         assert sampler.weights is not None  # the sampler was sent the restored weights
         for _ in range(2):
-            trainer.update(rollouts, rows, loss_fn)
+            minibatch_step(trainer, rollouts, rows, loss_fn)
         resumed = trainer.state_dict()
         moved = max((resumed[k].float() - sampler.weights[k].float()).abs().max().item() for k in resumed)
         assert moved > 0  # the two updates after the resume really changed the weights

@@ -10,8 +10,7 @@ from omegaconf import OmegaConf
 from rlmm.config import CONF_DIR, build
 from rlmm.precision import SidePrecision
 from rlmm.samplers.base import pad_right
-from rlmm.trainers.torch_backend import TorchTrainer
-from tests.conftest import sampling
+from tests.conftest import build_trainer, sampling
 
 FP32 = SidePrecision("fp32", False)
 SHARP = dict(temperature=0.7, top_k=8, top_p=0.9)  # every transformation of the logits active
@@ -49,20 +48,20 @@ def test_vllm_rollouts_have_the_interface_shape(vllm_fp32, prompts):
 
 
 def test_vllm_fp32_matches_fp32_trainer_processed(vllm_fp32, small_model_path, prompts):
-    trainer = TorchTrainer(small_model_path, FP32, sampling(**SHARP), micro_batch_size=4)
+    trainer = build_trainer("torch", small_model_path, FP32, sampling(**SHARP), micro_batch_size=4)
     rollouts = vllm_fp32.generate(prompts, n=4)
     assert _max_abs_delta(rollouts, trainer.logprobs(rollouts)) < 1e-4
 
 
 def test_trainer_with_the_wrong_definition_disagrees(vllm_fp32, small_model_path, prompts):
     """Scoring processed sampler log-probs with raw trainer log-probs biases every ratio."""
-    trainer = TorchTrainer(small_model_path, FP32, sampling(**SHARP, logprobs="raw"), micro_batch_size=4)
+    trainer = build_trainer("torch", small_model_path, FP32, sampling(**SHARP, logprobs="raw"), micro_batch_size=4)
     rollouts = vllm_fp32.generate(prompts, n=4)
     assert _max_abs_delta(rollouts, trainer.logprobs(rollouts)) > 1e-2
 
 
 def test_vllm_weight_reload_in_place(vllm_fp32, small_model_path, prompts):
-    trainer = TorchTrainer(small_model_path, FP32, sampling(**SHARP), micro_batch_size=4)
+    trainer = build_trainer("torch", small_model_path, FP32, sampling(**SHARP), micro_batch_size=4)
     before = vllm_fp32.generate(prompts[:2], greedy=True)
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -77,7 +76,7 @@ def test_vllm_weight_reload_in_place(vllm_fp32, small_model_path, prompts):
 
 def test_hf_sampler_fp32_matches_fp32_trainer(small_model_path, prompts):
     sampler = engine("hf", small_model_path, FP32, sampling(**SHARP), seed=0)
-    trainer = TorchTrainer(small_model_path, FP32, sampling(**SHARP), micro_batch_size=3)
+    trainer = build_trainer("torch", small_model_path, FP32, sampling(**SHARP), micro_batch_size=3)
     rollouts = sampler.generate(prompts, n=2)
     assert len(rollouts) == 2 * len(prompts)
     assert _max_abs_delta(rollouts, trainer.logprobs(rollouts)) < 1e-4
@@ -86,7 +85,7 @@ def test_hf_sampler_fp32_matches_fp32_trainer(small_model_path, prompts):
 def test_hf_sampler_raw_logprobs_match_raw_trainer(small_model_path, prompts):
     options = sampling(temperature=0.5, logprobs="raw")
     rollouts = engine("hf", small_model_path, FP32, options, seed=0).generate(prompts)
-    trainer = TorchTrainer(small_model_path, FP32, options, micro_batch_size=8)
+    trainer = build_trainer("torch", small_model_path, FP32, options, micro_batch_size=8)
     assert _max_abs_delta(rollouts, trainer.logprobs(rollouts)) < 1e-4
 
 
@@ -100,7 +99,7 @@ def test_hf_sampler_is_reproducible_and_seeded(small_model_path, prompts):
 
 def test_hf_sampler_weight_update(small_model_path, prompts):
     sampler = engine("hf", small_model_path, SidePrecision("bf16", True), sampling(), seed=0)
-    trainer = TorchTrainer(small_model_path, FP32, sampling(), micro_batch_size=8)
+    trainer = build_trainer("torch", small_model_path, FP32, sampling(), micro_batch_size=8)
     state = {k: v + 0.01 for k, v in trainer.state_dict().items()}
     sampler.load_weights(state)
     params = dict(sampler.model.named_parameters())
@@ -113,18 +112,16 @@ def test_trainer_micro_batch_size_changes_only_rounding(small_model_path, prompt
     sampler = engine("hf", small_model_path, FP32, sampling(), seed=0)
     rollouts = sampler.generate(prompts, n=3)
     _, mask = rollouts.padded_sampler_logprobs()
-    trainer = TorchTrainer(small_model_path, SidePrecision("bf16", False), sampling(), micro_batch_size=1)
+    trainer = build_trainer("torch", small_model_path, SidePrecision("bf16", False), sampling(), micro_batch_size=1)
     one, many = trainer.logprobs(rollouts, 1), trainer.logprobs(rollouts, len(rollouts))
     assert one.shape == many.shape == mask.shape
     assert (one - many)[mask].abs().max().item() < 0.1
 
 
 def test_deepspeed_fp32_scoring_equals_plain_torch(small_model_path, prompts):
-    from rlmm.trainers.deepspeed_backend import DeepSpeedTrainer
-
     rollouts = engine("hf", small_model_path, FP32, sampling(), seed=0).generate(prompts, n=2)
-    torch_lp = TorchTrainer(small_model_path, FP32, sampling(), micro_batch_size=4).logprobs(rollouts)
-    ds = DeepSpeedTrainer(small_model_path, FP32, sampling(), micro_batch_size=4, zero_stage=0)
+    torch_lp = build_trainer("torch", small_model_path, FP32, sampling(), micro_batch_size=4).logprobs(rollouts)
+    ds = build_trainer("deepspeed", small_model_path, FP32, sampling(), micro_batch_size=4, zero_stage=0)
     assert ds.actual_precision == {"dtype": "fp32", "head_dtype": "fp32"}
     _, mask = rollouts.padded_sampler_logprobs()
     assert (ds.logprobs(rollouts) - torch_lp)[mask].abs().max().item() < 1e-5
@@ -133,9 +130,7 @@ def test_deepspeed_fp32_scoring_equals_plain_torch(small_model_path, prompts):
 def test_deepspeed_bf16_with_fp32_head_keeps_the_checkpoint_head(small_model_path):
     from safetensors.torch import load_file
 
-    from rlmm.trainers.deepspeed_backend import DeepSpeedTrainer
-
-    ds = DeepSpeedTrainer(small_model_path, SidePrecision("bf16", True), sampling(), micro_batch_size=4)
+    ds = build_trainer("deepspeed", small_model_path, SidePrecision("bf16", True), sampling(), micro_batch_size=4)
     assert ds.actual_precision == {"dtype": "bf16", "head_dtype": "fp32"}
     checkpoint = load_file(f"{small_model_path}/model.safetensors")
     assert torch.equal(ds.engine.module.lm_head.weight, checkpoint["lm_head.weight"])
@@ -148,7 +143,7 @@ def test_16_bit_sampler_differs_from_fp32_trainer_but_stays_close(small_model_pa
     sampler = engine("hf", small_model_path, SidePrecision(dtype, False), sampling(), seed=0)
     assert sampler.actual_precision["dtype"] == dtype
     rollouts = sampler.generate(prompts, n=4)
-    trainer = TorchTrainer(small_model_path, FP32, sampling(), micro_batch_size=8)
+    trainer = build_trainer("torch", small_model_path, FP32, sampling(), micro_batch_size=8)
     sampler_lp, mask = rollouts.padded_sampler_logprobs()
     metrics = mismatch_metrics(trainer.logprobs(rollouts), sampler_lp, mask)
     assert 1e-6 < metrics["logprob_abs_diff_mean"] < 0.2
@@ -198,15 +193,14 @@ def test_deepspeed_trains_a_bf16_body_with_an_fp32_head(small_model_path, arithm
     ZeRO-3 is refused with its reason."""
     from rlmm import checkpoint
     from rlmm.corrections.tis import TokenTIS
-    from rlmm.trainers.deepspeed_backend import DeepSpeedTrainer
-    from rlmm.train import rl_step
+    from rlmm.step import rl_step
     from tests.test_update import components
 
     precision = SidePrecision("bf16", True)
     with pytest.raises(ValueError, match="needs zero_stage 0, 1 or 2 .ZeRO-3 partitions every parameter"):
-        DeepSpeedTrainer(small_model_path, precision, sampling(), micro_batch_size=8, zero_stage=3)
-    trainer = DeepSpeedTrainer(small_model_path, precision, sampling(max_new_tokens=6), micro_batch_size=8,
-                               zero_stage=zero_stage, lr=1e-3, accumulation_steps=2)
+        build_trainer("deepspeed", small_model_path, precision, sampling(), micro_batch_size=8, zero_stage=3)
+    trainer = build_trainer("deepspeed", small_model_path, precision, sampling(max_new_tokens=6), micro_batch_size=8,
+                            zero_stage=zero_stage, lr=1e-3, accumulation_steps=2)
     c = components(small_model_path, arithmetic_task, trainer, TokenTIS(cap=2.0))
     try:
         head = trainer.engine.module.get_output_embeddings().weight

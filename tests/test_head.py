@@ -13,7 +13,7 @@ import torch
 
 from rlmm.logprobs import mask_logits
 from rlmm.models.head import OutputHead
-from tests.conftest import sampling, subprocess_env
+from tests.conftest import build_trainer, sampling, subprocess_env
 
 OPTIONS = {"raw": sampling(logprobs="raw"),
            "processed": sampling(temperature=0.7, top_k=20, top_p=0.9, logprobs="processed")}
@@ -95,8 +95,8 @@ def test_one_pass_fallback_and_gradient_checkpointing_leave_the_update_unchanged
     from rlmm.corrections.none import NoCorrection
     from rlmm.precision import SidePrecision
     from rlmm.samplers.hf import HFSampler
-    from rlmm.trainers.torch_backend import TorchTrainer
-    from rlmm.train import Components, rl_step
+    from rlmm.components import Components
+    from rlmm.step import rl_step
     from tests.test_update import OddLengthReward, algo
     from transformers import AutoTokenizer
 
@@ -105,8 +105,8 @@ def test_one_pass_fallback_and_gradient_checkpointing_leave_the_update_unchanged
     results = {}
     for name, checkpointing, fits in (("held", False, True), ("scored_first", False, False),
                                       ("checkpointed", True, True)):  # False/True: forced, not left to the budget
-        trainer = TorchTrainer(small_model_path, fp32, options, micro_batch_size=5, grad_clip=0.0,
-                               gradient_checkpointing=checkpointing)
+        trainer = build_trainer("torch", small_model_path, fp32, options, micro_batch_size=5, grad_clip=0.0,
+                                gradient_checkpointing=checkpointing)
         trainer.optimizer = torch.optim.SGD(trainer.optimized_params, lr=1.0)
         trainer.budget.graphs_fit = lambda checkpointing, fits=fits: (lambda tokens: fits)
         forwards = []
@@ -136,14 +136,16 @@ from rlmm.cli import set_runtime_env
 set_runtime_env()
 from rlmm.precision import SidePrecision
 from rlmm.samplers.base import Rollouts, SamplingOptions
-from rlmm.trainers.torch_backend import TorchTrainer
+from rlmm.trainers.scoring import minibatch_step
+from rlmm.config import from_yaml
 
 def rss(field):
     return int(next(l for l in open("/proc/self/status") if l.startswith(field)).split()[1]) * 1024
 
 path, chunk = sys.argv[1], int(sys.argv[2])
 options = SamplingOptions(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=64, logprobs="processed")
-trainer = TorchTrainer(path, SidePrecision("fp32", False), options, micro_batch_size=32, logits_chunk_size=chunk)
+trainer = from_yaml("trainer", "torch", model_path=path, precision=SidePrecision("fp32", False), sampling=options,
+                    micro_batch_size=32, logits_chunk_size=chunk, accumulation_steps=1)
 vocab = trainer.model.config.vocab_size
 g = torch.Generator().manual_seed(0)
 rows = 32
@@ -156,7 +158,7 @@ open("/proc/self/clear_refs", "w").write("5")  # reset the peak (VmHWM) to the c
 trainer.logprobs(rollouts)
 def loss_fn(chunk, logprobs, entropy):
     return -(logprobs.sum() + entropy.sum()) / 1000, {"loss": 0.0}
-trainer.update(rollouts, list(range(rows)), loss_fn)
+minibatch_step(trainer, rollouts, list(range(rows)), loss_fn)
 print(json.dumps({"growth": rss("VmHWM:") - before, "vocab": vocab}))
 """
 

@@ -5,6 +5,7 @@ from pathlib import Path
 import sys
 
 
+from rlmm.config import from_yaml
 from tests.conftest import subprocess_env
 
 SMALL = ["probe.num_prompts=8", "probe.samples_per_prompt=2", "probe.trainer_micro_batch_sizes=[1,16]",
@@ -78,15 +79,14 @@ def test_trainer_against_itself_scores_at_the_two_micro_batch_sizes(small_model_
 
     from rlmm.precision import SidePrecision
     from rlmm.probe import trainer_against_itself
-    from rlmm.samplers.hf import HFSampler
-    from rlmm.trainers.torch_backend import TorchTrainer
     from tests.conftest import sampling
 
     options = sampling(max_new_tokens=6)
     bf16 = SidePrecision("bf16", False)
-    sampler = HFSampler(small_model_path, bf16, options, seed=0)
+    sampler = from_yaml("sampler", "hf", model_path=small_model_path, precision=bf16, sampling=options, seed=0)
     rollouts = sampler.generate(prompts[:4], n=2)  # 8 rows
-    trainer = TorchTrainer(small_model_path, bf16, options, micro_batch_size=3)
+    trainer = from_yaml("trainer", "torch", model_path=small_model_path, precision=bf16, sampling=options,
+                        micro_batch_size=3, accumulation_steps=1)
     shapes = []
     forward = trainer._forward
     trainer._forward = lambda ids, attention, keep: shapes.append(ids.size(0)) or forward(ids, attention, keep)

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from rlmm import checkpoint
+from rlmm.config import from_yaml
 from rlmm.precision import SidePrecision
 from rlmm.records import read_steps
 from tests.conftest import sampling, subprocess_env
@@ -100,18 +101,17 @@ def make_faulty_components(model_path, task, trainer_name, dtype):
 
     from rlmm.algos import GRPO
     from rlmm.corrections.tis import TokenTIS
-    from rlmm.samplers.hf import HFSampler
-    from rlmm.train import Components
-    from tests.faults import NaNDeepSpeedTrainer, NaNTorchTrainer
+    from rlmm.components import Components
     from tests.test_train import ALGO
 
     options = sampling(max_new_tokens=6)
     precision = SidePrecision(dtype, False)
-    cls = NaNTorchTrainer if trainer_name == "torch" else NaNDeepSpeedTrainer
-    trainer = cls(model_path, precision, options, micro_batch_size=8, lr=1e-3, accumulation_steps=2,
-                  nan_from_update=2)
+    faulty = "tests.faults." + ("NaNTorchTrainer" if trainer_name == "torch" else "NaNDeepSpeedTrainer")
+    trainer = from_yaml("trainer", trainer_name, _target_=faulty, model_path=model_path, precision=precision,
+                        sampling=options, micro_batch_size=8, lr=1e-3, accumulation_steps=2, nan_from_update=2)
     return Components(task=task, tokenizer=AutoTokenizer.from_pretrained(model_path),
-                      sampler=HFSampler(model_path, SidePrecision("fp32", False), options, seed=0), trainer=trainer,
+                      sampler=from_yaml("sampler", "hf", model_path=model_path, precision=SidePrecision("fp32", False),
+                                        sampling=options, seed=0), trainer=trainer,
                       correction=TokenTIS(cap=2.0), algo=GRPO(**ALGO), sampling=options)
 
 
@@ -119,7 +119,7 @@ def make_faulty_components(model_path, task, trainer_name, dtype):
 @pytest.mark.parametrize("trainer_name,dtype", [("torch", "fp32"), ("deepspeed", "fp32"), ("deepspeed", "bf16")])
 def test_nan_gradient_step_is_skipped_and_never_synced(small_model_path, arithmetic_task, trainer_name, dtype,
                                                        reuse_training_forward):
-    from rlmm.train import rl_step
+    from rlmm.step import rl_step
     from tests.test_train import ParityTask
 
     c = make_faulty_components(small_model_path, ParityTask(arithmetic_task), trainer_name, dtype)
@@ -151,15 +151,16 @@ def test_fp16_overflow_skips_the_step_and_halves_the_loss_scale(small_model_path
 
     from rlmm.algos import GRPO
     from rlmm.corrections.tis import TokenTIS
-    from rlmm.samplers.hf import HFSampler
-    from rlmm.train import Components, rl_step
-    from rlmm.trainers.torch_backend import TorchTrainer
+    from rlmm.components import Components
+    from rlmm.step import rl_step
     from tests.test_train import ALGO, ParityTask
 
     options = sampling(max_new_tokens=6)
-    trainer = TorchTrainer(small_model_path, SidePrecision("fp16", False), options, micro_batch_size=8, lr=1e-3,
-                           accumulation_steps=2, initial_loss_scale=2.0 ** 24)
-    sampler = HFSampler(small_model_path, SidePrecision("fp16", False), options, seed=0)
+    trainer = from_yaml("trainer", "torch", model_path=small_model_path, precision=SidePrecision("fp16", False),
+                        sampling=options, micro_batch_size=8, lr=1e-3, accumulation_steps=2,
+                        initial_loss_scale=2.0 ** 24)
+    sampler = from_yaml("sampler", "hf", model_path=small_model_path, precision=SidePrecision("fp16", False),
+                        sampling=options, seed=0)
     synced = []
     load_weights = sampler.load_weights
     sampler.load_weights = lambda weights: (synced.append(1), load_weights(weights))
@@ -192,7 +193,7 @@ def test_fp16_overflow_skips_the_step_and_halves_the_loss_scale(small_model_path
 
 
 def test_all_finite_is_exact():
-    from rlmm.train import all_finite
+    from rlmm.step import all_finite
 
     weights = [torch.randn(64, 32), torch.randn(32, dtype=torch.bfloat16), torch.randn(8, dtype=torch.float16)]
     assert all_finite(weights)
@@ -208,7 +209,8 @@ def test_all_finite_is_exact():
 def test_nan_weights_are_never_sent_to_the_sampler(small_model_path, arithmetic_task):
     """An update that leaves NaN in the weights (with finite gradients: no skip) stops the step before
     the sync; the sampler keeps the weights it had."""
-    from rlmm.train import NonFiniteWeights, rl_step
+    from rlmm.errors import NonFiniteWeights
+    from rlmm.step import rl_step
     from tests.test_train import ParityTask
 
     c = make_faulty_components(small_model_path, ParityTask(arithmetic_task), "torch", "fp32")
@@ -263,7 +265,7 @@ def test_nonfinite_logprobs_say_which_side_how_many_and_the_fp16_cause():
     from types import SimpleNamespace
 
     from rlmm.probe import check_finite
-    from rlmm.train import nonfinite_hint
+    from rlmm.step import nonfinite_hint
 
     report = {"actual": {"sampler": {"dtype": "fp16"}, "trainer": {"dtype": "fp32"}}}
     with pytest.raises(ValueError, match=r"^probe: non-finite log-probs: 25.0% of the sampler's \(fp16\); fp16 "

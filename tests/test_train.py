@@ -9,9 +9,10 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from rlmm.config import CONF_DIR
+from rlmm.config import CONF_DIR, from_yaml
 from rlmm.precision import SidePrecision
-from rlmm.train import Components, rl_step
+from rlmm.components import Components
+from rlmm.step import rl_step
 from tests.conftest import sampling, subprocess_env
 
 CORRECTIONS = sorted(p.stem for p in (CONF_DIR / "correction").glob("*.yaml"))
@@ -27,23 +28,18 @@ def make_components(model_path, task, sampler_name, trainer_name, precision_name
     policy = instantiate(OmegaConf.load(CONF_DIR / "precision" / f"{precision_name}.yaml"))
     options = sampling(max_new_tokens=6)
     if sampler_name == "vllm":
-        from rlmm.samplers.vllm import VLLMSampler
-
-        sampler = VLLMSampler(model_path, policy.sampler, options, seed=0)
+        sampler = from_yaml("sampler", "vllm", model_path=model_path, precision=policy.sampler, sampling=options,
+                            seed=0)
     else:
-        from rlmm.samplers.hf import HFSampler
-
-        sampler = HFSampler(model_path, policy.sampler, options, seed=0)
+        sampler = from_yaml("sampler", "hf", model_path=model_path, precision=policy.sampler, sampling=options,
+                            seed=0)
     try:
         if trainer_name == "deepspeed":
-            from rlmm.trainers.deepspeed_backend import DeepSpeedTrainer
-
-            trainer = DeepSpeedTrainer(model_path, policy.trainer, options, micro_batch_size=8, lr=1e-4,
-                                       accumulation_steps=accumulation_steps)
+            trainer = from_yaml("trainer", "deepspeed", model_path=model_path, precision=policy.trainer,
+                                sampling=options, micro_batch_size=8, lr=1e-4, accumulation_steps=accumulation_steps)
         else:
-            from rlmm.trainers.torch_backend import TorchTrainer
-
-            trainer = TorchTrainer(model_path, policy.trainer, options, micro_batch_size=8, lr=1e-4)
+            trainer = from_yaml("trainer", "torch", model_path=model_path, precision=policy.trainer, sampling=options,
+                                micro_batch_size=8, lr=1e-4, accumulation_steps=accumulation_steps)
     except BaseException:
         sampler.close()  # one engine per process at a time: never leave a vLLM engine behind
         raise
@@ -107,9 +103,7 @@ def test_every_correction_runs_two_steps(small_model_path, arithmetic_task, samp
 
 def test_fp32_none_and_tis_give_identical_updates(small_model_path, arithmetic_task):
     """With fp32 on both sides the TIS weights are 1 up to rounding, so the update is PPO's."""
-    from rlmm.samplers.hf import HFSampler
-    from rlmm.trainers.torch_backend import TorchTrainer
-    from rlmm.train import Components
+    from rlmm.components import Components
     from rlmm.algos import GRPO
     from rlmm.corrections.none import NoCorrection
     from rlmm.corrections.tis import TokenTIS
@@ -121,13 +115,15 @@ def test_fp32_none_and_tis_give_identical_updates(small_model_path, arithmetic_t
     results = {}
     for name, correction in (("none", NoCorrection()), ("tis", TokenTIS(cap=2.0))):
         torch.manual_seed(0)
-        trainer = TorchTrainer(small_model_path, fp32, options, micro_batch_size=8, lr=1e-3, grad_clip=0.0)
+        trainer = from_yaml("trainer", "torch", model_path=small_model_path, precision=fp32, sampling=options,
+                            micro_batch_size=8, lr=1e-3, grad_clip=0.0, accumulation_steps=1)
         # SGD with lr 1 makes the update exactly minus the gradient (Adam's 1/sqrt(v) would magnify
         # rounding-level differences wherever a gradient is ~0).
         trainer.optimizer = torch.optim.SGD(trainer.model.parameters(), lr=1.0)
         initial = {k: v.clone() for k, v in trainer.state_dict().items()}
         c = Components(task=ParityTask(arithmetic_task), tokenizer=AutoTokenizer.from_pretrained(small_model_path),
-                       sampler=HFSampler(small_model_path, fp32, options, seed=0), trainer=trainer,
+                       sampler=from_yaml("sampler", "hf", model_path=small_model_path, precision=fp32,
+                                                 sampling=options, seed=0), trainer=trainer,
                        correction=correction, algo=GRPO(**ALGO), sampling=options)
         metrics = rl_step(c, prompts, ratio_cap=2.0, reuse_training_forward=False)
         results[name] = (metrics, {k: v - initial[k] for k, v in trainer.state_dict().items()})
@@ -198,7 +194,6 @@ def test_two_deepspeed_ranks_with_torchrun(tmp_path, small_model_path):
     group_size times (tests/recording.py writes down who rewarded what)."""
     from collections import Counter
 
-    from rlmm.tasks import ArithmeticTask
     from rlmm.tasks.arithmetic import _in_test_split
 
     torchrun = Path(sys.executable).parent / "torchrun"
@@ -219,7 +214,7 @@ def test_two_deepspeed_ranks_with_torchrun(tmp_path, small_model_path):
     assert steps[1]["mismatch/num_tokens"] > 0
     rewarded = [Counter(p for p in (records / f"rank{r}.txt").read_text().split() if not _in_test_split(p))
                 for r in (0, 1)]
-    trained = ArithmeticTask(seed=0).examples("train", 2 * 4)  # the run's seed 0: steps x prompts_per_step
+    trained = from_yaml("task", "arithmetic", seed=0).examples("train", 2 * 4)  # the run's seed 0: steps x prompts_per_step
     assert rewarded[0] + rewarded[1] == Counter({p: 4 * n for p, n in Counter(e.prompt for e in trained).items()})
     assert not set(rewarded[0]) & set(rewarded[1])  # no prompt on both ranks
     assert sum(rewarded[0].values()) == sum(rewarded[1].values()) == 2 * 2 * 4  # 2 prompts a step each

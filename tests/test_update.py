@@ -25,11 +25,12 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from rlmm.config import CONF_DIR
+from rlmm.config import CONF_DIR, from_yaml
 from rlmm.metrics import mismatch_metrics
 from rlmm.precision import SidePrecision
 from rlmm.samplers.base import Rollouts
-from rlmm.train import Components, rl_step
+from rlmm.components import Components
+from rlmm.step import rl_step
 from tests.conftest import sampling, subprocess_env
 
 FP32 = SidePrecision("fp32", False)
@@ -93,18 +94,16 @@ def sgd_trainer(backend: str, model_path: str, tmp_path: Path, rows_per_minibatc
     `deepspeed-zero3`: DeepSpeed with its parameters partitioned (ZeRO-3)."""
     accumulation_steps = math.ceil(rows_per_minibatch / micro_batch_size)
     if backend.startswith("deepspeed"):
-        from rlmm.trainers.deepspeed_backend import DeepSpeedTrainer
-
         config = tmp_path / "sgd.json"
         config.write_text(json.dumps({"optimizer": {"type": "SGD", "params": {"lr": lr}},
                                       "zero_allow_untested_optimizer": True}))
-        return DeepSpeedTrainer(model_path, FP32, OPTIONS, micro_batch_size=micro_batch_size, grad_clip=0.0,
-                                zero_stage=int(backend[-1]) if backend.startswith("deepspeed-zero") else 0,
-                                config_file=str(config),
-                                accumulation_steps=accumulation_steps)
-    from rlmm.trainers.torch_backend import TorchTrainer
+        return from_yaml("trainer", "deepspeed", model_path=model_path, precision=FP32, sampling=OPTIONS,
+                         micro_batch_size=micro_batch_size, grad_clip=0.0,
+                         zero_stage=int(backend[-1]) if backend.startswith("deepspeed-zero") else 0,
+                         config_file=str(config), accumulation_steps=accumulation_steps)
 
-    trainer = TorchTrainer(model_path, FP32, OPTIONS, micro_batch_size=micro_batch_size, grad_clip=0.0)
+    trainer = from_yaml("trainer", "torch", model_path=model_path, precision=FP32, sampling=OPTIONS,
+                        micro_batch_size=micro_batch_size, grad_clip=0.0, accumulation_steps=accumulation_steps)
     trainer.optimizer = torch.optim.SGD(trainer.optimized_params, lr=lr)
     return trainer
 
@@ -112,9 +111,8 @@ def sgd_trainer(backend: str, model_path: str, tmp_path: Path, rows_per_minibatc
 def components(model_path, task, trainer, fix, grpo=None, perturb=PERTURB) -> Components:
     from transformers import AutoTokenizer
 
-    from rlmm.samplers.hf import HFSampler
-
-    sampler = RecordingSampler(HFSampler(model_path, FP32, OPTIONS, seed=0, perturb=perturb))
+    sampler = RecordingSampler(from_yaml("sampler", "hf", model_path=model_path, precision=FP32, sampling=OPTIONS,
+                                         seed=0, perturb=perturb))
     return Components(task=OddLengthReward(task), tokenizer=AutoTokenizer.from_pretrained(model_path),
                       sampler=sampler, trainer=trainer, correction=fix, algo=grpo or algo(), sampling=OPTIONS)
 
@@ -284,13 +282,11 @@ def test_one_update_raises_the_better_responses_and_lowers_the_worse(small_model
     from rlmm.corrections.none import NoCorrection
 
     if backend == "deepspeed":
-        from rlmm.trainers.deepspeed_backend import DeepSpeedTrainer
-
-        trainer = DeepSpeedTrainer(small_model_path, FP32, OPTIONS, micro_batch_size=8, lr=1e-3, accumulation_steps=2)
+        trainer = from_yaml("trainer", "deepspeed", model_path=small_model_path, precision=FP32, sampling=OPTIONS,
+                            micro_batch_size=8, lr=1e-3, accumulation_steps=2)
     else:
-        from rlmm.trainers.torch_backend import TorchTrainer
-
-        trainer = TorchTrainer(small_model_path, FP32, OPTIONS, micro_batch_size=8, lr=1e-3)
+        trainer = from_yaml("trainer", "torch", model_path=small_model_path, precision=FP32, sampling=OPTIONS,
+                            micro_batch_size=8, lr=1e-3, accumulation_steps=2)
     c = components(small_model_path, arithmetic_task, trainer, NoCorrection(), perturb=0.0)
     examples = arithmetic_task.examples("train", 4)
     try:
@@ -319,13 +315,13 @@ def test_epochs_and_minibatches_take_the_hand_computed_steps(small_model_path, a
     fix = TokenTIS(cap=2.0)
     c = components(small_model_path, arithmetic_task, trainer, fix, grpo=grpo)
     minibatches = []
-    update = trainer.update
+    begin_update = trainer.begin_update
 
-    def recording_update(rollouts, rows, loss_fn, score=None):
+    def recording_update(rollouts, rows):
         minibatches.append(list(rows))
-        return update(rollouts, rows, loss_fn, score)
+        return begin_update(rollouts, rows)
 
-    trainer.update = recording_update
+    trainer.begin_update = recording_update
     examples = arithmetic_task.examples("train", 4)
     try:
         before = weights_of(trainer)
@@ -355,7 +351,7 @@ def test_two_ranks_take_the_one_rank_step_on_the_same_rows(small_model_path, ari
     averaged update equals one rank's update on all the rows, on both backends (tests/ranks_step.py)."""
     from safetensors.torch import load_file
 
-    from rlmm.train import rank_share
+    from rlmm.step import rank_share
     from tests.ranks_step import BACKENDS, step_on_share
 
     c = components(small_model_path, arithmetic_task, None, None)
@@ -407,15 +403,14 @@ def test_reward_rises_beyond_binomial_noise(small_model_path, arithmetic_task):
     from transformers import AutoTokenizer
 
     from rlmm.corrections.tis import TokenTIS
-    from rlmm.samplers.vllm import VLLMSampler
-    from rlmm.trainers.deepspeed_backend import DeepSpeedTrainer
 
     bf16 = SidePrecision("bf16", False)
     options = sampling(max_new_tokens=6)
     prompts_per_step, steps, window = 8, 12, 3
-    sampler = VLLMSampler(small_model_path, bf16, options, seed=0)
+    sampler = from_yaml("sampler", "vllm", model_path=small_model_path, precision=bf16, sampling=options, seed=0)
     try:
-        trainer = DeepSpeedTrainer(small_model_path, FP32, options, micro_batch_size=32, lr=1e-3)
+        trainer = from_yaml("trainer", "deepspeed", model_path=small_model_path, precision=FP32, sampling=options,
+                            micro_batch_size=32, lr=1e-3, accumulation_steps=1)
     except BaseException:
         sampler.close()
         raise
@@ -441,12 +436,12 @@ def test_vllm_bf16_sampler_follows_the_trainer_after_a_sync(small_model_path, ar
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from rlmm.corrections.none import NoCorrection
-    from rlmm.samplers.vllm import VLLMSampler
-    from rlmm.trainers.torch_backend import TorchTrainer
 
     options = sampling(max_new_tokens=6)
-    sampler = VLLMSampler(small_model_path, SidePrecision("bf16", False), options, seed=0)
-    trainer = TorchTrainer(small_model_path, FP32, options, micro_batch_size=16, lr=1e-2)
+    sampler = from_yaml("sampler", "vllm", model_path=small_model_path, precision=SidePrecision("bf16", False),
+                        sampling=options, seed=0)
+    trainer = from_yaml("trainer", "torch", model_path=small_model_path, precision=FP32, sampling=options,
+                        micro_batch_size=16, lr=1e-2, accumulation_steps=1)
     c = Components(task=OddLengthReward(arithmetic_task), tokenizer=AutoTokenizer.from_pretrained(small_model_path),
                    sampler=sampler, trainer=trainer, correction=NoCorrection(), algo=algo(), sampling=options)
     prompts = [c.tokenizer(e.prompt).input_ids for e in arithmetic_task.examples("test", 8)]

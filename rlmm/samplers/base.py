@@ -94,6 +94,12 @@ class Sampler(Protocol):
         """Replace the engine's weights in place with a Hugging Face-named state dict."""
         ...
 
+    @staticmethod
+    def unsupported(precision) -> str | None:
+        """Why this machine cannot run `precision` (a SidePrecision) on this engine, or None: asked by the CLI
+        before a run or a sweep starts."""
+        ...
+
     def sleep(self) -> None:
         """Release accelerator memory the trainer needs until the next generate or load_weights (vLLM's
         sleep mode on CUDA; a no-op where there is nothing to release)."""

@@ -98,6 +98,11 @@ class HFSampler:
                     raise KeyError(f"sampler=hf: weight '{name}' is not a parameter of the model")
                 params[name].copy_(tensor)
 
+    @staticmethod
+    def unsupported(precision: SidePrecision) -> str | None:
+        """None: transformers runs every dtype on every device."""
+        return None
+
     def sleep(self) -> None:
         """Nothing to release: generate holds no cache between calls."""
 

@@ -172,6 +172,12 @@ class VLLMSampler:
         self._wake("kv_cache")
         self.llm.reset_prefix_cache()
 
+    @staticmethod
+    def unsupported(precision: SidePrecision) -> str | None:
+        """None: the dtypes rlmm offers all load here (vLLM itself refuses what this machine cannot run, in
+        one line, when the engine starts)."""
+        return None
+
     def sleep(self) -> None:
         """Give the GPU to the trainer until the next call: level 1 (weights to CPU memory, KV cache
         dropped), so that a skipped step, which syncs nothing, still finds its weights."""

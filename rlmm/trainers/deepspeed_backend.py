@@ -13,7 +13,7 @@ from rlmm.precision import SidePrecision
 from rlmm.samplers.base import Rollouts, SamplingOptions
 from rlmm.trainers.optim import linear_warmup
 from rlmm.trainers.memory import ActivationBudget, optimizer_state_bytes, prepare_for_training
-from rlmm.trainers.scoring import LossFn, ScoreFn, accumulate_gradients, micro_batch_tokens, score_rollouts
+from rlmm.trainers.scoring import MinibatchUpdate, score_rollouts
 
 
 # DeepSpeed engine attributes that count steps (the LR schedule and loss scaler read them).
@@ -145,9 +145,9 @@ class DeepSpeedTrainer:
     """
 
     def __init__(self, model_path: str, precision: SidePrecision, sampling: SamplingOptions, micro_batch_size: int,
-                 zero_stage: int = 0, lr: float = 1e-4, weight_decay: float = 0.0, warmup_steps: int = 0,
-                 grad_clip: float = 1.0, logits_chunk_size: int = 512, gradient_checkpointing: bool | None = None,
-                 config_file: str | None = None, accumulation_steps: int = 1):
+                 zero_stage: int, lr: float, weight_decay: float, warmup_steps: int, grad_clip: float,
+                 logits_chunk_size: int, gradient_checkpointing: bool | None, config_file: str | None,
+                 accumulation_steps: int):
         import deepspeed
         import torch.distributed as dist
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -236,66 +236,8 @@ class DeepSpeedTrainer:
         return score_rollouts(self._forward, self.head, rollouts, self.sampling,
                               micro_batch_size or self.micro_batch_size, self.pad_id)
 
-    def update(self, rollouts: Rollouts, rows: list[int], loss_fn: LossFn,
-               score: ScoreFn | None = None) -> dict[str, float]:
-        """One optimizer step on the minibatch `rows` (exactly `accumulation_steps` micro-batches).
-        A non-finite gradient skips the step (metrics["skipped"] = 1, DeepSpeed's skipped_steps + 1):
-        in fp16/bf16 DeepSpeed's loss scaler does it, in fp32 rlmm drops the gradients first.
-        `score`: see `accumulate_gradients` (the training forward also scores the rollouts)."""
-        own_norm, skipped = [], []
-        skipped_before = self.engine.skipped_steps
-        lr = self.engine.get_lr()[0]  # the rate this step uses (the schedule advances inside engine.step)
-        # The scale this step's backward uses (DeepSpeed's fp16 optimizers, ZeRO or not; GPU only here).
-        loss_scale = float(self.engine.optimizer.loss_scale) if self.fp16 else None
-        head = self.head_optimizer
-
-        def backward(loss: torch.Tensor) -> None:
-            # loss_fn already normalises by the whole minibatch: no extra 1/accumulation_steps.
-            self.engine.backward(loss, scale_wrt_gas=False)
-            if not self.engine.is_gradient_accumulation_boundary():
-                self.engine.step()  # DeepSpeed only steps the optimizer at the accumulation boundary
-                return
-            head_finite = head.reduce(loss_scale) if head else True
-            if self.engine.zero_optimization_stage() == 0:
-                # DeepSpeed reports no norm for plain fp32 without ZeRO: take it before it clips.
-                params = [p for p in self.engine.module.parameters() if p.grad is not None
-                          and (head is None or p is not head.param)]
-                own_norm.append(torch.linalg.vector_norm(torch.stack([p.grad.float().norm() for p in params])).item())
-            if not head_finite or (own_norm and not math.isfinite(own_norm[-1]) and not self.loss_scaled):
-                # Plain AdamW has no overflow check (the loss-scaled optimizers skip by themselves), and
-                # a non-finite fp32 head must stop the body too: let DeepSpeed finish the step (counters,
-                # zeroed gradients) without the optimizer.
-                skipped.append(True)
-                optimizer = self.engine.optimizer
-                optimizer.step = lambda *args, **kwargs: None  # shadows the method for this one call
-                try:
-                    self.engine.step()
-                finally:
-                    del optimizer.step
-                return
-            self.engine.step()
-
-        fits = self.budget.for_update(self.engine.module, micro_batch_tokens(rollouts, rows, self.micro_batch_size))
-        metrics = accumulate_gradients(self._forward, self.head, backward, rollouts, rows, self.sampling, self.pad_id,
-                                       self.micro_batch_size, loss_fn, score, graphs_fit=fits)
-        self.budget.settled()
-        if self.engine.micro_steps % self.engine.gradient_accumulation_steps() != 0:
-            raise RuntimeError("DeepSpeedTrainer.update: the minibatch did not fill accumulation_steps micro-batches")
-        metrics["lr"] = lr
-        if loss_scale is not None:
-            metrics["loss_scale"] = loss_scale
-        norm = self.engine.get_global_grad_norm()
-        metrics["grad_norm"] = float(norm) if norm is not None else (own_norm[-1] if own_norm else float("nan"))
-        if skipped:
-            self.engine.skipped_steps += 1
-            self.engine.lr_scheduler.last_epoch -= 1  # a skipped step does not advance the warm-up
-            for group in self.engine.optimizer.param_groups:
-                group["lr"] = lr
-        metrics["skipped"] = float(self.engine.skipped_steps > skipped_before)
-        if head:
-            metrics["grad_norm"] = math.hypot(metrics["grad_norm"], head.norm)
-            head.step(skip=bool(metrics["skipped"]))
-        return metrics
+    def begin_update(self, rollouts: Rollouts, rows: list[int]) -> DeepSpeedUpdate:
+        return DeepSpeedUpdate(self, rollouts, rows)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Full Hugging Face-named weights on every rank (under ZeRO-3 they are gathered from the shards;
@@ -357,3 +299,73 @@ class DeepSpeedTrainer:
         ds_comm.cdb = None
         for name in [n for n in vars(groups) if n.endswith(("_GROUP", "_GROUP_RANKS"))]:
             setattr(groups, name, {} if isinstance(getattr(groups, name), dict) else None)
+
+
+class DeepSpeedUpdate(MinibatchUpdate):
+    """One optimizer step of `DeepSpeedTrainer` on exactly `accumulation_steps` micro-batches (see
+    `MinibatchUpdate`). DeepSpeed steps its optimizer at the accumulation boundary, inside the last
+    micro-batch's `backward`; `step()` then reports. A non-finite gradient skips the step
+    (metrics["skipped"] = 1, DeepSpeed's skipped_steps + 1): in fp16/bf16 DeepSpeed's loss scaler does it,
+    in fp32 rlmm drops the gradients first."""
+
+    def __init__(self, trainer: DeepSpeedTrainer, rollouts: Rollouts, rows: list[int]):
+        engine = trainer.engine
+        super().__init__(trainer._forward, trainer.head, rollouts, rows, trainer.sampling, trainer.pad_id,
+                         trainer.micro_batch_size, trainer.budget, engine.module)
+        self.trainer, self.engine = trainer, engine
+        self.own_norm: float | None = None  # ZeRO-0: DeepSpeed reports no norm, rlmm takes it
+        self.skipped = False
+        self.skipped_before = engine.skipped_steps
+        self.lr = engine.get_lr()[0]  # the rate this step uses (the schedule advances inside engine.step)
+        # The scale this step's backward uses (DeepSpeed's fp16 optimizers, ZeRO or not; GPU only here).
+        self.loss_scale = float(engine.optimizer.loss_scale) if trainer.fp16 else None
+
+    def backward(self, loss: torch.Tensor) -> None:
+        engine, head = self.engine, self.trainer.head_optimizer
+        # The loss is already normalised by the whole minibatch: no extra 1/accumulation_steps.
+        engine.backward(loss, scale_wrt_gas=False)
+        if not engine.is_gradient_accumulation_boundary():
+            engine.step()  # DeepSpeed only steps the optimizer at the accumulation boundary
+            return
+        head_finite = head.reduce(self.loss_scale) if head else True
+        if engine.zero_optimization_stage() == 0:
+            # DeepSpeed reports no norm for plain fp32 without ZeRO: take it before it clips.
+            params = [p for p in engine.module.parameters() if p.grad is not None
+                      and (head is None or p is not head.param)]
+            self.own_norm = torch.linalg.vector_norm(torch.stack([p.grad.float().norm() for p in params])).item()
+        own_finite = self.own_norm is None or math.isfinite(self.own_norm)
+        if not head_finite or (not own_finite and not self.trainer.loss_scaled):
+            # Plain AdamW has no overflow check (the loss-scaled optimizers skip by themselves), and a
+            # non-finite fp32 head must stop the body too: let DeepSpeed finish the step (counters, zeroed
+            # gradients) without the optimizer.
+            self.skipped = True
+            optimizer = engine.optimizer
+            optimizer.step = lambda *args, **kwargs: None  # shadows the method for this one call
+            try:
+                engine.step()
+            finally:
+                del optimizer.step
+            return
+        engine.step()
+
+    def step(self) -> dict[str, float]:
+        engine, head = self.engine, self.trainer.head_optimizer
+        self._settled()
+        if engine.micro_steps % engine.gradient_accumulation_steps() != 0:
+            raise RuntimeError("DeepSpeedUpdate: the minibatch did not fill accumulation_steps micro-batches")
+        metrics = {"lr": self.lr}
+        if self.loss_scale is not None:
+            metrics["loss_scale"] = self.loss_scale
+        norm = engine.get_global_grad_norm()
+        metrics["grad_norm"] = (float(norm) if norm is not None
+                                else self.own_norm if self.own_norm is not None else float("nan"))
+        if self.skipped:
+            engine.skipped_steps += 1
+            engine.lr_scheduler.last_epoch -= 1  # a skipped step does not advance the warm-up
+            for group in engine.optimizer.param_groups:
+                group["lr"] = self.lr
+        metrics["skipped"] = float(engine.skipped_steps > self.skipped_before)
+        if head:
+            metrics["grad_norm"] = math.hypot(metrics["grad_norm"], head.norm)
+            head.step(skip=bool(metrics["skipped"]))
+        return metrics

@@ -1,4 +1,4 @@
-"""Trainer-side log-probs of sampled responses, recomputed in micro-batches, and the update loop.
+"""Trainer-side log-probs of sampled responses, recomputed in micro-batches, and one minibatch update.
 
 Each micro-batch packs `prompt + response` rows right-padded to the micro-batch's own longest row,
 so position ids are the plain 0..L-1 that the sampler used, and padding only follows real tokens
@@ -15,15 +15,12 @@ from typing import Callable
 import torch
 
 from rlmm.models.head import OutputHead
+from rlmm.trainers.memory import ActivationBudget
 from rlmm.samplers.base import Rollouts, SamplingOptions, pad_right
 
 # forward(input_ids [B, L], attention_mask [B, L], logits_to_keep) -> the model output's `logits` field,
 # which is [B, T, 2] (log π, entropy) while the head is aimed (see response_logprobs)
 ForwardFn = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
-# loss_fn(rows, logprobs [b, T], entropy [b, T]) -> (loss, metrics); rows index the rollouts
-LossFn = Callable[[list[int], torch.Tensor, torch.Tensor], tuple[torch.Tensor, dict[str, float]]]
-# score(logprobs [len(rows), T]): sees the training forward's detached log-probs before any loss is taken
-ScoreFn = Callable[[torch.Tensor], None]
 
 
 def micro_batches(rows: list[int], size: int) -> list[list[int]]:
@@ -83,36 +80,69 @@ def padded_rows(rollouts: Rollouts, chunks: list[list[int]], logprobs: list[torc
                       for rows, chunk_logprobs in zip(chunks, logprobs) for i, lp in zip(rows, chunk_logprobs)])[0]
 
 
-def accumulate_gradients(forward: ForwardFn, head: OutputHead, backward: Callable[[torch.Tensor], None],
-                         rollouts: Rollouts, rows: list[int], options: SamplingOptions, pad_id: int,
-                         micro_batch_size: int, loss_fn: LossFn, score: ScoreFn | None = None,
-                         graphs_fit: Callable[[int], bool] = lambda tokens: True) -> dict[str, float]:
-    """Forward and backward every micro-batch of `rows`; the caller steps the optimizer once after.
+class MinibatchUpdate:
+    """One optimizer step over the minibatch `rows` of some rollouts, as the RL loop drives it:
 
-    `loss_fn` must normalise each micro-batch's loss by the whole minibatch (e.g. a fixed token
-    count), so the accumulated gradient equals the gradient of the minibatch loss.
+        update = trainer.begin_update(rollouts, rows)       # gradients zeroed, checkpointing chosen
+        for micro in update.micro_batches:
+            logprobs, entropy = update.forward(micro)        # [b, T] each, with grad
+            update.backward(loss_of(micro, logprobs, entropy))
+        metrics = update.step()                              # clip, step (or skip a non-finite one)
 
-    `score`: when given, it gets the [len(rows), T] float32 detached log-probs of `rows` (laid out like
-    `score_rollouts`) before any loss is taken. With one PPO epoch over one minibatch the policy being
-    updated is the one that scored the rollouts, so the training forward doubles as the scoring pass:
-    every micro-batch is forwarded first, keeping its graph, when `graphs_fit(tokens)` says that many
-    tokens' activations fit in memory; otherwise a no-grad scoring pass runs first (the same numbers,
-    one more forward) and each micro-batch's graph is freed by its backward as usual.
+    The loss of each micro-batch must be normalised by the whole minibatch (e.g. its kept tokens), so the
+    accumulated gradient is the gradient of the minibatch's loss. `holds_graphs`: whether every micro-batch
+    may be forwarded before the first backward (their graphs held at once), which lets the loop take the
+    old policy's log-probs from these forwards (one epoch of one minibatch). An update that is never
+    stepped (the step found a fault) changes nothing but the gradients it zeroed.
+
+    A backend subclasses it with its `backward` and `step`; the forward is the same for all.
     """
-    chunks = micro_batches(rows, micro_batch_size)
-    passes = (response_logprobs(forward, head, rollouts, chunk, options, pad_id, with_entropy=True) for chunk in chunks)
-    if score is not None:
-        if graphs_fit(sum(micro_batch_tokens(rollouts, rows, micro_batch_size))):
-            passes = list(passes)  # every forward first (backward frees each graph's activations as it goes)
-            score(padded_rows(rollouts, chunks, [logprobs for logprobs, _ in passes]))
-        else:
-            score(score_rollouts(forward, head, rollouts, options, micro_batch_size, pad_id, rows))
+
+    def __init__(self, forward: ForwardFn, head: OutputHead, rollouts: Rollouts, rows: list[int],
+                 options: SamplingOptions, pad_id: int, micro_batch_size: int, budget: ActivationBudget,
+                 model: torch.nn.Module):
+        self.rollouts, self.rows = rollouts, rows
+        self.micro_batches = micro_batches(rows, micro_batch_size)
+        self._forward, self._head, self._options, self._pad_id = forward, head, options, pad_id
+        self._budget = budget
+        self._graphs_fit = budget.for_update(model, micro_batch_tokens(rollouts, rows, micro_batch_size))
+        self._micro_batch_size = micro_batch_size
+
+    @property
+    def holds_graphs(self) -> bool:
+        return self._graphs_fit(sum(micro_batch_tokens(self.rollouts, self.rows, self._micro_batch_size)))
+
+    def forward(self, micro_batch: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """[b, T] log π and entropy of the micro-batch's response tokens, differentiable."""
+        return response_logprobs(self._forward, self._head, self.rollouts, micro_batch, self._options, self._pad_id,
+                                 with_entropy=True)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def step(self) -> dict[str, float]:
+        """Step the optimizer once (or skip a non-finite step); metrics: grad_norm, lr, skipped (1.0 when
+        the step was skipped), loss_scale (fp16)."""
+        raise NotImplementedError
+
+    def _settled(self) -> None:
+        self._budget.settled()
+
+
+# loss_fn(micro_rows, logprobs [b, T], entropy [b, T]) -> (loss, metrics); rows index the rollouts
+LossFn = Callable[[list[int], torch.Tensor, torch.Tensor], tuple[torch.Tensor, dict[str, float]]]
+
+
+def minibatch_step(trainer, rollouts: Rollouts, rows: list[int], loss_fn: LossFn) -> dict[str, float]:
+    """One optimizer step on `rows` with a loss of your own (scripts, tests): the RL loop's update without
+    its scoring, correction and algorithm. Returns the loss metrics combined and the step's metrics."""
+    update = trainer.begin_update(rollouts, rows)
     parts = []
-    for chunk, (logprobs, entropy) in zip(chunks, passes):
-        loss, metrics = loss_fn(chunk, logprobs, entropy)
-        backward(loss)
+    for micro in update.micro_batches:
+        loss, metrics = loss_fn(micro, *update.forward(micro))
+        update.backward(loss)
         parts.append(metrics)
-    return combine_micro_batches(parts)
+    return {**combine_micro_batches(parts), **update.step()}
 
 
 def combine_micro_batches(parts: list[dict[str, float]]) -> dict[str, float]:

@@ -21,7 +21,7 @@ from rlmm.precision import SidePrecision
 from rlmm.samplers.base import Rollouts, SamplingOptions
 from rlmm.trainers.optim import linear_warmup
 from rlmm.trainers.memory import ActivationBudget, optimizer_state_bytes, prepare_for_training
-from rlmm.trainers.scoring import LossFn, ScoreFn, accumulate_gradients, micro_batch_tokens, score_rollouts
+from rlmm.trainers.scoring import MinibatchUpdate, score_rollouts
 
 
 class TorchTrainer:
@@ -41,10 +41,9 @@ class TorchTrainer:
     """
 
     def __init__(self, model_path: str, precision: SidePrecision, sampling: SamplingOptions, micro_batch_size: int,
-                 lr: float = 1e-4, weight_decay: float = 0.0, warmup_steps: int = 0, grad_clip: float = 1.0,
-                 logits_chunk_size: int = 512, gradient_checkpointing: bool | None = None,
-                 accumulation_steps: int = 1, initial_loss_scale: float = 2.0 ** 16,
-                 loss_scale_growth_interval: int = 1000):
+                 lr: float, weight_decay: float, warmup_steps: int, grad_clip: float, logits_chunk_size: int,
+                 gradient_checkpointing: bool | None, initial_loss_scale: float, loss_scale_growth_interval: int,
+                 accumulation_steps: int):
         from transformers import AutoTokenizer
 
         if micro_batch_size < 1:
@@ -86,41 +85,8 @@ class TorchTrainer:
         return score_rollouts(self._forward, self.head, rollouts, self.sampling,
                               micro_batch_size or self.micro_batch_size, self.pad_id)
 
-    def update(self, rollouts: Rollouts, rows: list[int], loss_fn: LossFn,
-               score: ScoreFn | None = None) -> dict[str, float]:
-        """One optimizer step on the minibatch `rows`: forward/backward per micro-batch, clip, step.
-        A non-finite gradient norm (an fp16 overflow, a NaN) skips the step (metrics["skipped"] = 1):
-        weights, optimizer state and the LR schedule stay as they were; in fp16 the loss scale halves.
-        `score`: see `accumulate_gradients` (the training forward also scores the rollouts)."""
-        scaler = self.grad_scaler
-        self.optimizer.zero_grad(set_to_none=True)
-        fits = self.budget.for_update(self.model, micro_batch_tokens(rollouts, rows, self.micro_batch_size))
-        metrics = accumulate_gradients(self._forward, self.head, lambda loss: scaler.scale(loss).backward(), rollouts,
-                                       rows, self.sampling, self.pad_id, self.micro_batch_size, loss_fn, score,
-                                       graphs_fit=fits)
-        self.budget.settled()
-        average_over_ranks([p.grad for p in self.model.parameters() if p.grad is not None])
-        if self.master_params is not None:  # the 16-bit gradients move to the fp32 master copy
-            for master, param in zip(self.master_params, self.model.parameters()):
-                master.grad = None if param.grad is None else param.grad.float()
-                param.grad = None
-        if scaler.is_enabled():
-            metrics["loss_scale"] = scaler.get_scale()  # the scale this step's backward used
-        scaler.unscale_(self.optimizer)
-        max_norm = self.grad_clip if self.grad_clip > 0 else float("inf")
-        metrics["grad_norm"] = torch.nn.utils.clip_grad_norm_(self.optimized_params, max_norm).item()
-        metrics["lr"] = self.lr_schedule.get_last_lr()[0]
-        metrics["skipped"] = float(not math.isfinite(metrics["grad_norm"]))
-        if not metrics["skipped"]:  # a NaN/Inf gradient never reaches the weights or AdamW's moments
-            self.optimizer.step()
-            self.lr_schedule.step()
-            if self.master_params is not None:
-                with torch.no_grad():
-                    for master, param in zip(self.master_params, self.model.parameters()):
-                        param.copy_(master)
-        scaler.update()  # fp16: halve the scale after an overflow, double it after growth_interval clean steps
-        self.optimizer.zero_grad(set_to_none=True)
-        return metrics
+    def begin_update(self, rollouts: Rollouts, rows: list[int]) -> TorchUpdate:
+        return TorchUpdate(self, rollouts, rows)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {k: v.detach() for k, v in self.model.state_dict().items()}
@@ -146,5 +112,52 @@ class TorchTrainer:
     def safe_checkpoint_types() -> list[type]:
         return []
 
+    @staticmethod
+    def unsupported(precision: SidePrecision) -> str | None:
+        """None: torch runs every precision on every device (fp16 and bf16 CPU kernels exist)."""
+        return None
+
     def close(self) -> None:
         del self.model, self.optimizer, self.master_params
+
+
+class TorchUpdate(MinibatchUpdate):
+    """One optimizer step of `TorchTrainer` (see `MinibatchUpdate`). A non-finite gradient norm (an fp16
+    overflow, a NaN) skips the step (metrics["skipped"] = 1): weights, optimizer state and the LR schedule
+    stay as they were; in fp16 the loss scale halves."""
+
+    def __init__(self, trainer: TorchTrainer, rollouts: Rollouts, rows: list[int]):
+        trainer.optimizer.zero_grad(set_to_none=True)
+        super().__init__(trainer._forward, trainer.head, rollouts, rows, trainer.sampling, trainer.pad_id,
+                         trainer.micro_batch_size, trainer.budget, trainer.model)
+        self.trainer = trainer
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.trainer.grad_scaler.scale(loss).backward()
+
+    def step(self) -> dict[str, float]:
+        trainer, metrics = self.trainer, {}
+        scaler = trainer.grad_scaler
+        self._settled()
+        average_over_ranks([p.grad for p in trainer.model.parameters() if p.grad is not None])
+        if trainer.master_params is not None:  # the 16-bit gradients move to the fp32 master copy
+            for master, param in zip(trainer.master_params, trainer.model.parameters()):
+                master.grad = None if param.grad is None else param.grad.float()
+                param.grad = None
+        if scaler.is_enabled():
+            metrics["loss_scale"] = scaler.get_scale()  # the scale this step's backward used
+        scaler.unscale_(trainer.optimizer)
+        max_norm = trainer.grad_clip if trainer.grad_clip > 0 else float("inf")
+        metrics["grad_norm"] = torch.nn.utils.clip_grad_norm_(trainer.optimized_params, max_norm).item()
+        metrics["lr"] = trainer.lr_schedule.get_last_lr()[0]
+        metrics["skipped"] = float(not math.isfinite(metrics["grad_norm"]))
+        if not metrics["skipped"]:  # a NaN/Inf gradient never reaches the weights or AdamW's moments
+            trainer.optimizer.step()
+            trainer.lr_schedule.step()
+            if trainer.master_params is not None:
+                with torch.no_grad():
+                    for master, param in zip(trainer.master_params, trainer.model.parameters()):
+                        param.copy_(master)
+        scaler.update()  # fp16: halve the scale after an overflow, double it after growth_interval clean steps
+        trainer.optimizer.zero_grad(set_to_none=True)
+        return metrics

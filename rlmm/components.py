@@ -1,0 +1,87 @@
+"""What every app builds from its config, in one place: the task, the model checkpoint, the precision
+policy, the sampler and the trainer (and, for `rlmm train`, the correction and the algorithm).
+
+Order matters and is the same for every app: each rank's device and the process group first (in-process
+vLLM joins a group that exists instead of making its own), then the sampler, then the trainer; a trainer
+that fails to build closes the sampler (one engine per process).
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from hydra.utils import instantiate
+from omegaconf import DictConfig
+
+from rlmm.config import build, to_container
+from rlmm.devices import init_process_group, select_device, world_size
+from rlmm.interfaces import Algorithm, Correction, Sampler, Trainer
+from rlmm.precision import check_precision
+from rlmm.samplers.base import SamplingOptions
+from rlmm.timing import timed
+
+
+@dataclass
+class Components:
+    task: object
+    tokenizer: object
+    sampler: Sampler
+    trainer: Trainer
+    correction: Correction | None  # None in apps that do not train (`rlmm probe`)
+    algo: Algorithm | None
+    sampling: SamplingOptions
+    model_path: str = ""
+    precision_report: dict = field(default_factory=dict)  # asked for vs what each engine really runs
+
+    def close(self) -> None:
+        self.trainer.close()
+        self.sampler.close()
+
+
+def build_components(cfg: DictConfig, prompts: Callable[[object], list],
+                     seconds: dict[str, float] | None = None) -> Components:
+    """Build the app's components from `cfg`. `prompts(task)`: every example the app will sample from (its
+    longest prompt sizes the sampler's context). `seconds`: when given, the model, sampler and trainer
+    build times are added to it."""
+    from transformers import AutoTokenizer
+
+    seconds = {} if seconds is None else seconds
+    select_device()
+    init_process_group()
+    task = instantiate(cfg.task)
+    with timed(seconds, "model"):
+        model_path = instantiate(cfg.model).resolve(task, to_container(cfg.task))
+    precision = instantiate(cfg.precision)
+    precision.apply()
+    sampling = SamplingOptions(**cfg.sampling)
+    algo = instantiate(cfg.algo) if "algo" in cfg else None
+    correction = instantiate(cfg.correction) if "correction" in cfg else None
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    with timed(seconds, "sampler_init"):
+        sampler = build(cfg.sampler, model_path=model_path, precision=precision.sampler, sampling=sampling,
+                        seed=cfg.seed, prompt_tokens=longest_prompt(tokenizer, prompts(task)))
+    with timed(seconds, "trainer_init"):
+        try:
+            trainer = build(cfg.trainer, model_path=model_path, precision=precision.trainer, sampling=sampling,
+                            accumulation_steps=accumulation_steps(cfg, algo))
+        except BaseException:
+            sampler.close()  # one engine per process: never leave one behind
+            raise
+    return Components(task=task, tokenizer=tokenizer, sampler=sampler, trainer=trainer, correction=correction,
+                      algo=algo, sampling=sampling, model_path=model_path,
+                      precision_report=check_precision(precision, sampler.actual_precision, trainer.actual_precision))
+
+
+def accumulation_steps(cfg: DictConfig, algo: Algorithm | None) -> int:
+    """Micro-batches per optimizer step: one rank's share of a minibatch over the micro-batch size (1 for
+    an app that only scores)."""
+    if algo is None:
+        return 1
+    rows_per_minibatch = cfg.train.prompts_per_step // world_size() * algo.group_size // algo.minibatches
+    return math.ceil(rows_per_minibatch / cfg.trainer.micro_batch_size)
+
+
+def longest_prompt(tokenizer, examples: list) -> int:
+    """The longest of the examples' prompts in tokens (sizes the sampler's max_model_len)."""
+    return max(len(ids) for ids in tokenizer([e.prompt for e in examples]).input_ids)
