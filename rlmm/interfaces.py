@@ -97,9 +97,18 @@ class Algorithm(Protocol):
     group_size: int
     epochs: int
     minibatches: int
+    max_sampling_rounds: int  # refill rounds for the groups `keep_groups` drops (0: none)
+
+    def keep_groups(self, rewards: torch.Tensor) -> torch.Tensor:
+        """[num_prompts] bool: which groups of [B] task rewards the step trains on."""
+        ...
+
+    def shape_rewards(self, rewards: torch.Tensor, lengths: torch.Tensor, max_length: int) -> torch.Tensor:
+        """[B] rewards the advantages are computed from, given the task's and the response lengths."""
+        ...
 
     def advantages(self, rewards: torch.Tensor) -> torch.Tensor:
-        """[B] advantages from [B] rewards, grouped (prompt 0's responses first)."""
+        """[B] (or [B, T]) advantages from [B] rewards, grouped (prompt 0's responses first)."""
         ...
 
     def loss_normalizer(self, mask: torch.Tensor, max_length: int | None = None) -> float:

@@ -24,6 +24,7 @@ every rank; the loss normaliser is agreed over ranks (`loss_normalizer_over_rank
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -66,17 +67,18 @@ class OldPolicy:
                    mismatch=mismatch, correction_metrics=corrected.metrics, nonfinite=nonfinite, fault=fault)
 
 
-def rl_step(c: Components, prompts: list, ratio_cap: float, reuse_training_forward: bool) -> dict[str, float]:
+def rl_step(c: Components, prompts: list, ratio_cap: float, reuse_training_forward: bool,
+            refill: Callable[[int], list] | None = None) -> dict[str, float]:
     """One RL step on this rank's `prompts`; returns the step's metrics (rollout/, mismatch/, correction/,
-    loss/, perf/, train/skipped)."""
+    loss/, perf/, train/skipped). `refill(round)`: more prompts, as many as `prompts`, for an algorithm that
+    drops groups (DAPO's dynamic sampling); round 1, 2, ... up to `algo.max_sampling_rounds`."""
     algo, trainer, seconds = c.algo, c.trainer, {}
     max_length = c.sampling.max_new_tokens
-    with timed(seconds, "generate"):
-        rollouts = c.sampler.generate([c.tokenizer(e.prompt).input_ids for e in prompts], n=algo.group_size)
-        c.sampler.sleep()  # the trainer has the accelerator until the weight sync
-    with timed(seconds, "reward"):
-        rewards = rollout_rewards(c, prompts, rollouts)
+    rollouts, task_rewards, sampling_metrics = sample_groups(c, prompts, refill, seconds)
+    c.sampler.sleep()  # the trainer has the accelerator until the weight sync
     sampler_logprobs, response_mask = rollouts.padded_sampler_logprobs()
+    lengths = response_mask.sum(1)
+    rewards = algo.shape_rewards(task_rewards, lengths, max_length)  # e.g. DAPO's overlong punishment
 
     # π_old. With one epoch over one minibatch the first update's forwards can score the rollouts.
     one_pass = reuse_training_forward and algo.epochs == 1 and algo.minibatches == 1
@@ -89,7 +91,7 @@ def rl_step(c: Components, prompts: list, ratio_cap: float, reuse_training_forwa
     else:
         with timed(seconds, "trainer_logprobs"):
             trainer_logprobs = trainer.logprobs(rollouts)
-    old = OldPolicy.score(trainer_logprobs, sampler_logprobs, response_mask, rewards, c.correction, ratio_cap)
+    old = OldPolicy.score(trainer_logprobs, sampler_logprobs, response_mask, task_rewards, c.correction, ratio_cap)
     advantages = algo.advantages(rewards)
 
     losses = []  # one entry per optimizer step
@@ -125,12 +127,13 @@ def rl_step(c: Components, prompts: list, ratio_cap: float, reuse_training_forwa
     if fault:
         log.warning("bad step skipped: %s", fault)
 
-    lengths = response_mask.sum(1).float()
+    lengths = lengths.float()
     return {
         "train/skipped": float(fault is not None),
         **{f"rollout/{k}": v for k, v in {
-            "reward_mean": rewards.mean().item(), "response_length_mean": lengths.mean().item(),
-            "frac_truncated": rollouts.finish_reasons.count("length") / len(rollouts)}.items()},
+            "reward_mean": task_rewards.mean().item(), "shaped_reward_mean": rewards.mean().item(),
+            "response_length_mean": lengths.mean().item(),
+            "frac_truncated": rollouts.finish_reasons.count("length") / len(rollouts), **sampling_metrics}.items()},
         **{f"mismatch/{k}": v for k, v in old.mismatch.items()},
         **{f"correction/{k}": v for k, v in old.correction_metrics.items()},
         **{f"loss/{k}": sum(m[k] for m in losses) / len(losses) for k in (losses[0] if losses else ())},
@@ -138,6 +141,40 @@ def rl_step(c: Components, prompts: list, ratio_cap: float, reuse_training_forwa
         "perf/tokens_per_second": lengths.sum().item() / max(sum(seconds.values()), 1e-9),
         **{f"rollout/frac_nonfinite_{side}_logprobs": v for side, v in old.nonfinite.items()},
     }
+
+
+def sample_groups(c: Components, prompts: list, refill: Callable[[int], list] | None,
+                  seconds: dict[str, float]) -> tuple[Rollouts, torch.Tensor, dict[str, float]]:
+    """`algo.group_size` responses to each prompt and their task rewards, grouped in prompt order.
+
+    An algorithm that keeps only some groups (`algo.keep_groups`: DAPO drops groups whose rewards are all
+    equal, which carry no gradient) gets the kept groups first and groups of `refill(round)` prompts in the
+    place of the dropped ones, for at most `algo.max_sampling_rounds` more rounds; a batch still short after
+    them is filled with dropped groups, so every step has the same shape. Metrics: the groups dropped,
+    the rounds taken and the dropped groups used as filler."""
+    from rlmm.preemption import any_rank as flag_on_any_rank
+
+    algo, size = c.algo, len(prompts)
+    kept, dropped = [], []  # (rollouts of one group, its rewards)
+    rounds, candidates = 0, prompts
+    while True:
+        with timed(seconds, "generate"):
+            rollouts = c.sampler.generate([c.tokenizer(e.prompt).input_ids for e in candidates], n=algo.group_size)
+        with timed(seconds, "reward"):
+            rewards = rollout_rewards(c, candidates, rollouts)
+        keep = algo.keep_groups(rewards)
+        for g in range(len(candidates)):
+            rows = list(range(g * algo.group_size, (g + 1) * algo.group_size))
+            (kept if keep[g] else dropped).append((rollouts.select(rows), rewards[rows]))
+        # Every rank takes the same rounds (the engines of several ranks step together): any short rank goes on.
+        if refill is None or rounds >= algo.max_sampling_rounds or not flag_on_any_rank(len(kept) < size):
+            break
+        rounds += 1
+        candidates = refill(rounds)
+    groups = kept[:size] + dropped[:max(0, size - len(kept))]
+    metrics = {"groups_dropped": float(len(dropped)), "sampling_rounds": float(rounds),
+               "groups_filled_with_dropped": float(max(0, size - len(kept)))} if algo.max_sampling_rounds else {}
+    return (Rollouts.concat([r for r, _ in groups]), torch.cat([w for _, w in groups]), metrics)
 
 
 def rollout_rewards(c: Components, prompts: list, rollouts: Rollouts) -> torch.Tensor:

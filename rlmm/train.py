@@ -73,8 +73,10 @@ def run_train(cfg: DictConfig, run_dir: Path, choices: dict[str, str], logger) -
                    total=options.steps, disable=None if rank == 0 else True)
         for step in bar:
             step_prompts = train_examples[(step - 1) * options.prompts_per_step: step * options.prompts_per_step]
+            refill = lambda sampling_round, step=step: rank_share(  # noqa: E731  (DAPO's dynamic sampling)
+                refill_prompts(train_examples, cfg.seed, step, sampling_round, options.prompts_per_step), rank, world)
             metrics = mean_over_ranks(rl_step(components, rank_share(step_prompts, rank, world), options.ratio_cap,
-                                              options.reuse_training_forward))
+                                              options.reuse_training_forward, refill))
             bad_in_a_row = bad_in_a_row + 1 if metrics["train/skipped"] else 0
             bad_total += bool(metrics["train/skipped"])
             metrics.update({"train/bad_steps": bad_total, "train/bad_steps_in_a_row": bad_in_a_row})
@@ -111,6 +113,15 @@ def run_train(cfg: DictConfig, run_dir: Path, choices: dict[str, str], logger) -
         plot_training(history, accuracy, run_dir / "training.png", choices)
         print_summary(summary)
     return summary
+
+
+def refill_prompts(pool: list, seed: int, step: int, sampling_round: int, count: int) -> list:
+    """`count` prompts drawn from the run's training prompts for a step's refill round (an algorithm that
+    drops groups): a function of (seed, step, round) alone, so two arms of one seed that both refill
+    draw the same prompts, and a resumed run draws what the uninterrupted one did."""
+    import random
+
+    return random.Random(f"{seed}/{step}/{sampling_round}").sample(pool, count)
 
 
 def evaluate(c: Components, examples: list) -> float:

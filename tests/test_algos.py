@@ -352,3 +352,104 @@ def test_bad_policy_loss_shapes():
         algo.policy_loss(new.reshape(-1), old, ADV, MASK, WEIGHTS)
     with pytest.raises(ValueError, match="policy_loss: normalizer must be > 0, got 0"):
         algo.policy_loss(new, old, ADV, MASK, WEIGHTS, normalizer=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# GSPO: the same hand-worked batch, clip on the sequence's geometric-mean ratio
+# ---------------------------------------------------------------------------------------------
+#
+#   s0: ratios 2, 1      -> s0 = (2 * 1)^(1/2) = sqrt(2) = 1.41421, A = +1, in [0.8, 1.5]: not clipped
+#   s1: ratios 1/2, 2, 5/4 -> s1 = (5/4)^(1/3) = 1.07722, A = -2, in [0.8, 1.5]: not clipped
+#   pg_t = -w_t * s_i * A_i; sequence mean then mean over the 2 sequences:
+#   loss = (-(2 + 0.5) * s0 / 2 + 2 * (1 + 0.5 + 2) * s1 / 3) / 2
+#   d loss / d logprob_t = -w_t * A_i * s_i / (|y_i| * 2)   (GSPO-token: each token gets s_i * grad log pi)
+S0, S1 = math.sqrt(2.0), 1.25 ** (1 / 3)
+GSPO_LOSS = (-(2 + 0.5) * S0 / 2 + 2 * (1 + 0.5 + 2) * S1 / 3) / 2
+GSPO_GRAD = torch.tensor([[-2 * S0 / 4, -0.5 * S0 / 4, 0, 0],
+                          [2 * 1 * S1 / 6, 2 * 0.5 * S1 / 6, 2 * 2 * S1 / 6, 0]], dtype=torch.float64)
+
+
+def make_gspo(**overrides):
+    from rlmm.algos import GSPO
+
+    args = dict(group_size=4, normalize_std=True, clip_low=0.2, clip_high=0.5, loss_aggregation="sequence",
+                kl_coef=0.0, kl_estimator="k3", entropy_coef=0.0, epochs=1, minibatches=1)
+    return GSPO(**(args | overrides))
+
+
+def test_gspo_loss_and_gradient_by_hand():
+    new, old = _batch()
+    loss, metrics = make_gspo().policy_loss(new, old, ADV, MASK, WEIGHTS)
+    assert loss.item() == pytest.approx(GSPO_LOSS, rel=1e-12)
+    (grad,) = torch.autograd.grad(loss, new)
+    assert_close(grad, GSPO_GRAD, rtol=1e-12, atol=0)
+    assert metrics["ratio_max"] == pytest.approx(S0, rel=1e-12) and metrics["clipfrac"] == 0
+
+
+def test_gspo_token_form_has_the_sequence_objectives_gradient():
+    """With unit weights the per-token form's gradient is that of GSPO's sequence objective
+    J = mean_i min(s_i A_i, clip(s_i) A_i), s_i = exp(mean_t log-ratio), written here directly."""
+    new, old = _batch()
+    ones = torch.ones_like(WEIGHTS)
+    loss, _ = make_gspo().policy_loss(new, old, ADV, MASK, ones)
+    (grad,) = torch.autograd.grad(loss, new)
+    logratio = torch.where(MASK, new - old, 0.0)
+    s = (logratio.sum(1) / MASK.sum(1)).exp()
+    objective = torch.minimum(s * ADV, s.clamp(0.8, 1.5) * ADV).mean()
+    (expected,) = torch.autograd.grad(-objective, new)
+    assert_close(grad, expected, rtol=1e-12, atol=1e-15)
+
+
+def test_gspo_clips_whole_sequences_where_grpo_clips_tokens():
+    """clip_high 0.1: s0 = 1.414 > 1.1 with A > 0, so every token of sequence 0 loses its gradient under
+    GSPO, while GRPO keeps the gradient of s0's token whose own ratio (1) is inside the range."""
+    new, old = _batch()
+    (gspo,) = torch.autograd.grad(make_gspo(clip_high=0.1).policy_loss(new, old, ADV, MASK, WEIGHTS)[0], new)
+    (grpo,) = torch.autograd.grad(make(clip_high=0.1, loss_aggregation="sequence").policy_loss(
+        new, old, ADV, MASK, WEIGHTS)[0], new)
+    assert torch.equal(gspo[0], torch.zeros(4, dtype=torch.float64)) and (gspo[1, :3] != 0).all()
+    assert grpo[0, 1] != 0
+
+
+def test_token_level_advantages_broadcast_like_sequence_ones():
+    """[B, T] advantages equal to each sequence's A give the [B] advantages' loss and gradient."""
+    new, old = _batch()
+    per_token = ADV[:, None].expand(2, 4).clone()
+    per_token[~MASK] = NAN  # padding of token advantages never leaks
+    loss, _ = make().policy_loss(new, old, per_token, MASK, WEIGHTS)
+    (grad,) = torch.autograd.grad(loss, new)
+    assert loss.item() == pytest.approx(5.1 / 5, rel=1e-12)
+    assert_close(grad, GRAD_SUM / 5, rtol=1e-12, atol=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# DAPO: dynamic sampling's group filter and the overlong punishment
+# ---------------------------------------------------------------------------------------------
+
+def make_dapo(**overrides):
+    from rlmm.config import from_yaml
+
+    return from_yaml("algo", "dapo", **({"group_size": 4} | overrides))
+
+
+def test_dapo_keeps_groups_whose_rewards_differ():
+    rewards = torch.tensor([1.0, 1, 1, 1, 0, 1, 0, 0, 0, 0, 0, 0, NAN, 1, 1, 1])
+    assert make_dapo().keep_groups(rewards).tolist() == [False, True, False, True]  # a NaN group is kept
+    assert make().keep_groups(rewards).tolist() == [True] * 4  # GRPO keeps every group
+
+
+def test_dapo_overlong_punishment_by_hand():
+    """L_max 10, L_cache 0.2 * 10 = 2: lengths up to 8 are free, 9 costs 1/2, 10 costs 1 (times the penalty)."""
+    rewards, lengths = torch.tensor([1.0, 1.0, 1.0, 0.0]), torch.tensor([8, 9, 10, 3])
+    assert make_dapo().shape_rewards(rewards, lengths, max_length=10).tolist() == [1.0, 0.5, 0.0, 0.0]
+    assert make_dapo(overlong_penalty=0.5).shape_rewards(rewards, lengths, 10).tolist() == [1.0, 0.75, 0.5, 0.0]
+    assert torch.equal(make_dapo(overlong_buffer=0.0).shape_rewards(rewards, lengths, 10), rewards)
+    assert torch.equal(make().shape_rewards(rewards, lengths, 10), rewards)
+
+
+@pytest.mark.parametrize("overrides,message", [
+    ({"overlong_buffer": 1.0}, "overlong_buffer: a fraction"), ({"max_sampling_rounds": -1}, "max_sampling_rounds"),
+    ({"overlong_penalty": -1.0}, "overlong_penalty")])
+def test_dapo_bad_arguments(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        make_dapo(**overrides)

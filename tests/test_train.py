@@ -101,6 +101,36 @@ def test_every_correction_runs_two_steps(small_model_path, arithmetic_task, samp
         c.sampler.close()
 
 
+ALGOS = sorted(p.stem for p in (CONF_DIR / "algo").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("algo_name,correction_name", [
+    pytest.param(a, k, marks=() if k == "tis" or (a, k) == ("dapo", "icepop") else pytest.mark.slow)
+    for a in ALGOS for k in CORRECTIONS])
+def test_every_algorithm_runs_two_steps_with_each_correction(small_model_path, arithmetic_task, algo_name,
+                                                             correction_name):
+    """Each algorithm x correction (TIS with every algorithm by default, the product under `slow`): two steps,
+    scored first and one-pass, with a refill for dynamic sampling; the weights move and reach the sampler."""
+    c = make_components(small_model_path, ParityTask(arithmetic_task), "hf", "torch", "fp32")
+    c.algo = from_yaml("algo", algo_name, group_size=4)  # 4 prompts x 4 = 16 rows: 4 rows per GSPO minibatch
+    c.correction = from_yaml("correction", correction_name)
+    prompts = arithmetic_task.examples("train", 8)
+    try:
+        before = {k: v.clone() for k, v in c.trainer.state_dict().items()}
+        for reuse_training_forward in (False, True):
+            metrics = rl_step(c, prompts[:4], ratio_cap=2.0, reuse_training_forward=reuse_training_forward,
+                              refill=lambda sampling_round: prompts[4:])
+            assert metrics["train/skipped"] == 0 and torch.isfinite(torch.tensor(metrics["loss/loss"]))
+        after = c.trainer.state_dict()
+        assert any(not torch.equal(before[k], after[k]) for k in before), "the weights did not change"
+        rollouts = c.sampler.generate([c.tokenizer(e.prompt).input_ids for e in prompts[:2]])
+        sampler_lp, mask = rollouts.padded_sampler_logprobs()
+        assert (c.trainer.logprobs(rollouts) - sampler_lp)[mask].abs().max() < 1e-4  # synced
+    finally:
+        c.trainer.close()
+        c.sampler.close()
+
+
 def test_fp32_none_and_tis_give_identical_updates(small_model_path, arithmetic_task):
     """With fp32 on both sides the TIS weights are 1 up to rounding, so the update is PPO's."""
     from rlmm.components import Components

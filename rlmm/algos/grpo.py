@@ -123,6 +123,23 @@ class GRPO:
         self.epochs = epochs
         self.minibatches = minibatches
 
+    # GRPO trains on every group it samples (DAPO's dynamic sampling overrides these two).
+    max_sampling_rounds = 0
+
+    def keep_groups(self, rewards: Tensor) -> Tensor:
+        """``[num_prompts]`` bool: which sampled groups the step trains on (here: all)."""
+        return torch.ones(rewards.numel() // self.group_size, dtype=torch.bool)
+
+    def shape_rewards(self, rewards: Tensor, lengths: Tensor, max_length: int) -> Tensor:
+        """The rewards the advantages are computed from, given the task's ``[B]`` rewards and the ``[B]``
+        response lengths (here: the task's rewards; DAPO adds its overlong punishment)."""
+        return rewards
+
+    def importance_ratio(self, logratio: Tensor, mask: Tensor) -> Tensor:
+        """``[B, T]`` ratio pi_theta / pi_old of each token from the masked ``[B, T]`` log-ratios: the ratio
+        PPO's clip acts on (here per token; GSPO's is the sequence's geometric mean)."""
+        return logratio.exp()
+
     def __repr__(self) -> str:
         return (f"GRPO(group_size={self.group_size}, normalize_std={self.normalize_std}, "
                 f"clip=[{1 - self.clip_low:g}, {1 + self.clip_high:g}], loss_aggregation={self.loss_aggregation}, "
@@ -175,7 +192,8 @@ class GRPO:
         Args:
             logprobs: ``[B, T]`` log pi_theta of each response token (requires grad).
             old_logprobs: ``[B, T]`` log pi_old of the same tokens (detached here).
-            advantages: ``[B]`` one advantage per sequence, broadcast over its tokens.
+            advantages: ``[B]`` one advantage per sequence, broadcast over its tokens, or ``[B, T]`` one
+                per token (PPO with a critic).
             mask: ``[B, T]`` bool or 0/1, true on the response tokens that count.
             weights: ``[B, T]`` per-token importance weights from the correction (1 = none; detached).
             ref_logprobs: ``[B, T]`` log pi_ref, required when kl_coef > 0; if given with kl_coef 0
@@ -202,8 +220,9 @@ class GRPO:
                         ("ref_logprobs", ref_logprobs), ("entropy", entropy)):
             if t is not None and tuple(t.shape) != shape:
                 raise ValueError(f"policy_loss: {name} has shape {tuple(t.shape)}, expected {shape} as logprobs")
-        if tuple(advantages.shape) != shape[:1]:
-            raise ValueError(f"policy_loss: advantages has shape {tuple(advantages.shape)}, expected {shape[:1]}")
+        if tuple(advantages.shape) not in (shape[:1], shape):
+            raise ValueError(f"policy_loss: advantages has shape {tuple(advantages.shape)}, expected {shape[:1]} "
+                             f"or {shape}")
         if self.kl_coef > 0 and ref_logprobs is None:
             raise ValueError(f"policy_loss: algo.kl_coef is {self.kl_coef:g} but no ref_logprobs were given")
         if self.entropy_coef > 0 and entropy is None:
@@ -228,8 +247,9 @@ class GRPO:
             return x.sum() / denominator
 
         logratio = masked(logprobs) - masked(old_logprobs.detach())
-        ratio = logratio.exp()
-        adv = advantages.detach().to(device, dtype)[:, None]
+        ratio = self.importance_ratio(logratio, m)
+        adv = advantages.detach().to(device, dtype)
+        adv = adv[:, None] if adv.dim() == 1 else masked(adv)
         pg_losses1 = -adv * ratio
         pg_losses2 = -adv * ratio.clamp(1 - self.clip_low, 1 + self.clip_high)
         # max of the negated terms = -min(ratio * A, clip(ratio) * A)

@@ -68,6 +68,16 @@ class Rollouts:
         """[B, T] float32 log-probs and [B, T] bool mask, right-padded."""
         return pad_right(self.sampler_logprobs)
 
+    def select(self, rows: list[int]) -> Rollouts:
+        """The rollouts of `rows`, in that order."""
+        return Rollouts([self.prompt_ids[i] for i in rows], [self.response_ids[i] for i in rows],
+                        [self.sampler_logprobs[i] for i in rows], [self.finish_reasons[i] for i in rows])
+
+    @staticmethod
+    def concat(parts: list[Rollouts]) -> Rollouts:
+        return Rollouts(*(sum((getattr(p, name) for p in parts), []) for name in
+                          ("prompt_ids", "response_ids", "sampler_logprobs", "finish_reasons")))
+
 
 def pad_right(rows: list[torch.Tensor], value: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     width = max((len(r) for r in rows), default=0)
