@@ -11,8 +11,11 @@ import rlmm.schema  # noqa: F401
 from rlmm.config import BUILD_TIME_ARGS, CONF_DIR, ConfigError, group_options, schema_of, validate, validate_node
 
 APPS = sorted(p.stem for p in CONF_DIR.glob("*.yaml"))
-# conf/experiment holds whole sweeps, not options of an axis: tests/test_experiments.py runs them
-OPTIONS = sorted((p.parent.name, p.stem) for p in CONF_DIR.glob("*/*.yaml") if p.parent.name != "experiment")
+# Not axes: conf/hydra holds Hydra's own settings and groups (the launchers), conf/experiment whole sweeps
+# (tests/test_experiments.py runs them), conf/debug and conf/scale overlays of the whole config without a
+# `_target_` (tests/test_config_groups.py).
+NOT_AXES = ("hydra", "experiment", "debug", "scale")
+OPTIONS = sorted((p.parent.name, p.stem) for p in CONF_DIR.glob("*/*.yaml") if p.parent.name not in NOT_AXES)
 
 
 def _compose(app: str, overrides: list[str]):
@@ -27,8 +30,7 @@ def _compose(app: str, overrides: list[str]):
 
 
 def test_every_group_is_an_axis_with_options():
-    # conf/hydra holds Hydra's own groups (the launchers), conf/experiment whole sweeps: not ablation axes
-    assert set(BUILD_TIME_ARGS) == {p.name for p in CONF_DIR.iterdir() if p.is_dir() and p.name not in ("hydra", "experiment")}
+    assert set(BUILD_TIME_ARGS) == {p.name for p in CONF_DIR.iterdir() if p.is_dir() and p.name not in NOT_AXES}
     for group in BUILD_TIME_ARGS:
         assert group_options(group), group
 

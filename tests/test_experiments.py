@@ -1,5 +1,6 @@
 """The published ablations (conf/experiment/*.yaml): each composes and validates over its whole grid,
-and runs for real in a shortened form; the mismatch-injection knob (`sampler.perturb`) they rely on."""
+and runs for real, shortened by `+debug=<app>` (conf/debug/); the mismatch-injection knob
+(`sampler.perturb`) they rely on."""
 import json
 import re
 import subprocess
@@ -13,21 +14,14 @@ from hydra.core.global_hydra import GlobalHydra
 from omegaconf import OmegaConf
 
 import rlmm.schema  # noqa: F401
-from rlmm.cli import check_overrides, with_config_sweep_params
-from rlmm.config import CONF_DIR
+from rlmm.config import CONF_DIR, from_yaml
+from rlmm.overrides import check_overrides, with_config_sweep_params
 from rlmm.precision import SidePrecision
-from tests.conftest import sampling, subprocess_env
+from tests.conftest import build_trainer, sampling, subprocess_env
 
 EXPERIMENTS = sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml"))
 REPO = Path(__file__).resolve().parent.parent
 GSM8K_SAMPLE = REPO / "tests" / "data" / "gsm8k_sample.jsonl"
-SHORT = {
-    "probe": ["probe.num_prompts=4", "probe.samples_per_prompt=2", "probe.trainer_micro_batch_sizes=[1,8]",
-              "probe.batch_invariance.num_prompts=2", "probe.batch_invariance.num_completions=2",
-              "probe.batch_invariance.max_batch_size=4", "sampling.max_new_tokens=8"],
-    "train": ["train.steps=1", "train.prompts_per_step=2", "train.eval_every=1", "train.eval_prompts=4",
-              "algo.group_size=2", "sampling.max_new_tokens=8"],
-}
 # The built-in model, made small (builds in seconds; head_dim 64 for vLLM's CPU kernels).
 SMALL_TINY = ["model.hidden_size=128", "model.num_layers=2", "model.num_heads=2", "model.num_kv_heads=1",
               "model.intermediate_size=256", "model.warm_start_steps=20", "model.warm_start_batch_size=16"]
@@ -76,7 +70,8 @@ def test_a_bad_value_in_an_experiment_grid_fails_before_any_job(tmp_path):
 
 def shortened(name: str, combinations: int, model_path: str, cache_dir: Path) -> tuple[str, list[str]]:
     """The experiment's command, shrunk: its first grid key keeps `combinations` values, every other key
-    its first, and the runs are short. A GPU variant runs on the small test checkpoint and data."""
+    its first, and the runs are short (`+debug=<app>`, last: the last appended group wins over the
+    experiment's sizes). A GPU variant runs on the small test checkpoint and data."""
     app = app_of(name)
     cfg = composed(app, [f"+experiment={name}", *on_this_machine(name)])
     grid = [f"{key}={','.join(str(cfg.hydra.sweeper.params[key]).split(',')[:combinations if i == 0 else 1])}"
@@ -84,7 +79,7 @@ def shortened(name: str, combinations: int, model_path: str, cache_dir: Path) ->
     choices = cfg.hydra.runtime.choices
     model = SMALL_TINY + [f"model.cache_dir={cache_dir}"] if choices.model == "tiny" else [f"model.path={model_path}"]
     task = [f"task.path={GSM8K_SAMPLE}"] if choices.task == "gsm8k" and not (REPO / cfg.task.path).is_file() else []
-    return app, [f"+experiment={name}", *grid, *on_this_machine(name), *model, *task, *SHORT[app], "logger=none"]
+    return app, [f"+experiment={name}", *grid, *on_this_machine(name), *model, *task, f"+debug={app}"]
 
 
 @pytest.fixture(scope="session")
@@ -157,16 +152,14 @@ def _mismatch(sampler, trainer, prompts) -> float:
 def test_perturb_mismatch_grows_with_the_knob(small_model_path, prompts):
     """fp32 on both sides, so the only mismatch is the injected one: it grows with the noise, at
     construction and again after a weight sync."""
-    from rlmm.samplers.hf import HFSampler
-    from rlmm.trainers.torch_backend import TorchTrainer
-
     fp32 = SidePrecision("fp32", False)
     options = sampling(max_new_tokens=6)
-    trainer = TorchTrainer(small_model_path, fp32, options, micro_batch_size=32)
+    trainer = build_trainer("torch", small_model_path, fp32, options, micro_batch_size=32)
     levels = [0.0, 0.01, 0.03, 0.1]
     measured = []
     for perturb in levels:
-        sampler = HFSampler(small_model_path, fp32, options, seed=0, perturb=perturb)
+        sampler = from_yaml("sampler", "hf", model_path=small_model_path, precision=fp32, sampling=options, seed=0,
+                            perturb=perturb)
         at_start = _mismatch(sampler, trainer, prompts)
         sampler.load_weights(trainer.state_dict())  # a weight sync: noise drawn again
         measured.append((at_start, _mismatch(sampler, trainer, prompts)))
@@ -180,13 +173,11 @@ def test_perturb_mismatch_grows_with_the_knob(small_model_path, prompts):
 
 def test_perturb_in_vllm_at_start_and_at_sync(small_model_path, prompts):
     """vLLM loaded the checkpoint itself: the knob reloads it perturbed, and every sync is perturbed."""
-    from rlmm.samplers.vllm import VLLMSampler
-    from rlmm.trainers.torch_backend import TorchTrainer
-
     fp32 = SidePrecision("fp32", False)
     options = sampling(max_new_tokens=6)
-    trainer = TorchTrainer(small_model_path, fp32, options, micro_batch_size=32)
-    sampler = VLLMSampler(small_model_path, fp32, options, seed=0, perturb=0.1)
+    trainer = build_trainer("torch", small_model_path, fp32, options, micro_batch_size=32)
+    sampler = from_yaml("sampler", "vllm", model_path=small_model_path, precision=fp32, sampling=options, seed=0,
+                        perturb=0.1)
     try:
         at_start = _mismatch(sampler, trainer, prompts)
         sampler.load_weights(trainer.state_dict())

@@ -1,0 +1,146 @@
+"""The groups that are not ablation axes, composed: Hydra's directories (conf/hydra/default.yaml, one
+file for both apps), `+debug=<app>` (conf/debug/: shortens any run, an experiment's included) and
+`scale=` (conf/scale/: the size of the model and the task; the `*_gpu` experiments select scale=gpu)."""
+import copy
+import re
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from omegaconf import OmegaConf, open_dict
+
+import rlmm.schema  # noqa: F401
+from rlmm.config import CONF_DIR, validate
+from rlmm.overrides import check_overrides
+
+APPS = sorted(p.stem for p in CONF_DIR.glob("*.yaml"))
+EXPERIMENTS = sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml"))
+DEBUG = sorted(p.stem for p in (CONF_DIR / "debug").glob("*.yaml"))
+SCALES = sorted(p.stem for p in (CONF_DIR / "scale").glob("*.yaml"))
+DATE, TIME = r"\d{4}-\d{2}-\d{2}", r"\d{2}-\d{2}-\d{2}"
+
+
+def composed(app: str, overrides: list[str]):
+    """The config and Hydra's node, as `rlmm <app> OVERRIDES` composes them."""
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            cfg = compose(app, overrides=overrides, return_hydra_config=True)
+    finally:
+        GlobalHydra.instance().clear()
+    hydra = cfg.hydra  # still under the whole config, so its interpolations resolve
+    cfg = copy.deepcopy(cfg)
+    with open_dict(cfg):
+        del cfg["hydra"]
+    return cfg, hydra
+
+
+def app_of(experiment: str) -> str:
+    text = (CONF_DIR / "experiment" / f"{experiment}.yaml").read_text()
+    return re.search(rf"rlmm (probe|train) -m \+experiment={experiment}\b", text).group(1)
+
+
+def debug_app(option: str) -> str:
+    """The app a debug option shortens: the one whose own section (probe:, train:) it sets."""
+    apps = [app for app in APPS if app in OmegaConf.load(CONF_DIR / "debug" / f"{option}.yaml")]
+    assert len(apps) == 1, f"debug={option} sets the sections of {apps or 'no app'}"
+    return apps[0]
+
+
+def leaves(node, prefix=""):
+    for key, value in node.items():
+        if key == "defaults":
+            continue
+        if OmegaConf.is_dict(value):
+            yield from leaves(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", value
+
+
+# -- hydra: directories and logging, one file for both apps -------------------------------------------
+
+@pytest.mark.parametrize("app", APPS)
+def test_each_app_keeps_its_run_and_sweep_directories(app):
+    _, hydra = composed(app, [])
+    assert re.fullmatch(rf"outputs/{app}/{DATE}/{TIME}", hydra.run.dir), hydra.run.dir
+    assert re.fullmatch(rf"multirun/{app}/{DATE}/{TIME}", hydra.sweep.dir), hydra.sweep.dir
+    assert OmegaConf.to_container(hydra.sweep)["subdir"] == "${hydra.job.num}"
+    assert hydra.job.chdir is False
+    assert hydra.job_logging.root.level == "WARNING" and hydra.job_logging.loggers.rlmm.level == "INFO"
+
+
+@pytest.mark.parametrize("name", EXPERIMENTS)
+def test_each_experiment_sweeps_to_its_own_directory(name):
+    _, hydra = composed(app_of(name), [f"+experiment={name}"])
+    assert re.fullmatch(rf"multirun/experiments/{name}/{DATE}_{TIME}", hydra.sweep.dir), hydra.sweep.dir
+    assert hydra.run.dir.startswith(f"outputs/{app_of(name)}/")
+
+
+# -- debug: a run in seconds, for users and the tests --------------------------------------------------
+
+DEBUG_RUNS = [(option, experiment) for option in DEBUG
+              for experiment in [None] + [e for e in EXPERIMENTS if app_of(e) == debug_app(option)]]
+
+
+@pytest.mark.parametrize("option,experiment", DEBUG_RUNS, ids=[f"{o}-{e}" for o, e in DEBUG_RUNS])
+def test_debug_shortens_every_run_of_its_app(option, experiment):
+    """`+debug=` after `+experiment=`: the last appended group wins, so every value the debug option sets
+    replaces the experiment's, and the config still validates."""
+    app = debug_app(option)
+    overrides = ([f"+experiment={experiment}"] if experiment else []) + [f"+debug={option}"]
+    cfg, hydra = composed(app, overrides)
+    validate(cfg, dict(hydra.runtime.choices))
+    for key, value in leaves(OmegaConf.load(CONF_DIR / "debug" / f"{option}.yaml")):
+        assert OmegaConf.select(cfg, key) == value, (key, OmegaConf.select(cfg, key))
+    assert hydra.runtime.choices.logger == "none"
+    assert cfg.sampling.max_new_tokens <= 16
+    if app == "probe":
+        assert cfg.probe.num_prompts * cfg.probe.samples_per_prompt <= 16
+    else:
+        assert cfg.train.steps <= 2 and cfg.train.prompts_per_step * cfg.algo.group_size <= 16
+        assert cfg.train.eval_prompts <= 16 and cfg.train.checkpoint_every == 0
+
+
+@pytest.mark.parametrize("option", DEBUG)
+def test_a_debug_option_is_refused_by_the_other_app(option):
+    from hydra.errors import ConfigCompositionException
+
+    for app in set(APPS) - {debug_app(option)}:
+        with pytest.raises(ConfigCompositionException):
+            composed(app, [f"+debug={option}"])
+
+
+def test_an_unknown_debug_or_scale_option_is_one_line_naming_the_allowed_ones(capsys):
+    for override, allowed in (("+debug=nope", DEBUG), ("debug=nope", DEBUG), ("scale=nope", SCALES)):
+        with pytest.raises(SystemExit) as exit_:
+            check_overrides("train", [override])
+        assert exit_.value.code == 2
+        group = override.lstrip("+").split("=")[0]
+        assert capsys.readouterr().err.strip() == f"rlmm: error: unknown {group} 'nope' (allowed: {', '.join(allowed)})"
+
+
+# -- scale: cpu (the apps' defaults) and gpu (Qwen2.5-0.5B-Instruct on GSM8K) ------------------------------
+
+@pytest.mark.parametrize("app", APPS)
+@pytest.mark.parametrize("scale", SCALES)
+def test_every_scale_composes_and_validates_for_every_app(app, scale):
+    cfg, hydra = composed(app, [f"scale={scale}"])
+    validate(cfg, dict(hydra.runtime.choices))
+    if scale == "cpu":
+        assert cfg == composed(app, [])[0]  # the default: the app's own values
+    else:
+        assert (hydra.runtime.choices.model, hydra.runtime.choices.task) == ("hf", "gsm8k")
+        assert cfg.model.path == "Qwen/Qwen2.5-0.5B-Instruct" and cfg.sampling.max_new_tokens == 512
+
+
+@pytest.mark.parametrize("name", EXPERIMENTS)
+def test_each_gpu_experiment_is_its_cpu_counterpart_at_scale_gpu(name):
+    """`NAME_gpu` selects scale=gpu and only adds its own sizes; every other experiment runs at scale=cpu."""
+    cfg, hydra = composed(app_of(name), [f"+experiment={name}"])
+    validate(cfg, dict(hydra.runtime.choices))
+    if name.endswith("_gpu"):
+        assert name.removesuffix("_gpu") in EXPERIMENTS, f"{name} has no CPU counterpart"
+        assert app_of(name) == app_of(name.removesuffix("_gpu"))
+        assert hydra.runtime.choices.scale == "gpu" and cfg.model.path == "Qwen/Qwen2.5-0.5B-Instruct"
+    else:
+        assert hydra.runtime.choices.scale == "cpu"
