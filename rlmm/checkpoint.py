@@ -3,6 +3,7 @@
     <run dir>/checkpoints/step-000040/model.safetensors  full weights (Hugging Face names), from rank 0
     <run dir>/checkpoints/step-000040/rank0.pt, rank1.pt  per rank: trainer state (optimizer, ZeRO partition,
                                                           LR schedule, step counters) and torch's RNG state
+    <run dir>/checkpoints/step-000040/critic.safetensors  the critic's weights, when the algorithm has one (PPO)
     <run dir>/checkpoints/step-000040/state.json         step, the sampler's request counter
     <run dir>/checkpoints/latest                         name of the newest *complete* checkpoint
 
@@ -49,22 +50,27 @@ def latest(run_dir: str | Path) -> Path | None:
     return path if (path / "state.json").exists() else None
 
 
-def save(run_dir: str | Path, step: int, trainer, sampler, keep: int = 2) -> Path:
+def save(run_dir: str | Path, step: int, trainer, sampler, critic=None, keep: int = 2) -> Path:
     """Write a checkpoint of step `step` (every rank calls this together); keep the newest `keep`."""
+    from safetensors.torch import save_file
+
     rank, world = _rank_and_world()
     root = Path(run_dir) / CHECKPOINTS
     path = root / f"step-{step:06d}"
     weights = trainer.state_dict()  # a collective under ZeRO-3
+    critic_weights = critic.state_dict() if critic is not None else None
     if rank == 0:
         if path.exists():
             shutil.rmtree(path)
         path.mkdir(parents=True)
-        from safetensors.torch import save_file
-
         # clone: tied weights share storage, which safetensors refuses to write twice
         save_file({k: v.detach().cpu().clone().contiguous() for k, v in weights.items()}, path / "model.safetensors")
+        if critic_weights is not None:
+            save_file({k: v.detach().cpu().clone().contiguous() for k, v in critic_weights.items()},
+                      path / "critic.safetensors")
     _barrier()
-    torch.save({"trainer": trainer.checkpoint_state(), "torch_rng": torch.get_rng_state()}, path / f"rank{rank}.pt")
+    torch.save({"trainer": trainer.checkpoint_state(), "torch_rng": torch.get_rng_state(),
+                **({"critic": critic.checkpoint_state()} if critic is not None else {})}, path / f"rank{rank}.pt")
     _barrier()
     if rank == 0:
         state = {"step": step, "world_size": world, "sampler_calls": sampler.calls}
@@ -78,8 +84,8 @@ def save(run_dir: str | Path, step: int, trainer, sampler, keep: int = 2) -> Pat
     return path
 
 
-def load(path: Path, trainer, sampler) -> dict:
-    """Restore trainer, sampler and RNG from checkpoint `path`; returns its state.json."""
+def load(path: Path, trainer, sampler, critic=None) -> dict:
+    """Restore trainer, sampler, critic and RNG from checkpoint `path`; returns its state.json."""
     from safetensors.torch import load_file
 
     rank, world = _rank_and_world()
@@ -87,11 +93,17 @@ def load(path: Path, trainer, sampler) -> dict:
     if state["world_size"] != world:
         raise ValueError(f"train.resume: checkpoint {path} was written by {state['world_size']} ranks, this run has "
                          f"{world} (resume with the same number of ranks, or train.resume=false)")
-    with torch.serialization.safe_globals(trainer.safe_checkpoint_types()):
+    if critic is not None and not (path / "critic.safetensors").exists():
+        raise ValueError(f"train.resume: checkpoint {path} has no critic (written by another algorithm); resume "
+                         f"with the run's own algo, or train.resume=false")
+    allowed = trainer.safe_checkpoint_types() + (critic.safe_checkpoint_types() if critic is not None else [])
+    with torch.serialization.safe_globals(allowed):
         # map_location: a GPU run's states come back on the CPU (every rank reads every rank's file)
         rank_states = [torch.load(path / f"rank{r}.pt", weights_only=True, map_location="cpu") for r in range(world)]
     weights = load_file(path / "model.safetensors")
     trainer.load_checkpoint(weights, [s["trainer"] for s in rank_states])
+    if critic is not None:
+        critic.load_checkpoint(load_file(path / "critic.safetensors"), [s["critic"] for s in rank_states])
     torch.set_rng_state(rank_states[rank]["torch_rng"])
     sampler.calls = state["sampler_calls"]
     sampler.load_weights(trainer.state_dict())

@@ -15,9 +15,10 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 
 from rlmm.config import build, to_container
+from rlmm.critic import Critic
 from rlmm.devices import init_process_group, select_device, world_size
 from rlmm.interfaces import Algorithm, Correction, Sampler, Trainer
-from rlmm.precision import check_precision
+from rlmm.precision import SidePrecision, check_precision
 from rlmm.samplers.base import SamplingOptions
 from rlmm.timing import timed
 
@@ -31,10 +32,13 @@ class Components:
     correction: Correction | None  # None in apps that do not train (`rlmm probe`)
     algo: Algorithm | None
     sampling: SamplingOptions
+    critic: Critic | None = None  # an algorithm with a value model (PPO)
     model_path: str = ""
     precision_report: dict = field(default_factory=dict)  # asked for vs what each engine really runs
 
     def close(self) -> None:
+        if self.critic is not None:
+            self.critic.close()
         self.trainer.close()
         self.sampler.close()
 
@@ -68,8 +72,20 @@ def build_components(cfg: DictConfig, prompts: Callable[[object], list],
         except BaseException:
             sampler.close()  # one engine per process: never leave one behind
             raise
+    critic = None
+    if algo is not None and algo.critic:
+        with timed(seconds, "critic_init"):
+            try:  # the trainer side's body dtype; its head is a new scalar one
+                critic = Critic(build(cfg.trainer, model_path=model_path, sampling=sampling, value_head=True,
+                                      precision=SidePrecision(precision.trainer.dtype, False),
+                                      accumulation_steps=accumulation_steps(cfg, algo), lr=algo.critic["lr"]),
+                                algo.critic["warmup_steps"])
+            except BaseException:
+                trainer.close()
+                sampler.close()
+                raise
     return Components(task=task, tokenizer=tokenizer, sampler=sampler, trainer=trainer, correction=correction,
-                      algo=algo, sampling=sampling, model_path=model_path,
+                      algo=algo, sampling=sampling, model_path=model_path, critic=critic,
                       precision_report=check_precision(precision, sampler.actual_precision, trainer.actual_precision))
 
 

@@ -32,7 +32,7 @@ BUILD_TIME_ARGS: dict[str, set[str]] = {
     "task": set(),
     "precision": set(),
     "sampler": {"model_path", "precision", "sampling", "seed", "prompt_tokens"},
-    "trainer": {"model_path", "precision", "sampling", "accumulation_steps"},
+    "trainer": {"model_path", "precision", "sampling", "accumulation_steps", "value_head"},
     "logger": {"run_config", "run_dir", "sweep"},
     "correction": set(),
     "algo": set(),

@@ -98,6 +98,7 @@ class Algorithm(Protocol):
     epochs: int
     minibatches: int
     max_sampling_rounds: int  # refill rounds for the groups `keep_groups` drops (0: none)
+    critic: dict | None  # {"lr", "warmup_steps"} when the algorithm trains a critic (PPO), else None
 
     def keep_groups(self, rewards: torch.Tensor) -> torch.Tensor:
         """[num_prompts] bool: which groups of [B] task rewards the step trains on."""
@@ -107,8 +108,10 @@ class Algorithm(Protocol):
         """[B] rewards the advantages are computed from, given the task's and the response lengths."""
         ...
 
-    def advantages(self, rewards: torch.Tensor) -> torch.Tensor:
-        """[B] (or [B, T]) advantages from [B] rewards, grouped (prompt 0's responses first)."""
+    def advantages(self, rewards: torch.Tensor, mask: torch.Tensor | None = None,
+                   values: torch.Tensor | None = None) -> torch.Tensor:
+        """[B] (or [B, T]) advantages from [B] rewards, grouped (prompt 0's responses first), the [B, T]
+        response mask and, with a critic, its [B, T] values."""
         ...
 
     def loss_normalizer(self, mask: torch.Tensor, max_length: int | None = None) -> float:
@@ -122,3 +125,7 @@ class Algorithm(Protocol):
                     normalizer: float | None = None) -> tuple[torch.Tensor, dict[str, float]]:
         """The scalar loss of one micro-batch and its metrics."""
         ...
+
+    # With a critic (`critic` set) the algorithm also provides
+    #   value_targets(rewards [B], mask [B, T], values [B, T]) -> returns [B, T]
+    #   value_loss(values, old_values, returns, mask, normalizer) -> (loss, metrics)

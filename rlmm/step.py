@@ -56,9 +56,10 @@ class OldPolicy:
 
     @classmethod
     def score(cls, trainer_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, mask: torch.Tensor,
-              rewards: torch.Tensor, correction, ratio_cap: float) -> OldPolicy:
-        fault = any_rank(first_fault(rewards=rewards, trainer_logprobs=trainer_logprobs[mask],
-                                     sampler_logprobs=sampler_logprobs[mask]))
+              rewards: torch.Tensor, correction, ratio_cap: float, values: torch.Tensor | None = None) -> OldPolicy:
+        checked = {"rewards": rewards, "trainer_logprobs": trainer_logprobs[mask],
+                   "sampler_logprobs": sampler_logprobs[mask]}
+        fault = any_rank(first_fault(**checked, **({"critic_values": values[mask]} if values is not None else {})))
         nonfinite = {side: 1 - torch.isfinite(lp[mask]).float().mean().item()
                      for side, lp in (("trainer", trainer_logprobs), ("sampler", sampler_logprobs))}
         mismatch = mismatch_metrics(trainer_logprobs, sampler_logprobs, mask, ratio_cap=ratio_cap)
@@ -81,7 +82,9 @@ def rl_step(c: Components, prompts: list, ratio_cap: float, reuse_training_forwa
     rewards = algo.shape_rewards(task_rewards, lengths, max_length)  # e.g. DAPO's overlong punishment
 
     # π_old. With one epoch over one minibatch the first update's forwards can score the rollouts.
-    one_pass = reuse_training_forward and algo.epochs == 1 and algo.minibatches == 1
+    # PPO's critic warm-up: the first steps train the critic alone.
+    train_policy = c.critic is None or not c.critic.warming_up
+    one_pass = reuse_training_forward and algo.epochs == 1 and algo.minibatches == 1 and train_policy
     first_update = trainer.begin_update(rollouts, list(range(len(rollouts)))) if one_pass else None
     held = []  # the first update's forwards (logprobs, entropy), graphs kept, when they scored π_old
     if first_update is not None and first_update.holds_graphs:
@@ -91,20 +94,31 @@ def rl_step(c: Components, prompts: list, ratio_cap: float, reuse_training_forwa
     else:
         with timed(seconds, "trainer_logprobs"):
             trainer_logprobs = trainer.logprobs(rollouts)
-    old = OldPolicy.score(trainer_logprobs, sampler_logprobs, response_mask, task_rewards, c.correction, ratio_cap)
-    advantages = algo.advantages(rewards)
+    values = returns = None  # a critic's V(s_t) before this step's updates, and its targets
+    if c.critic is not None:
+        with timed(seconds, "critic_values"):
+            values = c.critic.values(rollouts)
+    old = OldPolicy.score(trainer_logprobs, sampler_logprobs, response_mask, task_rewards, c.correction, ratio_cap,
+                          values)
+    if c.critic is not None:
+        returns = algo.value_targets(rewards, response_mask, values)
+    advantages = per_token(algo.advantages(rewards, response_mask, values), response_mask)
 
-    losses = []  # one entry per optimizer step
+    losses, critic_losses = [], []  # one entry per optimizer step
     with timed(seconds, "train"):
         for _ in range(0 if old.fault else algo.epochs):  # a fault skips the update on every rank
             for rows in minibatch_rows(len(rollouts), algo.minibatches):
+                if c.critic is not None:
+                    critic_losses.append(critic_step(c, rollouts, rows, values, returns, response_mask))
+                if not train_policy:
+                    continue
                 update = first_update or trainer.begin_update(rollouts, rows)
                 normalizer = loss_normalizer_over_ranks(algo, old.mask[rows], max_length)
                 parts = []
                 for i, micro in enumerate(update.micro_batches):
                     logprobs, entropy = held[i] if held else update.forward(micro)
                     width = logprobs.size(1)
-                    loss, metrics = algo.policy_loss(logprobs, old.logprobs[micro, :width], advantages[micro],
+                    loss, metrics = algo.policy_loss(logprobs, old.logprobs[micro, :width], advantages[micro, :width],
                                                      old.mask[micro, :width], old.weights[micro, :width],
                                                      entropy=entropy, max_length=max_length, normalizer=normalizer)
                     update.backward(loss)
@@ -117,8 +131,12 @@ def rl_step(c: Components, prompts: list, ratio_cap: float, reuse_training_forwa
         fault += nonfinite_hint(old.nonfinite, c)
     if not fault and any(m["skipped"] for m in losses):
         fault = "non-finite gradient (optimizer step skipped)"
+    if c.critic is not None:
+        c.critic.step_done()  # counts the warm-up
+    if not fault and any(m["skipped"] for m in critic_losses):
+        fault = "non-finite critic gradient (its optimizer step skipped)"
     with timed(seconds, "weight_sync"):
-        if not fault:  # a skipped step left the weights as the sampler has them
+        if not fault and train_policy:  # a skipped step left the weights as the sampler has them
             weights = trainer.state_dict()
             if not all_finite(list(weights.values())):
                 raise NonFiniteWeights("the trainer's weights hold NaN/Inf after the update; they were not sent "
@@ -140,7 +158,56 @@ def rl_step(c: Components, prompts: list, ratio_cap: float, reuse_training_forwa
         **{f"perf/{k}_seconds": v for k, v in seconds.items()},
         "perf/tokens_per_second": lengths.sum().item() / max(sum(seconds.values()), 1e-9),
         **{f"rollout/frac_nonfinite_{side}_logprobs": v for side, v in old.nonfinite.items()},
+        **(critic_metrics(values, returns, response_mask, critic_losses, not train_policy)
+           if c.critic is not None else {}),
     }
+
+
+def per_token(advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """[B, T] advantages: a sequence's one advantage on each of its tokens ([B] in), or as they are."""
+    return advantages[:, None].expand(mask.shape).clone() if advantages.dim() == 1 else advantages
+
+
+def critic_step(c: Components, rollouts: Rollouts, rows: list[int], old_values: torch.Tensor,
+                returns: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """One optimizer step of the critic on the minibatch `rows`: the algorithm's value loss of each
+    micro-batch against the returns, its values before the step as the clip's anchor."""
+    update = c.critic.begin_update(rollouts, rows)
+    normalizer = tokens_over_ranks(mask[rows])
+    parts = []
+    for micro in update.micro_batches:
+        values, _ = update.forward(micro)
+        width = values.size(1)
+        loss, metrics = c.algo.value_loss(values, old_values[micro, :width], returns[micro, :width],
+                                          mask[micro, :width], normalizer)
+        update.backward(loss)
+        parts.append(metrics)
+    return {**combine_micro_batches(parts), **update.step()}
+
+
+def critic_metrics(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor, losses: list[dict[str, float]],
+                   warming_up: bool) -> dict[str, float]:
+    """critic/: the value mean, the explained variance 1 - Var(R - V) / Var(R) of the values the step
+    started from (over response tokens; 1 is perfect, <= 0 no better than a constant), the loss and the
+    clip fraction averaged over its optimizer steps, and whether the policy waited (warm-up)."""
+    v, r = values[mask].double(), returns[mask].double()
+    explained = 1 - (r - v).var() / r.var() if r.numel() > 1 and r.var() > 0 else torch.tensor(float("nan"))
+    return {"critic/value_mean": v.mean().item(), "critic/return_mean": r.mean().item(),
+            "critic/explained_variance": explained.item(),
+            **{f"critic/{k}": sum(m[k] for m in losses) / len(losses)
+               for k in ("loss", "value_clipfrac", "grad_norm") if losses},
+            "critic/warming_up": float(warming_up)}
+
+
+def tokens_over_ranks(mask: torch.Tensor) -> float:
+    """The critic loss's divisor: the mean over ranks of each rank's token count (as
+    `loss_normalizer_over_ranks` for a token-level loss)."""
+    local = float(mask.sum().clamp_min(1))
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return local
+    total = torch.tensor([local], dtype=torch.float64)
+    dist.all_reduce(total)
+    return total.item() / dist.get_world_size()
 
 
 def sample_groups(c: Components, prompts: list, refill: Callable[[int], list] | None,

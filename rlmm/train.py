@@ -48,7 +48,7 @@ def run_train(cfg: DictConfig, run_dir: Path, choices: dict[str, str], logger) -
     trainer, sampler, precision_report = components.trainer, components.sampler, components.precision_report
     rank, world = dist.get_rank(), dist.get_world_size()
     last = checkpoint.latest(run_dir) if options.resume else None
-    first_step = checkpoint.load(last, trainer, sampler)["step"] + 1 if last else 1
+    first_step = checkpoint.load(last, trainer, sampler, components.critic)["step"] + 1 if last else 1
     if last:
         log.info("resuming from %s at step %d", last, first_step)
     # On resume the record drops the steps after the checkpoint: they are about to be redone.
@@ -90,7 +90,7 @@ def run_train(cfg: DictConfig, run_dir: Path, choices: dict[str, str], logger) -
             too_many_bad = options.max_bad_steps and bad_in_a_row >= options.max_bad_steps
             if stopping or too_many_bad or (options.checkpoint_every and step % options.checkpoint_every == 0):
                 # Bad steps changed no weights: this checkpoint holds the last good state.
-                saved = checkpoint.save(run_dir, step, trainer, sampler)
+                saved = checkpoint.save(run_dir, step, trainer, sampler, components.critic)
             if stopping or too_many_bad:
                 record.close()
                 logger.finish()

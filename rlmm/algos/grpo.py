@@ -123,8 +123,10 @@ class GRPO:
         self.epochs = epochs
         self.minibatches = minibatches
 
-    # GRPO trains on every group it samples (DAPO's dynamic sampling overrides these two).
+    # GRPO trains on every group it samples (DAPO's dynamic sampling overrides these two), and has no critic
+    # (PPO's settings for one: rlmm/critic.py).
     max_sampling_rounds = 0
+    critic = None
 
     def keep_groups(self, rewards: Tensor) -> Tensor:
         """``[num_prompts]`` bool: which sampled groups the step trains on (here: all)."""
@@ -146,8 +148,9 @@ class GRPO:
                 f"kl_coef={self.kl_coef:g} ({self.kl_estimator}), entropy_coef={self.entropy_coef:g}, "
                 f"epochs={self.epochs}, minibatches={self.minibatches})")
 
-    def advantages(self, rewards: Tensor) -> Tensor:
-        """``[B]`` float32 advantages from ``[B]`` rewards, B = num_prompts * group_size, grouped.
+    def advantages(self, rewards: Tensor, mask: Tensor | None = None, values: Tensor | None = None) -> Tensor:
+        """``[B]`` float32 advantages from ``[B]`` rewards, B = num_prompts * group_size, grouped (the
+        response mask and a critic's values, which PPO uses, are not needed).
 
         A_i = r_i - mean(group), divided by (std(group) + 1e-6) when ``normalize_std``; std is
         Bessel-corrected. A group whose rewards are all equal gets exactly 0 (no gradient).

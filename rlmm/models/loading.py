@@ -25,9 +25,34 @@ def load_causal_lm(path: str, side: SidePrecision, *, trainable: bool = False, l
     return model
 
 
+def load_value_model(path: str, side: SidePrecision, *, device: torch.device | str = "cpu") -> nn.Module:
+    """A value model (PPO's critic) from the causal LM checkpoint at `path`: the same body with a scalar
+    head (transformers' *ForTokenClassification with one label, the head newly initialised, no dropout),
+    trainable, in `side`'s dtype on `device`."""
+    import transformers
+    from transformers import AutoConfig, AutoModelForTokenClassification
+
+    config = AutoConfig.from_pretrained(path, num_labels=1)
+    config.classifier_dropout = 0.0  # transformers' default 0.1 would make every value a random draw in training
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()  # the LM head left out and the new value head are expected
+    try:
+        model = AutoModelForTokenClassification.from_pretrained(path, config=config, dtype=side.torch_dtype)
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+    model.to(device)
+    model.train(True)
+    return model
+
+
+def value_head(model: nn.Module) -> nn.Module:
+    """The scalar head of a value model (transformers names it `score` or `classifier`)."""
+    return getattr(model, "score", None) or model.classifier
+
+
 def model_precision(model: nn.Module) -> dict[str, str]:
-    """The dtypes a loaded model's body and head parameters actually have."""
-    head = model.get_output_embeddings()
+    """The dtypes a loaded model's body and head (the LM head, or a value model's scalar head) have."""
+    head = model.get_output_embeddings() or value_head(model)
     head_ids = {id(p) for p in head.parameters()}
     body = {p.dtype for p in model.parameters() if id(p) not in head_ids}
     return {"dtype": "/".join(sorted(dtype_name(d) for d in body)),

@@ -8,7 +8,7 @@ import torch
 
 from rlmm.devices import average_over_ranks, init_process_group, select_device
 from rlmm.models.head import install_output_head
-from rlmm.models.loading import model_precision, padding_id
+from rlmm.models.loading import load_value_model, model_precision, padding_id
 from rlmm.precision import SidePrecision
 from rlmm.samplers.base import Rollouts, SamplingOptions
 from rlmm.trainers.optim import linear_warmup
@@ -135,6 +135,7 @@ class DeepSpeedTrainer:
         config_file: a DeepSpeed JSON of your own, merged over the config rlmm derives from the values
             above and the precision (yours wins key by key; batch sizes stay rlmm's, they follow the run).
         accumulation_steps: micro-batches per optimizer step (set by the app from the minibatch size).
+        value_head: a value model instead of the policy (PPO's critic, rlmm/critic.py; set by the app).
 
     An fp32 LM head under a 16-bit body (precision `*_fp32head`) trains as a parameter group of its own:
     DeepSpeed casts the whole module to 16 bits and its optimizer keeps one dtype per group, so the head
@@ -147,7 +148,7 @@ class DeepSpeedTrainer:
     def __init__(self, model_path: str, precision: SidePrecision, sampling: SamplingOptions, micro_batch_size: int,
                  zero_stage: int, lr: float, weight_decay: float, warmup_steps: int, grad_clip: float,
                  logits_chunk_size: int, gradient_checkpointing: bool | None, config_file: str | None,
-                 accumulation_steps: int):
+                 accumulation_steps: int, value_head: bool = False):
         import deepspeed
         import torch.distributed as dist
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -168,10 +169,13 @@ class DeepSpeedTrainer:
         forget_stale_groups()
         init_process_group()
         deepspeed.init_distributed(verbose=False)  # DeepSpeed's handle on the group just made (or vLLM's)
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-        fp32_head = model.get_output_embeddings().weight.detach().clone() if precision.fp32_head else None
-        self.head = install_output_head(model, fp32=precision.fp32_head, chunk_size=logits_chunk_size,
-                                        fp32_weight=fp32_head)
+        if value_head:  # PPO's critic: the policy's body with a scalar head (rlmm/critic.py)
+            model, self.head, fp32_head = load_value_model(model_path, SidePrecision("fp32", False)), None, None
+        else:
+            model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+            fp32_head = model.get_output_embeddings().weight.detach().clone() if precision.fp32_head else None
+            self.head = install_output_head(model, fp32=precision.fp32_head, chunk_size=logits_chunk_size,
+                                            fp32_weight=fp32_head)
         prepare_for_training(model, gradient_checkpointing)
         config = {
             "train_micro_batch_size_per_gpu": micro_batch_size,
@@ -185,7 +189,7 @@ class DeepSpeedTrainer:
         }
         if config_file:
             config = merge_user_config(config, config_file)
-        body = [p for p in model.parameters() if p is not self.head.weight or fp32_head is None]
+        body = [p for p in model.parameters() if fp32_head is None or p is not self.head.weight]
         self.engine, *_ = deepspeed.initialize(model=model, model_parameters=body, config=config,
                                                lr_scheduler=lambda optimizer: linear_warmup(optimizer, warmup_steps))
         if zero_stage == 0 and dist.get_world_size() == 1:
@@ -229,6 +233,9 @@ class DeepSpeedTrainer:
 
     def _forward(self, ids: torch.Tensor, attention: torch.Tensor, keep: int) -> torch.Tensor:
         device = self.engine.device
+        if self.head is None:  # a value model: [b, keep] values
+            return self.engine(input_ids=ids.to(device), attention_mask=attention.to(device),
+                               use_cache=False).logits[:, -keep:, 0]
         return self.engine(input_ids=ids.to(device), attention_mask=attention.to(device), logits_to_keep=keep,
                            use_cache=False).logits
 

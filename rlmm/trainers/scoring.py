@@ -35,12 +35,9 @@ def micro_batch_tokens(rollouts: Rollouts, rows: list[int], size: int) -> list[i
             for chunk in micro_batches(rows, size)]
 
 
-def response_logprobs(forward: ForwardFn, head: OutputHead, rollouts: Rollouts, rows: list[int],
-                      options: SamplingOptions, pad_id: int,
-                      with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """[b, T] float32 log π of each response token of `rows` (T = their longest response) on the model's
-    device, and optionally the per-token entropy of the same (processed) distribution. Differentiable
-    when grad is enabled."""
+def packed(rollouts: Rollouts, rows: list[int], pad_id: int) -> tuple[torch.Tensor, ...]:
+    """`rows` as one right-padded batch: ids and attention mask [b, L], `keep` (the trailing positions that
+    predict a response token), and [b, T] `index` into those positions and `tokens` (the response tokens)."""
     prompts = [rollouts.prompt_ids[i] for i in rows]
     responses = [rollouts.response_ids[i] for i in rows]
     full = [p + r for p, r in zip(prompts, responses)]
@@ -58,16 +55,30 @@ def response_logprobs(forward: ForwardFn, head: OutputHead, rollouts: Rollouts, 
         first = len(prompt) - 1 - offset
         index[i, :len(response)] = torch.arange(first, first + len(response))
         tokens[i, :len(response)] = torch.tensor(response)
+    return ids, attention, keep, index, tokens
+
+
+def response_logprobs(forward: ForwardFn, head: OutputHead | None, rollouts: Rollouts, rows: list[int],
+                      options: SamplingOptions, pad_id: int,
+                      with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """[b, T] float32 log π of each response token of `rows` (T = their longest response) on the model's
+    device, and optionally the per-token entropy of the same (processed) distribution. Differentiable
+    when grad is enabled. A value model (no LM head, `head` None: the critic) gives V(s_t) instead: its
+    scalar output where the policy's logits for token t sit (the state before token t)."""
+    ids, attention, keep, index, tokens = packed(rollouts, rows, pad_id)
+    if head is None:
+        values = forward(ids, attention, keep)  # [b, keep]
+        return values.float().gather(1, index.to(values.device)), None
     with head.aimed_at(index, tokens, options, entropy=with_entropy):
         scored = forward(ids, attention, keep)  # [b, T, 2]
     return scored[..., 0], scored[..., 1] if with_entropy else None
 
 
 @torch.no_grad()
-def score_rollouts(forward: ForwardFn, head: OutputHead, rollouts: Rollouts, options: SamplingOptions,
+def score_rollouts(forward: ForwardFn, head: OutputHead | None, rollouts: Rollouts, options: SamplingOptions,
                    micro_batch_size: int, pad_id: int, rows: list[int] | None = None) -> torch.Tensor:
-    """[len(rows), T] float32 log π_train of each response token of `rows` (default: all) on the CPU,
-    laid out like `rollouts.padded_sampler_logprobs()`."""
+    """[len(rows), T] float32 log π_train (a value model: V) of each response token of `rows` (default: all)
+    on the CPU, laid out like `rollouts.padded_sampler_logprobs()`."""
     chunks = micro_batches(list(range(len(rollouts))) if rows is None else rows, micro_batch_size)
     return padded_rows(rollouts, chunks, [response_logprobs(forward, head, rollouts, chunk, options, pad_id)[0]
                                           for chunk in chunks])
@@ -98,7 +109,7 @@ class MinibatchUpdate:
     A backend subclasses it with its `backward` and `step`; the forward is the same for all.
     """
 
-    def __init__(self, forward: ForwardFn, head: OutputHead, rollouts: Rollouts, rows: list[int],
+    def __init__(self, forward: ForwardFn, head: OutputHead | None, rollouts: Rollouts, rows: list[int],
                  options: SamplingOptions, pad_id: int, micro_batch_size: int, budget: ActivationBudget,
                  model: torch.nn.Module):
         self.rollouts, self.rows = rollouts, rows
@@ -112,8 +123,9 @@ class MinibatchUpdate:
     def holds_graphs(self) -> bool:
         return self._graphs_fit(sum(micro_batch_tokens(self.rollouts, self.rows, self._micro_batch_size)))
 
-    def forward(self, micro_batch: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """[b, T] log π and entropy of the micro-batch's response tokens, differentiable."""
+    def forward(self, micro_batch: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """[b, T] log π and entropy of the micro-batch's response tokens, differentiable (a value model:
+        V and None)."""
         return response_logprobs(self._forward, self._head, self.rollouts, micro_batch, self._options, self._pad_id,
                                  with_entropy=True)
 

@@ -16,7 +16,7 @@ import math
 import torch
 
 from rlmm.devices import average_over_ranks, select_device
-from rlmm.models.loading import load_causal_lm, model_precision, padding_id
+from rlmm.models.loading import load_causal_lm, load_value_model, model_precision, padding_id
 from rlmm.precision import SidePrecision
 from rlmm.samplers.base import Rollouts, SamplingOptions
 from rlmm.trainers.optim import linear_warmup
@@ -35,6 +35,8 @@ class TorchTrainer:
         gradient_checkpointing: recompute each decoder layer in the backward pass instead of keeping its
             activations (null: for an update whose largest micro-batch would not fit otherwise).
         initial_loss_scale, loss_scale_growth_interval: fp16 dynamic loss scaling (ignored otherwise).
+        accumulation_steps: micro-batches per optimizer step (set by the app from the minibatch size).
+        value_head: a value model instead of the policy (PPO's critic, rlmm/critic.py; set by the app).
 
     Several ranks (torchrun, SLURM tasks): each holds a full replica on its own device and the gradients
     are averaged over the ranks before each step (`average_over_ranks`), as DDP does.
@@ -43,7 +45,7 @@ class TorchTrainer:
     def __init__(self, model_path: str, precision: SidePrecision, sampling: SamplingOptions, micro_batch_size: int,
                  lr: float, weight_decay: float, warmup_steps: int, grad_clip: float, logits_chunk_size: int,
                  gradient_checkpointing: bool | None, initial_loss_scale: float, loss_scale_growth_interval: int,
-                 accumulation_steps: int):
+                 accumulation_steps: int, value_head: bool = False):
         from transformers import AutoTokenizer
 
         if micro_batch_size < 1:
@@ -54,10 +56,13 @@ class TorchTrainer:
         self.micro_batch_size = micro_batch_size
         self.grad_clip = grad_clip
         self.device = select_device()
-        self.model = load_causal_lm(model_path, precision, trainable=True, logits_chunk_size=logits_chunk_size,
-                                    device=self.device)
+        if value_head:  # PPO's critic: the policy's body with a scalar head (rlmm/critic.py)
+            self.model, self.head = load_value_model(model_path, precision, device=self.device), None
+        else:
+            self.model = load_causal_lm(model_path, precision, trainable=True, logits_chunk_size=logits_chunk_size,
+                                        device=self.device)
+            self.head = self.model.get_output_embeddings()
         prepare_for_training(self.model, gradient_checkpointing)
-        self.head = self.model.get_output_embeddings()
         params = list(self.model.parameters())
         # fp32 weights are their own master copy; 16-bit ones get one in fp32 for AdamW to update.
         self.master_params = None if all(p.dtype == torch.float32 for p in params) else [
@@ -78,6 +83,9 @@ class TorchTrainer:
         self.actual_precision = model_precision(self.model)
 
     def _forward(self, ids: torch.Tensor, attention: torch.Tensor, keep: int) -> torch.Tensor:
+        if self.head is None:  # a value model: [b, keep] values
+            return self.model(input_ids=ids.to(self.device), attention_mask=attention.to(self.device),
+                              use_cache=False).logits[:, -keep:, 0]
         return self.model(input_ids=ids.to(self.device), attention_mask=attention.to(self.device),
                           logits_to_keep=keep, use_cache=False).logits
 
