@@ -30,6 +30,11 @@ def check_overrides(config_name: str, overrides: list[str]) -> None:
             OverridesParser.create().parse_overrides([o for o in overrides if o.startswith("hydra/")])
     except HydraException as err:
         fail(str(err).splitlines()[0])
+    groups = [o.key_or_group for o in parsed]
+    if "debug" in groups and "experiment" in groups and groups.index("debug") < groups.index("experiment"):
+        # Hydra merges appended groups in command-line order: the experiment's sizes would win silently.
+        fail("+debug=... must come after +experiment=... (the last appended group wins; "
+             "e.g. rlmm train +experiment=NAME +debug=train)")
     for override in parsed + hydra_groups:  # unknown option of a group: name it and list the choices
         group = override.key_or_group
         options = _hydra_group_options(group) if group.startswith("hydra/") else group_options(group)

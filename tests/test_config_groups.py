@@ -144,3 +144,13 @@ def test_each_gpu_experiment_is_its_cpu_counterpart_at_scale_gpu(name):
         assert hydra.runtime.choices.scale == "gpu" and cfg.model.path == "Qwen/Qwen2.5-0.5B-Instruct"
     else:
         assert hydra.runtime.choices.scale == "cpu"
+
+
+def test_debug_before_the_experiment_is_refused_in_one_line(capsys):
+    """Hydra merges appended groups in command-line order, so `+debug` first would lose to the experiment's
+    sizes without a word: refused, naming the order that works."""
+    with pytest.raises(SystemExit) as exit_:
+        check_overrides("train", ["+debug=train", "+experiment=tis_under_mismatch"])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.strip().startswith("rlmm: error: +debug=... must come after +experiment=...")
+    check_overrides("train", ["+experiment=tis_under_mismatch", "+debug=train"])  # the order that works
