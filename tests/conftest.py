@@ -28,6 +28,12 @@ def build_trainer(backend: str, model_path: str, precision, options: SamplingOpt
                      **{"accumulation_steps": 1, **values})
 
 
+def build_sampler(option: str, model_path: str, precision, options: SamplingOptions, seed: int, **values):
+    """`sampler=<option>` with its YAML's values, except `values`."""
+    return from_yaml("sampler", option, model_path=model_path, precision=precision, sampling=options, seed=seed,
+                     **values)
+
+
 @pytest.fixture(scope="session")
 def arithmetic_task():
     return from_yaml("task", "arithmetic", seed=0, careless_demos=0.0)  # exact demos: the tests' warm start

@@ -5,26 +5,18 @@ kernel rounding, under the same definition (processed: after temperature/top-k/t
 """
 import pytest
 import torch
-from omegaconf import OmegaConf
 
-from rlmm.config import CONF_DIR, build
 from rlmm.precision import SidePrecision
 from rlmm.samplers.base import pad_right
-from tests.conftest import build_trainer, sampling
+from tests.conftest import build_sampler, build_trainer, sampling
 
 FP32 = SidePrecision("fp32", False)
 SHARP = dict(temperature=0.7, top_k=8, top_p=0.9)  # every transformation of the logits active
 
 
-def engine(option: str, model_path: str, precision: SidePrecision, options, seed: int, **values):
-    """The sampler `sampler=<option>` builds: its YAML's values (`values` over them) and the app's arguments."""
-    node = OmegaConf.merge(OmegaConf.load(CONF_DIR / "sampler" / f"{option}.yaml"), values)
-    return build(node, model_path=model_path, precision=precision, sampling=options, seed=seed)
-
-
 @pytest.fixture(scope="module")
 def vllm_fp32(small_model_path):
-    sampler = engine("vllm", small_model_path, FP32, sampling(**SHARP), seed=0)
+    sampler = build_sampler("vllm", small_model_path, FP32, sampling(**SHARP), seed=0)
     yield sampler
     sampler.close()
 
@@ -75,7 +67,7 @@ def test_vllm_weight_reload_in_place(vllm_fp32, small_model_path, prompts):
 
 
 def test_hf_sampler_fp32_matches_fp32_trainer(small_model_path, prompts):
-    sampler = engine("hf", small_model_path, FP32, sampling(**SHARP), seed=0)
+    sampler = build_sampler("hf", small_model_path, FP32, sampling(**SHARP), seed=0)
     trainer = build_trainer("torch", small_model_path, FP32, sampling(**SHARP), micro_batch_size=3)
     rollouts = sampler.generate(prompts, n=2)
     assert len(rollouts) == 2 * len(prompts)
@@ -84,21 +76,21 @@ def test_hf_sampler_fp32_matches_fp32_trainer(small_model_path, prompts):
 
 def test_hf_sampler_raw_logprobs_match_raw_trainer(small_model_path, prompts):
     options = sampling(temperature=0.5, logprobs="raw")
-    rollouts = engine("hf", small_model_path, FP32, options, seed=0).generate(prompts)
+    rollouts = build_sampler("hf", small_model_path, FP32, options, seed=0).generate(prompts)
     trainer = build_trainer("torch", small_model_path, FP32, options, micro_batch_size=8)
     assert _max_abs_delta(rollouts, trainer.logprobs(rollouts)) < 1e-4
 
 
 def test_hf_sampler_is_reproducible_and_seeded(small_model_path, prompts):
-    a = engine("hf", small_model_path, FP32, sampling(), seed=1).generate(prompts, n=2)
-    b = engine("hf", small_model_path, FP32, sampling(), seed=1).generate(prompts, n=2)
-    c = engine("hf", small_model_path, FP32, sampling(), seed=2).generate(prompts, n=2)
+    a = build_sampler("hf", small_model_path, FP32, sampling(), seed=1).generate(prompts, n=2)
+    b = build_sampler("hf", small_model_path, FP32, sampling(), seed=1).generate(prompts, n=2)
+    c = build_sampler("hf", small_model_path, FP32, sampling(), seed=2).generate(prompts, n=2)
     assert a.response_ids == b.response_ids
     assert a.response_ids != c.response_ids
 
 
 def test_hf_sampler_weight_update(small_model_path, prompts):
-    sampler = engine("hf", small_model_path, SidePrecision("bf16", True), sampling(), seed=0)
+    sampler = build_sampler("hf", small_model_path, SidePrecision("bf16", True), sampling(), seed=0)
     trainer = build_trainer("torch", small_model_path, FP32, sampling(), micro_batch_size=8)
     state = {k: v + 0.01 for k, v in trainer.state_dict().items()}
     sampler.load_weights(state)
@@ -109,7 +101,7 @@ def test_hf_sampler_weight_update(small_model_path, prompts):
 
 
 def test_trainer_micro_batch_size_changes_only_rounding(small_model_path, prompts):
-    sampler = engine("hf", small_model_path, FP32, sampling(), seed=0)
+    sampler = build_sampler("hf", small_model_path, FP32, sampling(), seed=0)
     rollouts = sampler.generate(prompts, n=3)
     _, mask = rollouts.padded_sampler_logprobs()
     trainer = build_trainer("torch", small_model_path, SidePrecision("bf16", False), sampling(), micro_batch_size=1)
@@ -119,7 +111,7 @@ def test_trainer_micro_batch_size_changes_only_rounding(small_model_path, prompt
 
 
 def test_deepspeed_fp32_scoring_equals_plain_torch(small_model_path, prompts):
-    rollouts = engine("hf", small_model_path, FP32, sampling(), seed=0).generate(prompts, n=2)
+    rollouts = build_sampler("hf", small_model_path, FP32, sampling(), seed=0).generate(prompts, n=2)
     torch_lp = build_trainer("torch", small_model_path, FP32, sampling(), micro_batch_size=4).logprobs(rollouts)
     ds = build_trainer("deepspeed", small_model_path, FP32, sampling(), micro_batch_size=4, zero_stage=0)
     assert ds.actual_precision == {"dtype": "fp32", "head_dtype": "fp32"}
@@ -140,7 +132,7 @@ def test_deepspeed_bf16_with_fp32_head_keeps_the_checkpoint_head(small_model_pat
 def test_16_bit_sampler_differs_from_fp32_trainer_but_stays_close(small_model_path, prompts, dtype):
     from rlmm.metrics import mismatch_metrics
 
-    sampler = engine("hf", small_model_path, SidePrecision(dtype, False), sampling(), seed=0)
+    sampler = build_sampler("hf", small_model_path, SidePrecision(dtype, False), sampling(), seed=0)
     assert sampler.actual_precision["dtype"] == dtype
     rollouts = sampler.generate(prompts, n=4)
     trainer = build_trainer("torch", small_model_path, FP32, sampling(), micro_batch_size=8)

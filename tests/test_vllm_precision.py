@@ -1,22 +1,14 @@
 """vLLM reports the precision it really runs (one engine at a time: each test closes its own)."""
 import pytest
-from omegaconf import OmegaConf
 
-from rlmm.config import CONF_DIR, build
 from rlmm.precision import SidePrecision
-from tests.conftest import sampling
-
-
-def engine(option: str, model_path: str, precision: SidePrecision, options, seed: int, **values):
-    """The sampler `sampler=<option>` builds: its YAML's values (`values` over them) and the app's arguments."""
-    node = OmegaConf.merge(OmegaConf.load(CONF_DIR / "sampler" / f"{option}.yaml"), values)
-    return build(node, model_path=model_path, precision=precision, sampling=options, seed=seed)
+from tests.conftest import build_sampler, sampling
 
 
 @pytest.mark.parametrize("dtype,fp32_head", [("bf16", False), ("fp16", False), ("bf16", True)])
 def test_vllm_runs_the_precision_it_is_asked_for(small_model_path, dtype, fp32_head):
     """Each engine reports what it loaded; on this CPU build fp16 stays fp16 (older ones cast it to bf16)."""
-    sampler = engine("vllm", small_model_path, SidePrecision(dtype, fp32_head), sampling(), seed=0)
+    sampler = build_sampler("vllm", small_model_path, SidePrecision(dtype, fp32_head), sampling(), seed=0)
     try:
         assert sampler.actual_precision["dtype"] == dtype
         assert sampler.actual_precision["head_dtype"] == ("fp32" if fp32_head else dtype)
@@ -30,7 +22,7 @@ def test_batch_invariant_mode_is_refused_without_a_gpu(small_model_path):
     if torch.cuda.is_available():
         pytest.skip("GPU machine: batch-invariant kernels can run")
     with pytest.raises(ValueError, match=r"sampler.batch_invariant: .*need a GPU .*\(allowed here: false\)"):
-        engine("vllm", small_model_path, SidePrecision("bf16", False), sampling(), seed=0, batch_invariant=True)
+        build_sampler("vllm", small_model_path, SidePrecision("bf16", False), sampling(), seed=0, batch_invariant=True)
 
 
 def test_vllm_engine_options_resolve_per_device_and_are_recorded(small_model_path):
@@ -41,13 +33,13 @@ def test_vllm_engine_options_resolve_per_device_and_are_recorded(small_model_pat
     import torch
 
     from rlmm.precision import SidePrecision
-    from tests.conftest import sampling
+    from tests.conftest import build_sampler, sampling
 
     if torch.cuda.is_available():
         pytest.skip("a CUDA machine: the GPU check covers the GPU defaults")
     with pytest.raises(ValueError, match="sampler.sleep_mode: vLLM's sleep mode needs a CUDA GPU"):
-        engine("vllm", small_model_path, SidePrecision("bf16", False), sampling(), seed=0, sleep_mode=True)
-    sampler = engine("vllm", small_model_path, SidePrecision("bf16", False), sampling(max_new_tokens=8), seed=0,
+        build_sampler("vllm", small_model_path, SidePrecision("bf16", False), sampling(), seed=0, sleep_mode=True)
+    sampler = build_sampler("vllm", small_model_path, SidePrecision("bf16", False), sampling(max_new_tokens=8), seed=0,
                      prompt_tokens=12)
     try:
         assert sampler.actual_precision["engine"] == {
