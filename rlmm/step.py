@@ -76,6 +76,8 @@ def rl_step(c: Components, prompts: list, ratio_cap: float, reuse_training_forwa
     algo, trainer, seconds = c.algo, c.trainer, {}
     max_length = c.sampling.max_new_tokens
     rollouts, task_rewards, sampling_metrics = sample_groups(c, prompts, refill, seconds)
+    # The step's own prompts' mean reward (before any group is dropped): the same statistic for every algorithm.
+    sampled_reward = sampling_metrics.pop("sampled_reward_mean")
     c.sampler.sleep()  # the trainer has the accelerator until the weight sync
     sampler_logprobs, response_mask = rollouts.padded_sampler_logprobs()
     lengths = response_mask.sum(1)
@@ -149,7 +151,8 @@ def rl_step(c: Components, prompts: list, ratio_cap: float, reuse_training_forwa
     return {
         "train/skipped": float(fault is not None),
         **{f"rollout/{k}": v for k, v in {
-            "reward_mean": task_rewards.mean().item(), "shaped_reward_mean": rewards.mean().item(),
+            "reward_mean": sampled_reward, "trained_reward_mean": task_rewards.mean().item(),
+            "shaped_reward_mean": rewards.mean().item(),
             "response_length_mean": lengths.mean().item(),
             "frac_truncated": rollouts.finish_reasons.count("length") / len(rollouts), **sampling_metrics}.items()},
         **{f"mismatch/{k}": v for k, v in old.mismatch.items()},
@@ -217,18 +220,20 @@ def sample_groups(c: Components, prompts: list, refill: Callable[[int], list] | 
     An algorithm that keeps only some groups (`algo.keep_groups`: DAPO drops groups whose rewards are all
     equal, which carry no gradient) gets the kept groups first and groups of `refill(round)` prompts in the
     place of the dropped ones, for at most `algo.max_sampling_rounds` more rounds; a batch still short after
-    them is filled with dropped groups, so every step has the same shape. Metrics: the groups dropped,
-    the rounds taken and the dropped groups used as filler."""
+    them is filled with dropped groups, so every step has the same shape. Metrics: the mean reward of the
+    step's own prompts (the first round, all groups), and with dynamic sampling the groups dropped, the
+    rounds taken and the dropped groups used as filler."""
     from rlmm.preemption import any_rank as flag_on_any_rank
 
     algo, size = c.algo, len(prompts)
     kept, dropped = [], []  # (rollouts of one group, its rewards)
-    rounds, candidates = 0, prompts
+    rounds, candidates, sampled_reward = 0, prompts, None
     while True:
         with timed(seconds, "generate"):
             rollouts = c.sampler.generate([c.tokenizer(e.prompt).input_ids for e in candidates], n=algo.group_size)
         with timed(seconds, "reward"):
             rewards = rollout_rewards(c, candidates, rollouts)
+        sampled_reward = rewards.mean().item() if sampled_reward is None else sampled_reward
         keep = algo.keep_groups(rewards)
         for g in range(len(candidates)):
             rows = list(range(g * algo.group_size, (g + 1) * algo.group_size))
@@ -241,6 +246,7 @@ def sample_groups(c: Components, prompts: list, refill: Callable[[int], list] | 
     groups = kept[:size] + dropped[:max(0, size - len(kept))]
     metrics = {"groups_dropped": float(len(dropped)), "sampling_rounds": float(rounds),
                "groups_filled_with_dropped": float(max(0, size - len(kept)))} if algo.max_sampling_rounds else {}
+    metrics["sampled_reward_mean"] = sampled_reward
     return (Rollouts.concat([r for r, _ in groups]), torch.cat([w for _, w in groups]), metrics)
 
 

@@ -56,7 +56,8 @@ def test_dropped_groups_are_replaced_by_refill_groups_in_order():
     # kept: "10", "01" from the first round, "01" (p1) from round 1, "10" from round 2; rows grouped
     assert rewards.tolist() == [1, 0, 0, 1, 0, 1, 1, 0]
     assert c.sampler.calls == [4, 2, 2]
-    assert metrics == {"groups_dropped": 4.0, "sampling_rounds": 2.0, "groups_filled_with_dropped": 0.0}
+    assert metrics == {"groups_dropped": 4.0, "sampling_rounds": 2.0, "groups_filled_with_dropped": 0.0,
+                       "sampled_reward_mean": 0.5}  # the first round's 8 responses, dropped groups included
     assert len(rollouts) == 8
 
 
@@ -64,10 +65,11 @@ def test_a_batch_still_short_after_the_rounds_is_filled_with_dropped_groups():
     c = components(from_yaml("algo", "dapo", group_size=GROUP, max_sampling_rounds=1))
     rollouts, rewards, metrics = sample_groups(c, prompts("11", "10", "00"), lambda r: prompts("00", "11", "00"), {})
     assert rewards.tolist() == [1, 0, 1, 1, 0, 0]  # the kept group, then the first dropped ones
-    assert metrics == {"groups_dropped": 5.0, "sampling_rounds": 1.0, "groups_filled_with_dropped": 2.0}
+    assert metrics == {"groups_dropped": 5.0, "sampling_rounds": 1.0, "groups_filled_with_dropped": 2.0,
+                       "sampled_reward_mean": 0.5}
 
 
 def test_grpo_keeps_every_group_and_never_refills():
     c = components(from_yaml("algo", "grpo", group_size=GROUP))
     _, rewards, metrics = sample_groups(c, prompts("11", "00"), lambda r: 1 / 0, {})
-    assert rewards.tolist() == [1, 1, 0, 0] and metrics == {} and c.sampler.calls == [2]
+    assert rewards.tolist() == [1, 1, 0, 0] and metrics == {"sampled_reward_mean": 0.5} and c.sampler.calls == [2]
