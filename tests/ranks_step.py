@@ -1,5 +1,5 @@
-"""One `rl_step` on replayed rollouts, each rank on its share of the prompts (`rank_share`), on both trainer
-backends; rank 0 writes the new weights. Run under torchrun by test_update (2 ranks) and called in-process
+"""One `rl_step` on replayed rollouts, each rank on its share of the prompts (`rank_share`), on every trainer
+backend; rank 0 writes the new weights. Run under torchrun by test_update (2 ranks) and called in-process
 by it (1 rank): the two must give the same update.
 
     torchrun --nproc_per_node 2 tests/ranks_step.py MODEL_PATH ROLLOUTS_JSON OUT_DIR
@@ -19,7 +19,7 @@ import torch  # noqa: E402
 
 from rlmm.samplers.base import Rollouts  # noqa: E402
 
-BACKENDS = ("torch", "deepspeed")
+BACKENDS = ("torch", "deepspeed", "fsdp")
 
 
 class ReplaySampler:

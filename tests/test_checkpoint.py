@@ -41,17 +41,17 @@ def loss_fn(chunk, logprobs, entropy):
 def make_trainer(backend, model_path, dtype, stage):
     options = sampling(max_new_tokens=6)
     precision = SidePrecision(dtype, False)
-    if backend == "torch":
-        return from_yaml("trainer", "torch", model_path=model_path, precision=precision, sampling=options,
+    if backend in ("torch", "fsdp"):
+        return from_yaml("trainer", backend, model_path=model_path, precision=precision, sampling=options,
                          micro_batch_size=4, lr=1e-3, warmup_steps=3, accumulation_steps=2)
-
     return from_yaml("trainer", "deepspeed", model_path=model_path, precision=precision, sampling=options,
                      micro_batch_size=4, zero_stage=stage, lr=1e-3, warmup_steps=3, accumulation_steps=2)
 
 
 @pytest.mark.parametrize("backend,dtype,stage", [("deepspeed", "fp32", 0), ("deepspeed", "bf16", 0),
                                                  ("deepspeed", "fp32", 2), ("deepspeed", "fp32", 3),
-                                                 ("torch", "fp32", 0), ("torch", "bf16", 0), ("torch", "fp16", 0)])
+                                                 ("torch", "fp32", 0), ("torch", "bf16", 0), ("torch", "fp16", 0),
+                                                 ("fsdp", "fp32", 0), ("fsdp", "bf16", 0)])
 def test_resumed_trainer_matches_uninterrupted(small_model_path, arithmetic_task, tmp_path, backend, dtype, stage):
     rollouts = fixed_rollouts(small_model_path, arithmetic_task)
     rows = list(range(len(rollouts)))

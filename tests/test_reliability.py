@@ -96,6 +96,27 @@ def test_sigterm_right_after_step_zero_still_checkpoints(small_model_path, tmp_p
     assert [row["step"] for row in read_steps(run_dir)] == [0, 1]
 
 
+@pytest.mark.parametrize("trainer_name", ["fsdp"])
+def test_a_stopped_run_resumes_to_the_uninterrupted_numbers(small_model_path, tmp_path, trainer_name):
+    """SIGTERM right after step 0 (a checkpoint of step 1), then a restart: every logged number of the 4
+    steps equals those of a run never interrupted (FSDP: its full optimizer state and schedule restored)."""
+    common = ("sampler=hf", f"trainer={trainer_name}", "logger=none", "train.checkpoint_every=0")
+    straight, interrupted = tmp_path / "straight", tmp_path / "interrupted"
+    for run_dir, signal_first in ((straight, False), (interrupted, True)):
+        command = train_command(small_model_path, run_dir, *common)
+        if signal_first:
+            stopped = subprocess.run([sys.executable, "-c", SIGNAL_AFTER_STEP_ZERO, *command[3:]],
+                                     capture_output=True, text=True, timeout=600, env=subprocess_env(),
+                                     stdin=subprocess.DEVNULL)
+            assert stopped.returncode == 128 + signal.SIGTERM, stopped.stderr[-3000:]
+            assert json.loads((checkpoint.latest(run_dir) / "state.json").read_text())["step"] == 1
+        result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=subprocess_env(),
+                                stdin=subprocess.DEVNULL)
+        assert result.returncode == 0, result.stderr[-3000:]
+    assert [row["step"] for row in read_steps(interrupted)] == list(range(5))
+    assert comparable(read_steps(interrupted)) == comparable(read_steps(straight))
+
+
 def make_faulty_components(model_path, task, trainer_name, dtype):
     from transformers import AutoTokenizer
 

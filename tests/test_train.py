@@ -13,7 +13,7 @@ from rlmm.config import CONF_DIR, from_yaml
 from rlmm.precision import SidePrecision
 from rlmm.components import Components
 from rlmm.step import rl_step
-from tests.conftest import sampling, subprocess_env
+from tests.conftest import build_trainer, sampling, subprocess_env
 
 CORRECTIONS = sorted(p.stem for p in (CONF_DIR / "correction").glob("*.yaml"))
 ALGO = dict(group_size=4, normalize_std=True, clip_low=0.2, clip_high=0.28, loss_aggregation="token", kl_coef=0.0,
@@ -27,19 +27,11 @@ def make_components(model_path, task, sampler_name, trainer_name, precision_name
 
     policy = instantiate(OmegaConf.load(CONF_DIR / "precision" / f"{precision_name}.yaml"))
     options = sampling(max_new_tokens=6)
-    if sampler_name == "vllm":
-        sampler = from_yaml("sampler", "vllm", model_path=model_path, precision=policy.sampler, sampling=options,
-                            seed=0)
-    else:
-        sampler = from_yaml("sampler", "hf", model_path=model_path, precision=policy.sampler, sampling=options,
-                            seed=0)
+    sampler = from_yaml("sampler", sampler_name, model_path=model_path, precision=policy.sampler, sampling=options,
+                        seed=0)
     try:
-        if trainer_name == "deepspeed":
-            trainer = from_yaml("trainer", "deepspeed", model_path=model_path, precision=policy.trainer,
-                                sampling=options, micro_batch_size=8, lr=1e-4, accumulation_steps=accumulation_steps)
-        else:
-            trainer = from_yaml("trainer", "torch", model_path=model_path, precision=policy.trainer, sampling=options,
-                                micro_batch_size=8, lr=1e-4, accumulation_steps=accumulation_steps)
+        trainer = from_yaml("trainer", trainer_name, model_path=model_path, precision=policy.trainer, sampling=options,
+                            micro_batch_size=8, lr=1e-4, accumulation_steps=accumulation_steps)
     except BaseException:
         sampler.close()  # one engine per process at a time: never leave a vLLM engine behind
         raise
@@ -62,10 +54,11 @@ class ParityTask:
 
 
 PRECISIONS = sorted(p.stem for p in (CONF_DIR / "precision").glob("*.yaml"))
-COMBINATIONS = [(s, t, p) for s in ("vllm", "hf") for t in ("deepspeed", "torch") for p in PRECISIONS]
+TRAINERS = sorted(p.stem for p in (CONF_DIR / "trainer").glob("*.yaml"))
+COMBINATIONS = [(s, t, p) for s in ("vllm", "hf") for t in TRAINERS for p in PRECISIONS]
 # The built-in default first; the rest of the grid runs under `slow`.
 QUICK = {("vllm", "deepspeed", "bf16_sampler_fp32_trainer"), ("vllm", "deepspeed", "bf16"), ("hf", "torch", "fp32"),
-         ("vllm", "torch", "bf16_fp32head"), ("hf", "deepspeed", "fp32")}
+         ("vllm", "torch", "bf16_fp32head"), ("hf", "deepspeed", "fp32"), ("hf", "fsdp", "bf16_fp32head")}
 
 
 @pytest.mark.parametrize("sampler_name,trainer_name,precision_name", [
@@ -114,6 +107,12 @@ def test_every_algorithm_runs_two_steps_with_each_correction(small_model_path, a
     c = make_components(small_model_path, ParityTask(arithmetic_task), "hf", "torch", "fp32")
     c.algo = from_yaml("algo", algo_name, group_size=4)  # 4 prompts x 4 = 16 rows: 4 rows per GSPO minibatch
     c.correction = from_yaml("correction", correction_name)
+    if c.algo.critic:  # PPO: a value model trained by the same backend (rlmm/critic.py)
+        from rlmm.critic import Critic
+
+        c.critic = Critic(build_trainer("torch", small_model_path, SidePrecision("fp32", False), c.sampling,
+                                        micro_batch_size=8, value_head=True, lr=c.algo.critic["lr"]),
+                          warmup_steps=0)
     prompts = arithmetic_task.examples("train", 8)
     try:
         before = {k: v.clone() for k, v in c.trainer.state_dict().items()}
@@ -127,8 +126,7 @@ def test_every_algorithm_runs_two_steps_with_each_correction(small_model_path, a
         sampler_lp, mask = rollouts.padded_sampler_logprobs()
         assert (c.trainer.logprobs(rollouts) - sampler_lp)[mask].abs().max() < 1e-4  # synced
     finally:
-        c.trainer.close()
-        c.sampler.close()
+        c.close()
 
 
 def test_fp32_none_and_tis_give_identical_updates(small_model_path, arithmetic_task):

@@ -102,6 +102,11 @@ def sgd_trainer(backend: str, model_path: str, tmp_path: Path, rows_per_minibatc
                          zero_stage=int(backend[-1]) if backend.startswith("deepspeed-zero") else 0,
                          config_file=str(config), accumulation_steps=accumulation_steps)
 
+    if backend == "fsdp":
+        trainer = from_yaml("trainer", "fsdp", model_path=model_path, precision=FP32, sampling=OPTIONS,
+                            micro_batch_size=micro_batch_size, grad_clip=0.0, accumulation_steps=accumulation_steps)
+        trainer.optimizer = torch.optim.SGD(trainer.model.parameters(), lr=lr)  # the fp32 shards
+        return trainer
     trainer = from_yaml("trainer", "torch", model_path=model_path, precision=FP32, sampling=OPTIONS,
                         micro_batch_size=micro_batch_size, grad_clip=0.0, accumulation_steps=accumulation_steps)
     trainer.optimizer = torch.optim.SGD(trainer.optimized_params, lr=lr)
@@ -198,7 +203,7 @@ def check_step(model_path, arithmetic_task, tmp_path, backend, fix, reuse_traini
 
 
 @pytest.mark.parametrize("reuse_training_forward", [False, True], ids=["scored_first", "one_pass"])
-@pytest.mark.parametrize("backend", ["torch", "deepspeed", "deepspeed-zero2", "deepspeed-zero3"])
+@pytest.mark.parametrize("backend", ["torch", "deepspeed", "deepspeed-zero2", "deepspeed-zero3", "fsdp"])
 def test_step_equals_the_hand_computed_sgd_step(small_model_path, arithmetic_task, tmp_path, backend,
                                                 reuse_training_forward):
     """One step (two micro-batches of 8 rows, TIS): the logged mismatch and correction figures are those of
@@ -348,7 +353,7 @@ def test_epochs_and_minibatches_take_the_hand_computed_steps(small_model_path, a
 
 def test_two_ranks_take_the_one_rank_step_on_the_same_rows(small_model_path, arithmetic_task, tmp_path):
     """torchrun, 2 gloo ranks, each with its share of the prompts' rollouts (unequal token counts): the
-    averaged update equals one rank's update on all the rows, on both backends (tests/ranks_step.py)."""
+    averaged update equals one rank's update on all the rows, on every backend (tests/ranks_step.py)."""
     from safetensors.torch import load_file
 
     from rlmm.step import rank_share

@@ -1,0 +1,221 @@
+"""`trainer=fsdp`: the training model sharded with PyTorch FSDP2 (`torch.distributed.fsdp.fully_shard`).
+
+Each decoder layer is one FSDP unit and the root holds the rest (embeddings, final norm, LM head); with
+several ranks every parameter is sharded over them, gathered for a unit's forward and backward, and its
+gradient reduce-scattered (averaged over the ranks) after the backward. With one rank nothing is
+sharded but the code path is the same.
+
+Precision (`MixedPrecisionPolicy`): the parameters are stored in fp32 (they are AdamW's master copy)
+and cast to the trainer side's dtype for each unit's forward and backward (`param_dtype`); gradients are
+reduced over ranks in `reduce_dtype` (fp32 by default) and land on the fp32 shards. So bf16 and fp16
+compute with an fp32 optimizer, as DeepSpeed's and `trainer=torch`'s mixed precision. An fp32 LM head
+(`precision=*_fp32head`) is an FSDP unit of its own whose policy keeps fp32 (its input is cast up; a
+head tied to the input embedding is untied by the fp32 copy, as on every backend). fp16 scales the loss
+(`torch.amp.GradScaler`: an overflow skips the step and halves the scale).
+
+Gradient accumulation: the gradient is reduced over ranks only after the minibatch's last micro-batch
+(`set_requires_gradient_sync`), as DDP's `no_sync`.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from rlmm.devices import init_process_group, select_device
+from rlmm.models.head import install_output_head
+from rlmm.models.loading import load_value_model, model_precision, padding_id
+from rlmm.precision import SidePrecision, dtype_name
+from rlmm.samplers.base import Rollouts, SamplingOptions
+from rlmm.trainers.memory import ActivationBudget, optimizer_state_bytes, prepare_for_training
+from rlmm.trainers.optim import linear_warmup
+from rlmm.trainers.scoring import MinibatchUpdate, score_rollouts
+
+REDUCE_DTYPES = ("fp32", "bf16", "fp16")
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The transformer blocks of a Hugging Face model (each becomes one FSDP unit)."""
+    for owner in (getattr(model, "model", None), getattr(model, "transformer", None)):
+        layers = getattr(owner, "layers", None) if owner is not None else None
+        if layers is None and owner is not None:
+            layers = getattr(owner, "h", None)
+        if layers is not None:
+            return list(layers)
+    raise ValueError(f"trainer=fsdp: cannot find the decoder layers of {type(model).__name__} "
+                     "(expected model.layers or transformer.h)")
+
+
+class FSDPTrainer:
+    """Args:
+        micro_batch_size: rollouts per forward pass.
+        lr, weight_decay: AdamW (on the fp32 shards).
+        warmup_steps: linear learning-rate warm-up over this many optimizer steps (0: none).
+        grad_clip: clip the global gradient norm to this (0: off).
+        logits_chunk_size: response positions whose full-vocabulary logits exist at once while scoring.
+        gradient_checkpointing: recompute each decoder layer in the backward pass (null: when an update's
+            largest micro-batch would not fit otherwise).
+        reduce_dtype: the dtype gradients are reduced over ranks in ("fp32", "bf16", "fp16").
+        initial_loss_scale, loss_scale_growth_interval: fp16 dynamic loss scaling (ignored otherwise).
+        accumulation_steps: micro-batches per optimizer step (set by the app; FSDP needs no count).
+        value_head: a value model instead of the policy (PPO's critic; set by the app).
+    """
+
+    def __init__(self, model_path: str, precision: SidePrecision, sampling: SamplingOptions, micro_batch_size: int,
+                 lr: float, weight_decay: float, warmup_steps: int, grad_clip: float, logits_chunk_size: int,
+                 gradient_checkpointing: bool | None, reduce_dtype: str, initial_loss_scale: float,
+                 loss_scale_growth_interval: int, accumulation_steps: int, value_head: bool = False):
+        import warnings
+
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        if micro_batch_size < 1:
+            raise ValueError(f"trainer.micro_batch_size: must be >= 1, got {micro_batch_size}")
+        if not lr > 0:
+            raise ValueError(f"trainer.lr: must be > 0, got {lr}")
+        if reduce_dtype not in REDUCE_DTYPES:
+            raise ValueError(f"trainer.reduce_dtype: unknown dtype '{reduce_dtype}' (allowed: "
+                             f"{', '.join(REDUCE_DTYPES)})")
+        self.sampling, self.micro_batch_size, self.grad_clip = sampling, micro_batch_size, grad_clip
+        self.device = select_device()
+        init_process_group()
+        # rlmm never changes a unit's output in place (it slices it), the case this warning is about.
+        warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+        world = dist.get_world_size()
+        mesh = init_device_mesh(self.device.type, (world,))
+        compute = precision.torch_dtype
+        if value_head:  # PPO's critic: the policy's body with a scalar head (rlmm/critic.py)
+            model, self.head = load_value_model(model_path, SidePrecision("fp32", False)), None
+        else:
+            model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+            # An fp32 head is a copy of the checkpoint's (untied from the input embedding, as on every backend).
+            fp32_head = model.get_output_embeddings().weight.detach().clone() if precision.fp32_head else None
+            self.head = install_output_head(model, fp32=precision.fp32_head, chunk_size=logits_chunk_size,
+                                            fp32_weight=fp32_head)
+        prepare_for_training(model, gradient_checkpointing)
+        reduce = SidePrecision(reduce_dtype, False).torch_dtype
+        policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=reduce)
+        for layer in decoder_layers(model):
+            fully_shard(layer, mesh=mesh, mp_policy=policy)
+        if self.head is not None and self.head.fp32:
+            fully_shard(self.head, mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32,
+                                                                             reduce_dtype=torch.float32))
+        fully_shard(model, mesh=mesh, mp_policy=policy)
+        self.model = model
+        self.compute_dtype = compute
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+        self.lr_schedule = linear_warmup(self.optimizer, warmup_steps)
+        if precision.dtype == "fp16" and not (initial_loss_scale > 0 and loss_scale_growth_interval >= 1):
+            raise ValueError(f"trainer.initial_loss_scale must be > 0 and trainer.loss_scale_growth_interval >= 1, "
+                             f"got {initial_loss_scale} and {loss_scale_growth_interval}")
+        self.grad_scaler = torch.amp.GradScaler(self.device.type, init_scale=initial_loss_scale,
+                                                growth_interval=loss_scale_growth_interval,
+                                                enabled=precision.dtype == "fp16")
+        parameters = sum(p.numel() for p in model.parameters())
+        self.budget = ActivationBudget(model.config, compute, self.device, gradient_checkpointing,
+                                       optimizer_state_bytes(parameters // world, torch.float32))
+        self.pad_id = padding_id(AutoTokenizer.from_pretrained(model_path), model_path)
+        body = {p.dtype for p in model.parameters()}
+        head_dtype = torch.float32 if self.head is not None and self.head.fp32 else compute
+        self.actual_precision = {"dtype": dtype_name(compute), "head_dtype": dtype_name(head_dtype),
+                                 "master_dtype": "/".join(sorted(dtype_name(d) for d in body)),
+                                 "reduce_dtype": reduce_dtype}
+
+    @staticmethod
+    def unsupported(precision: SidePrecision) -> str | None:
+        """None: FSDP2's mixed precision casts to any of rlmm's dtypes on CPU and GPU."""
+        return None
+
+    def _forward(self, ids: torch.Tensor, attention: torch.Tensor, keep: int) -> torch.Tensor:
+        ids, attention = ids.to(self.device), attention.to(self.device)
+        if self.head is None:  # a value model: [b, keep] values
+            return self.model(input_ids=ids, attention_mask=attention, use_cache=False).logits[:, -keep:, 0]
+        return self.model(input_ids=ids, attention_mask=attention, logits_to_keep=keep, use_cache=False).logits
+
+    def logprobs(self, rollouts: Rollouts, micro_batch_size: int | None = None) -> torch.Tensor:
+        return score_rollouts(self._forward, self.head, rollouts, self.sampling,
+                              micro_batch_size or self.micro_batch_size, self.pad_id)
+
+    def begin_update(self, rollouts: Rollouts, rows: list[int]) -> FSDPUpdate:
+        return FSDPUpdate(self, rollouts, rows)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Full Hugging Face-named fp32 weights on every rank (gathered from the shards: a collective, every
+        rank calls it; each rank's sampler loads them and casts to its own dtype)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True))
+
+    def checkpoint_state(self) -> dict:
+        """The optimizer's state gathered in full on rank 0 (plain tensors; the other ranks' is empty: every
+        rank restores from rank 0's), the schedule and the loss scaler."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        optimizer = get_optimizer_state_dict(self.model, self.optimizer,
+                                             options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return {"optimizer": optimizer, "lr_schedule": self.lr_schedule.state_dict(),
+                "grad_scaler": self.grad_scaler.state_dict()}
+
+    def load_checkpoint(self, weights: dict[str, torch.Tensor], rank_states: list[dict]) -> None:
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                             set_optimizer_state_dict)
+
+        import torch.distributed as dist
+
+        full = StateDictOptions(full_state_dict=True)
+        if len(rank_states) != dist.get_world_size():
+            raise ValueError(f"train.resume: the checkpoint was written by {len(rank_states)} ranks, this run has "
+                             f"{dist.get_world_size()} (resume with the same number of ranks)")
+        own = rank_states[0]  # rank 0's full optimizer state, read by every rank
+        set_model_state_dict(self.model, weights, options=full)
+        set_optimizer_state_dict(self.model, self.optimizer, own["optimizer"], options=full)
+        self.lr_schedule.load_state_dict(own["lr_schedule"])
+        if self.grad_scaler.is_enabled():
+            self.grad_scaler.load_state_dict(own["grad_scaler"])
+
+    @staticmethod
+    def safe_checkpoint_types() -> list[type]:
+        return []
+
+    def close(self) -> None:
+        del self.model, self.optimizer
+
+
+class FSDPUpdate(MinibatchUpdate):
+    """One optimizer step of `FSDPTrainer` (see `MinibatchUpdate`). The gradient is reduced over ranks
+    with the last micro-batch's backward; a non-finite gradient norm skips the step (metrics["skipped"] =
+    1: weights, optimizer state and schedule unchanged; fp16 halves its loss scale)."""
+
+    def __init__(self, trainer: FSDPTrainer, rollouts: Rollouts, rows: list[int]):
+        trainer.optimizer.zero_grad(set_to_none=True)
+        super().__init__(trainer._forward, trainer.head, rollouts, rows, trainer.sampling, trainer.pad_id,
+                         trainer.micro_batch_size, trainer.budget, trainer.model)
+        self.trainer, self.backwards = trainer, 0
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.backwards += 1
+        # Reduce-scatter once, after the minibatch's last micro-batch (its gradient is the sum of theirs).
+        self.trainer.model.set_requires_gradient_sync(self.backwards == len(self.micro_batches))
+        self.trainer.grad_scaler.scale(loss).backward()
+
+    def step(self) -> dict[str, float]:
+        trainer, metrics = self.trainer, {}
+        scaler = trainer.grad_scaler
+        self._settled()
+        if scaler.is_enabled():
+            metrics["loss_scale"] = scaler.get_scale()
+        scaler.unscale_(trainer.optimizer)
+        max_norm = trainer.grad_clip if trainer.grad_clip > 0 else float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(trainer.model.parameters(), max_norm)
+        metrics["grad_norm"] = (norm.full_tensor() if hasattr(norm, "full_tensor") else norm).item()
+        metrics["lr"] = trainer.lr_schedule.get_last_lr()[0]
+        metrics["skipped"] = float(not math.isfinite(metrics["grad_norm"]))
+        if not metrics["skipped"]:
+            scaler.step(trainer.optimizer) if scaler.is_enabled() else trainer.optimizer.step()
+            trainer.lr_schedule.step()
+        scaler.update()
+        trainer.optimizer.zero_grad(set_to_none=True)
+        return metrics
