@@ -9,7 +9,7 @@ from tests.conftest import subprocess_env
 CASES = [
     (["sampler=vlm"], "unknown sampler 'vlm' (allowed: hf, vllm)"),
     (["precision=fp8"], "unknown precision 'fp8' (allowed: bf16, bf16_fp32head,"),
-    (["trainer=jax"], "unknown trainer 'jax' (allowed: deepspeed, torch)"),
+    (["trainer=jax"], "unknown trainer 'jax' (allowed: deepspeed, fsdp, torch)"),
     (["-m", "precision=bf16,fp61"], "unknown precision 'fp61'"),
     (["model=hf", "model.path=/no/such/checkpoint"],
      "model.path: '/no/such/checkpoint' does not exist and is not a Hugging Face hub id"),
