@@ -109,3 +109,34 @@ def test_checkpoint_files_load_without_pickled_code(small_model_path, tmp_path):
     assert load_file(path / "model.safetensors")
     state = torch.load(path / "rank0.pt", weights_only=True)  # bf16's optimizer state needs no allow-list
     assert set(state) == {"trainer", "torch_rng"}
+
+
+def test_two_fsdp_ranks_resume_from_their_own_shards(small_model_path, tmp_path):
+    """torchrun, 2 gloo ranks, bf16 compute on fp32 shards: the run restored from a checkpoint takes the
+    same steps as the one that wrote it, and each rank's file holds only its half of AdamW's moments."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tests.conftest import subprocess_env
+
+    root = Path(__file__).parent.parent
+    torchrun = Path(sys.executable).parent / "torchrun"
+    result = subprocess.run([str(torchrun), "--standalone", "--nproc_per_node", "2", "tests/fsdp_resume.py",
+                             small_model_path, str(tmp_path)], capture_output=True, text=True, timeout=600, cwd=root,
+                            env=subprocess_env(OMP_NUM_THREADS="1", PYTHONPATH=str(root)))
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    outcome = json.loads((tmp_path / "result.json").read_text())
+    assert outcome["keys"] > 0 and outcome["differing"] == []
+    saved = checkpoint.latest(tmp_path)
+    moments = [sum(s["exp_avg"].numel() for s in torch.load(saved / f"rank{r}.pt", weights_only=True)
+                   ["trainer"]["optimizer"]["state"].values()) for r in (0, 1)]
+    parameters = sum(t.numel() for t in load_weights(saved).values())
+    assert moments[0] + moments[1] == parameters and max(moments) < 0.6 * parameters
+
+
+def load_weights(path):
+    from safetensors.torch import load_file
+
+    return load_file(path / "model.safetensors")
