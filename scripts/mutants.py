@@ -74,7 +74,7 @@ MUTANTS = [
              "    return\n")]),
     Mutant("ranks_share_prompts", "every rank trains on all of the step's prompts",
            [("rlmm/step.py", "    return prompts[rank::world]", "    return prompts")],
-           tests=("tests/test_train.py::test_two_deepspeed_ranks_with_torchrun",)),
+           tests=("tests/test_train.py::test_two_ranks_with_torchrun",)),
     Mutant("no_weight_sync", "the trainer's new weights never reach the sampler",
            [("rlmm/step.py", "            c.sampler.load_weights(weights)\n", "            pass\n")]),
     Mutant("scoring_ignores_temperature", "the trainer scores at temperature 1 whatever the sampler used",

@@ -216,10 +216,12 @@ def test_main_job_end_to_end(tmp_path):
     assert "eval_accuracy_end" in result.stdout
 
 
-def test_two_deepspeed_ranks_with_torchrun(tmp_path, small_model_path):
-    """Two ranks on CPU (gloo): each samples its share with its own vLLM engine, DeepSpeed averages
-    the gradients, rank 0 writes the record. Every prompt of every step is rewarded on exactly one rank,
-    group_size times (tests/recording.py writes down who rewarded what)."""
+@pytest.mark.parametrize("trainer_name", ["deepspeed", pytest.param("fsdp", marks=pytest.mark.slow)])
+def test_two_ranks_with_torchrun(tmp_path, small_model_path, trainer_name):
+    """Two ranks on CPU (gloo): each samples its share with its own vLLM engine, the trainer averages
+    the gradients (DeepSpeed; FSDP2 over its shards, under `slow`: tests/test_update.py's two-rank step
+    covers FSDP by default), rank 0 writes the record. Every prompt of every step is rewarded on exactly
+    one rank, group_size times (tests/recording.py writes down who rewarded what)."""
     from collections import Counter
 
     from rlmm.tasks.arithmetic import _in_test_split
@@ -232,7 +234,7 @@ def test_two_deepspeed_ranks_with_torchrun(tmp_path, small_model_path):
                              "model=hf", f"model.path={small_model_path}", "task._target_=tests.recording.RecordedArithmetic",
                              f"+task.record_dir={records}", "train.steps=2", "train.eval_every=2",
                              "train.eval_prompts=8", "train.prompts_per_step=4", "algo.group_size=4", "logger=none",
-                             f"hydra.run.dir={tmp_path / 'run'}"],
+                             f"trainer={trainer_name}", f"hydra.run.dir={tmp_path / 'run'}"],
                             capture_output=True, text=True, timeout=900, env=env)
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
