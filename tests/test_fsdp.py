@@ -1,0 +1,46 @@
+"""trainer=fsdp beyond what every backend is tested for (tests/test_update.py, test_checkpoint.py,
+test_train.py, test_reliability.py cover its update, two ranks, resume and corrections): its precision
+report, its fp16 loss scaling, and its one-line errors."""
+from __future__ import annotations
+
+import pytest
+
+from rlmm.config import from_yaml
+from rlmm.precision import SidePrecision
+from rlmm.trainers.scoring import minibatch_step
+from tests.conftest import build_trainer, sampling
+from tests.test_checkpoint import fixed_rollouts, loss_fn
+
+
+def test_the_precision_report_says_what_is_cast_where(small_model_path):
+    trainer = build_trainer("fsdp", small_model_path, SidePrecision("bf16", True), sampling())
+    try:
+        assert trainer.actual_precision == {"dtype": "bf16", "head_dtype": "fp32", "master_dtype": "fp32",
+                                            "reduce_dtype": "fp32"}
+    finally:
+        trainer.close()
+
+
+def test_fp16_loss_scaling_skips_and_halves_as_the_torch_trainer_does(small_model_path, arithmetic_task):
+    """The same fp16 steps on both backends: every overflow skips the step and halves the scale at the
+    same steps, and the first steps taken have the same gradient norm to within 2%."""
+    rollouts = fixed_rollouts(small_model_path, arithmetic_task)
+    runs = {}
+    for backend in ("torch", "fsdp"):
+        trainer = build_trainer(backend, small_model_path, SidePrecision("fp16", False), sampling(),
+                                micro_batch_size=4, accumulation_steps=2, lr=1e-3, initial_loss_scale=2.0 ** 20)
+        try:
+            runs[backend] = [minibatch_step(trainer, rollouts, list(range(8)), loss_fn) for _ in range(6)]
+        finally:
+            trainer.close()
+    for key in ("loss_scale", "skipped"):
+        assert [m[key] for m in runs["fsdp"]] == [m[key] for m in runs["torch"]], key
+    taken = [(f["grad_norm"], t["grad_norm"]) for f, t in zip(runs["fsdp"], runs["torch"]) if not t["skipped"]]
+    assert taken and all(abs(f - t) < 0.02 * t for f, t in taken)
+    assert runs["fsdp"][0]["skipped"] == 1 and runs["fsdp"][0]["loss_scale"] == 2.0 ** 20
+
+
+def test_an_unknown_reduce_dtype_is_one_line(small_model_path):
+    with pytest.raises(ValueError, match=r"trainer.reduce_dtype: unknown dtype 'fp8' \(allowed: fp32, bf16, fp16\)"):
+        from_yaml("trainer", "fsdp", model_path=small_model_path, precision=SidePrecision("fp32", False),
+                  sampling=sampling(), accumulation_steps=1, reduce_dtype="fp8")
