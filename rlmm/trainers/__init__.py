@@ -1,1 +1,9 @@
-"""Trainer backends (`trainer=` group). For now they score rollouts; training builds on them."""
+"""Trainer backends (the `trainer=` group), each satisfying `rlmm.interfaces.Trainer`:
+
+- `deepspeed_backend.DeepSpeedTrainer`: a DeepSpeed engine (ZeRO 0-3).
+- `fsdp_backend.FSDPTrainer`: PyTorch FSDP2 (`fully_shard` per decoder layer and at the root).
+- `torch_backend.TorchTrainer`: plain PyTorch, a replica per rank.
+
+Shared: `scoring` (log-probs of rollouts in micro-batches, the `MinibatchUpdate` the RL step drives),
+`memory` (the per-update activation budget), `optim` (the learning-rate schedule).
+"""
