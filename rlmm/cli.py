@@ -13,6 +13,22 @@ from rlmm.errors import fail
 from rlmm.runtime_env import set_runtime_env
 
 APPS = {"train": "train", "probe": "probe"}  # subcommand -> config name under conf/
+# Hydra's command-line flags that take a value (`--cfg job`, `-p PACKAGE`...): the value is not an override.
+HYDRA_FLAGS_WITH_A_VALUE = {"--cfg", "-c", "--package", "-p", "--info", "-i", "--config-path", "-cp",
+                            "--config-name", "-cn", "--config-dir", "-cd", "--experimental-rerun"}
+
+
+def overrides_of(args: list[str]) -> list[str]:
+    """The overrides among an app's arguments: not a flag, nor the value of one (`--cfg job`)."""
+    overrides, skip = [], False
+    for arg in args:
+        if skip:
+            skip = False
+        elif arg.startswith("-"):
+            skip = arg in HYDRA_FLAGS_WITH_A_VALUE
+        else:
+            overrides.append(arg)
+    return overrides
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -43,11 +59,11 @@ def main(argv: list[str] | None = None) -> None:
         args.append(f"hydra.run.dir=outputs/{command}/{time.strftime('%Y-%m-%d')}/ranks-{run_id}")
     from rlmm.overrides import check_overrides
 
-    check_overrides(APPS[command], [a for a in args if not a.startswith("-")])
+    check_overrides(APPS[command], overrides_of(args))
     if "-m" in args or "--multirun" in args:
         from rlmm.launcher import launcher_target, sweep_launcher_warning
 
-        overrides = [a for a in args if not a.startswith("-")]
+        overrides = overrides_of(args)
         warning = sweep_launcher_warning(launcher_target(APPS[command], overrides),
                                          cuda=os.path.exists("/dev/nvidiactl"), config_name=APPS[command])
         if warning:

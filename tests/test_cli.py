@@ -117,3 +117,14 @@ def test_hardware_checks_of_a_slurm_sweep_wait_for_the_job(monkeypatch):
     with pytest.raises(SystemExit):
         check_overrides("train", ["precision=fp16", "trainer=deepspeed"])
     check_overrides("train", ["precision=fp16", "trainer=deepspeed", "hydra/launcher=slurm"])  # no refusal here
+
+
+def test_hydras_flag_values_are_not_taken_for_overrides():
+    """`rlmm train --cfg job` prints the composed config: `job` is --cfg's value, not an override."""
+    from rlmm.cli import overrides_of
+
+    assert overrides_of(["--cfg", "job", "seed=3", "-m", "-p", "trainer", "algo=ppo"]) == ["seed=3", "algo=ppo"]
+    result = subprocess.run([sys.executable, "-m", "rlmm.cli", "train", "--cfg", "job", "algo=ppo"],
+                            capture_output=True, text=True, timeout=300, env=subprocess_env(), stdin=subprocess.DEVNULL)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "_target_: rlmm.algos.ppo.PPO" in result.stdout
