@@ -21,3 +21,19 @@ class RecordedArithmetic(ArithmeticTask):
         with self.record.open("a") as out:
             out.write(example.prompt + "\n")
         return super().reward(example, completion)
+
+
+class RecordedDraws(ArithmeticTask):
+    """Writes every (prompt, completion) it rewards to `record_file`, in order (selected with
+    `task._target_=tests.recording.RecordedDraws +task.record_file=PATH`): what a run sampled and when."""
+
+    def __init__(self, record_file: str, seed: int, min_value: int, max_value: int, operations: list[str],
+                 careless_demos: float):
+        super().__init__(seed=seed, min_value=min_value, max_value=max_value, operations=operations,
+                         careless_demos=careless_demos)
+        self.record = Path(record_file)
+
+    def reward(self, example, completion):
+        with self.record.open("a") as out:
+            out.write(f"{example.prompt}\t{completion!r}\n")
+        return super().reward(example, completion)
