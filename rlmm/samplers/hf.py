@@ -91,7 +91,8 @@ class HFSampler:
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Copy Hugging Face-named weights into the model (cast to each parameter's own dtype), with
         the injected noise when `perturb` > 0."""
-        params = dict(self.model.named_parameters())
+        # Every name of a tied weight (a tied LM head is also the input embedding): trainers send both.
+        params = dict(self.model.named_parameters(remove_duplicate=False))
         with torch.no_grad():
             for name, tensor in self.noise(state_dict.items()):
                 if name not in params:
