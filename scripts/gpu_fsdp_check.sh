@@ -40,11 +40,13 @@ run() {  # name, then the command's arguments
     echo "$name FAILED in $((SECONDS - started)) s"; tail -5 /tmp/runs/$name.log
   fi
 }
-for trainer in fsdp torch; do
-  for precision in bf16 fp16 fp32 bf16_fp32head; do
-    run probe-$trainer-$precision probe "${common[@]}" "${probe[@]}" trainer=$trainer precision=$precision
+if [ "${ONLY:-all}" != train ]; then  # ONLY=train: the training run alone
+  for trainer in fsdp torch; do
+    for precision in bf16 fp16 fp32 bf16_fp32head; do
+      run probe-$trainer-$precision probe "${common[@]}" "${probe[@]}" trainer=$trainer precision=$precision
+    done
   done
-done
+fi
 run train-fsdp-ppo train "${common[@]}" trainer=fsdp algo=ppo precision=bf16 +debug=train train.steps=3 \
     sampling.max_new_tokens=64 algo.group_size=4 train.prompts_per_step=8
 $python - "$out" <<'EOF'
