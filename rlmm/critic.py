@@ -23,7 +23,6 @@ class Critic:
         if warmup_steps < 0:
             raise ValueError(f"algo.critic_warmup_steps: must be >= 0, got {warmup_steps}")
         self.trainer, self.warmup_steps, self.steps = trainer, warmup_steps, 0
-        self.actual_precision = trainer.actual_precision
 
     @property
     def warming_up(self) -> bool:

@@ -13,7 +13,7 @@ from rlmm.precision import SidePrecision
 from rlmm.samplers.base import Rollouts, SamplingOptions
 from rlmm.trainers.optim import linear_warmup
 from rlmm.trainers.memory import ActivationBudget, optimizer_state_bytes, prepare_for_training
-from rlmm.trainers.scoring import MinibatchUpdate, score_rollouts
+from rlmm.trainers.scoring import MinibatchUpdate, model_scores, score_rollouts
 
 
 # DeepSpeed engine attributes that count steps (the LR schedule and loss scaler read them).
@@ -232,12 +232,7 @@ class DeepSpeedTrainer:
         return None
 
     def _forward(self, ids: torch.Tensor, attention: torch.Tensor, keep: int) -> torch.Tensor:
-        device = self.engine.device
-        if self.head is None:  # a value model: [b, keep] values
-            return self.engine(input_ids=ids.to(device), attention_mask=attention.to(device),
-                               use_cache=False).logits[:, -keep:, 0]
-        return self.engine(input_ids=ids.to(device), attention_mask=attention.to(device), logits_to_keep=keep,
-                           use_cache=False).logits
+        return model_scores(self.engine, ids, attention, keep, self.engine.device, value_model=self.head is None)
 
     def logprobs(self, rollouts: Rollouts, micro_batch_size: int | None = None) -> torch.Tensor:
         return score_rollouts(self._forward, self.head, rollouts, self.sampling,

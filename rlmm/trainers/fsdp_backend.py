@@ -24,12 +24,12 @@ import torch
 
 from rlmm.devices import init_process_group, select_device
 from rlmm.models.head import install_output_head
-from rlmm.models.loading import load_value_model, model_precision, padding_id
+from rlmm.models.loading import load_value_model, padding_id
 from rlmm.precision import SidePrecision, dtype_name
 from rlmm.samplers.base import Rollouts, SamplingOptions
 from rlmm.trainers.memory import ActivationBudget, optimizer_state_bytes, prepare_for_training
 from rlmm.trainers.optim import linear_warmup
-from rlmm.trainers.scoring import MinibatchUpdate, score_rollouts
+from rlmm.trainers.scoring import MinibatchUpdate, model_scores, score_rollouts
 
 REDUCE_DTYPES = ("fp32", "bf16", "fp16")
 
@@ -105,7 +105,6 @@ class FSDPTrainer:
                                                                              reduce_dtype=torch.float32))
         fully_shard(model, mesh=mesh, mp_policy=policy)
         self.model = model
-        self.compute_dtype = compute
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
         self.lr_schedule = linear_warmup(self.optimizer, warmup_steps)
         if precision.dtype == "fp16" and not (initial_loss_scale > 0 and loss_scale_growth_interval >= 1):
@@ -130,10 +129,7 @@ class FSDPTrainer:
         return None
 
     def _forward(self, ids: torch.Tensor, attention: torch.Tensor, keep: int) -> torch.Tensor:
-        ids, attention = ids.to(self.device), attention.to(self.device)
-        if self.head is None:  # a value model: [b, keep] values
-            return self.model(input_ids=ids, attention_mask=attention, use_cache=False).logits[:, -keep:, 0]
-        return self.model(input_ids=ids, attention_mask=attention, logits_to_keep=keep, use_cache=False).logits
+        return model_scores(self.model, ids, attention, keep, self.device, value_model=self.head is None)
 
     def logprobs(self, rollouts: Rollouts, micro_batch_size: int | None = None) -> torch.Tensor:
         return score_rollouts(self._forward, self.head, rollouts, self.sampling,

@@ -35,6 +35,17 @@ def micro_batch_tokens(rollouts: Rollouts, rows: list[int], size: int) -> list[i
             for chunk in micro_batches(rows, size)]
 
 
+def model_scores(model: torch.nn.Module, ids: torch.Tensor, attention: torch.Tensor, keep: int,
+                 device: torch.device, value_model: bool) -> torch.Tensor:
+    """A backend's forward (`ForwardFn`) on `model` (the module, or the engine that wraps it): the aimed
+    `OutputHead`'s [b, keep, 2] (log π, entropy) of the trailing `keep` positions, or, for a value model
+    (PPO's critic, no LM head), its [b, keep] values there."""
+    ids, attention = ids.to(device), attention.to(device)
+    if value_model:
+        return model(input_ids=ids, attention_mask=attention, use_cache=False).logits[:, -keep:, 0]
+    return model(input_ids=ids, attention_mask=attention, logits_to_keep=keep, use_cache=False).logits
+
+
 def packed(rollouts: Rollouts, rows: list[int], pad_id: int) -> tuple[torch.Tensor, ...]:
     """`rows` as one right-padded batch: ids and attention mask [b, L], `keep` (the trailing positions that
     predict a response token), and [b, T] `index` into those positions and `tokens` (the response tokens)."""
@@ -116,12 +127,12 @@ class MinibatchUpdate:
         self.micro_batches = micro_batches(rows, micro_batch_size)
         self._forward, self._head, self._options, self._pad_id = forward, head, options, pad_id
         self._budget = budget
-        self._graphs_fit = budget.for_update(model, micro_batch_tokens(rollouts, rows, micro_batch_size))
-        self._micro_batch_size = micro_batch_size
+        self._tokens = micro_batch_tokens(rollouts, rows, micro_batch_size)
+        self._graphs_fit = budget.for_update(model, self._tokens)
 
     @property
     def holds_graphs(self) -> bool:
-        return self._graphs_fit(sum(micro_batch_tokens(self.rollouts, self.rows, self._micro_batch_size)))
+        return self._graphs_fit(sum(self._tokens))
 
     def forward(self, micro_batch: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """[b, T] log π and entropy of the micro-batch's response tokens, differentiable (a value model:

@@ -21,7 +21,7 @@ from rlmm.precision import SidePrecision
 from rlmm.samplers.base import Rollouts, SamplingOptions
 from rlmm.trainers.optim import linear_warmup
 from rlmm.trainers.memory import ActivationBudget, optimizer_state_bytes, prepare_for_training
-from rlmm.trainers.scoring import MinibatchUpdate, score_rollouts
+from rlmm.trainers.scoring import MinibatchUpdate, model_scores, score_rollouts
 
 
 class TorchTrainer:
@@ -83,11 +83,7 @@ class TorchTrainer:
         self.actual_precision = model_precision(self.model)
 
     def _forward(self, ids: torch.Tensor, attention: torch.Tensor, keep: int) -> torch.Tensor:
-        if self.head is None:  # a value model: [b, keep] values
-            return self.model(input_ids=ids.to(self.device), attention_mask=attention.to(self.device),
-                              use_cache=False).logits[:, -keep:, 0]
-        return self.model(input_ids=ids.to(self.device), attention_mask=attention.to(self.device),
-                          logits_to_keep=keep, use_cache=False).logits
+        return model_scores(self.model, ids, attention, keep, self.device, value_model=self.head is None)
 
     def logprobs(self, rollouts: Rollouts, micro_batch_size: int | None = None) -> torch.Tensor:
         return score_rollouts(self._forward, self.head, rollouts, self.sampling,
