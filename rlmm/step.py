@@ -176,7 +176,7 @@ def critic_step(c: Components, rollouts: Rollouts, rows: list[int], old_values: 
     """One optimizer step of the critic on the minibatch `rows`: the algorithm's value loss of each
     micro-batch against the returns, its values before the step as the clip's anchor."""
     update = c.critic.begin_update(rollouts, rows)
-    normalizer = tokens_over_ranks(mask[rows])
+    normalizer = divisor_over_ranks(float(mask[rows].sum().clamp_min(1)))  # token-level, as the policy's
     parts = []
     for micro in update.micro_batches:
         values, _ = update.forward(micro)
@@ -200,17 +200,6 @@ def critic_metrics(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tens
             **{f"critic/{k}": sum(m[k] for m in losses) / len(losses)
                for k in ("loss", "value_clipfrac", "grad_norm") if losses},
             "critic/warming_up": float(warming_up)}
-
-
-def tokens_over_ranks(mask: torch.Tensor) -> float:
-    """The critic loss's divisor: the mean over ranks of each rank's token count (as
-    `loss_normalizer_over_ranks` for a token-level loss)."""
-    local = float(mask.sum().clamp_min(1))
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return local
-    total = torch.tensor([local], dtype=torch.float64)
-    dist.all_reduce(total)
-    return total.item() / dist.get_world_size()
 
 
 def sample_groups(c: Components, prompts: list, refill: Callable[[int], list] | None,
@@ -276,16 +265,17 @@ def minibatch_rows(num_rows: int, minibatches: int) -> list[list[int]]:
 
 
 def loss_normalizer_over_ranks(algo, mask: torch.Tensor, max_length: int) -> float:
-    """The loss divisor of one rank's share of a minibatch, so that the ranks' gradients, averaged by
-    the trainer, are the gradient of the whole minibatch's loss: the mean over ranks of each rank's own
+    """The algorithm's loss divisor of one rank's share of a minibatch, agreed over ranks
+    (`divisor_over_ranks`)."""
+    return divisor_over_ranks(algo.loss_normalizer(mask, max_length=max_length))
+
+
+def divisor_over_ranks(local: float) -> float:
+    """The loss divisor every rank uses for its share of a minibatch, so that the ranks' gradients, averaged
+    by the trainer, are the gradient of the whole minibatch's loss: the mean over ranks of each rank's own
     divisor. Token-level: each rank divides by (all ranks' kept tokens) / ranks, not by its own count,
     which would weight a token of a rank with short responses more than one of a rank with long ones."""
-    local = algo.loss_normalizer(mask, max_length=max_length)
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return local
-    total = torch.tensor([local], dtype=torch.float64)
-    dist.all_reduce(total)
-    return total.item() / dist.get_world_size()
+    return mean_over_ranks({"divisor": local})["divisor"]
 
 
 def nonfinite_hint(fractions: dict[str, float], c: Components) -> str:

@@ -73,8 +73,10 @@ def run_train(cfg: DictConfig, run_dir: Path, choices: dict[str, str], logger) -
                    total=options.steps, disable=None if rank == 0 else True)
         for step in bar:
             step_prompts = train_examples[(step - 1) * options.prompts_per_step: step * options.prompts_per_step]
-            refill = lambda sampling_round, step=step: rank_share(  # noqa: E731  (DAPO's dynamic sampling)
-                refill_prompts(train_examples, cfg.seed, step, sampling_round, options.prompts_per_step), rank, world)
+            def refill(sampling_round: int, step: int = step) -> list:  # DAPO's dynamic sampling
+                return rank_share(refill_prompts(train_examples, cfg.seed, step, sampling_round,
+                                                 options.prompts_per_step), rank, world)
+
             metrics = mean_over_ranks(rl_step(components, rank_share(step_prompts, rank, world), options.ratio_cap,
                                               options.reuse_training_forward, refill))
             bad_in_a_row = bad_in_a_row + 1 if metrics["train/skipped"] else 0

@@ -92,8 +92,9 @@ class GRPO:
     def __init__(self, group_size: int, normalize_std: bool, clip_low: float, clip_high: float,
                  loss_aggregation: str, kl_coef: float, kl_estimator: str, entropy_coef: float, epochs: int,
                  minibatches: int):
-        if group_size < 2:
-            raise ValueError(f"algo.group_size: must be >= 2, got {group_size} (a group of one has advantage 0)")
+        if group_size < self.min_group_size:
+            raise ValueError(f"algo.group_size: must be >= {self.min_group_size}, got {group_size}"
+                             + (" (a group of one has advantage 0)" if self.min_group_size == 2 else ""))
         if not 0 < clip_low < 1:
             raise ValueError(f"algo.clip_low: must be in (0, 1), got {clip_low}")
         if not clip_high > 0:
@@ -127,6 +128,7 @@ class GRPO:
     # (PPO's settings for one: rlmm/critic.py).
     max_sampling_rounds = 0
     critic = None
+    min_group_size = 2  # advantages relative to the group need two responses (PPO's critic needs one)
 
     def keep_groups(self, rewards: Tensor) -> Tensor:
         """``[num_prompts]`` bool: which sampled groups the step trains on (here: all)."""

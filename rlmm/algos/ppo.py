@@ -40,13 +40,14 @@ def gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float)
     token_rewards = torch.zeros_like(v)
     rows = torch.nonzero(lengths > 0).squeeze(1)
     token_rewards[rows, lengths[rows] - 1] = rewards.to(torch.float64)[rows]
+    # V(s_{t+1}) and whether token t+1 exists: one column past the end, 0 and False (v is 0 on padding).
+    next_value = torch.cat([v[:, 1:], torch.zeros_like(v[:, :1])], dim=1)
+    following = torch.cat([m[:, 1:], torch.zeros_like(m[:, :1])], dim=1)
     advantages = torch.zeros_like(v)
     running = torch.zeros(v.size(0), dtype=torch.float64)
     for t in reversed(range(v.size(1))):
-        following = m[:, t + 1] if t + 1 < v.size(1) else torch.zeros_like(m[:, 0])
-        next_value = torch.where(following, v[:, t + 1] if t + 1 < v.size(1) else 0.0, 0.0)
-        delta = token_rewards[:, t] + gamma * next_value - v[:, t]
-        running = delta + gamma * lam * torch.where(following, running, 0.0)
+        delta = token_rewards[:, t] + gamma * next_value[:, t] - v[:, t]
+        running = delta + gamma * lam * torch.where(following[:, t], running, 0.0)
         advantages[:, t] = torch.where(m[:, t], running, 0.0)
     returns = torch.where(m, advantages + v, 0.0)
     return advantages.float(), returns.float()
@@ -66,13 +67,13 @@ class PPO(GRPO):
         critic_warmup_steps: RL steps at the start that train the critic alone.
     """
 
+    min_group_size = 1  # the critic gives every response its own baseline: one per prompt is enough
+
     def __init__(self, group_size: int, clip_low: float, clip_high: float, loss_aggregation: str, kl_coef: float,
                  kl_estimator: str, entropy_coef: float, epochs: int, minibatches: int, gamma: float, lam: float,
                  whiten_advantages: bool, value_clip: float, critic_lr: float, critic_warmup_steps: int):
-        super().__init__(max(group_size, 2), False, clip_low, clip_high, loss_aggregation, kl_coef, kl_estimator,
+        super().__init__(group_size, False, clip_low, clip_high, loss_aggregation, kl_coef, kl_estimator,
                          entropy_coef, epochs, minibatches)
-        if group_size < 1:
-            raise ValueError(f"algo.group_size: must be >= 1, got {group_size}")
         for name, value in (("gamma", gamma), ("lam", lam)):
             if not 0 <= value <= 1:
                 raise ValueError(f"algo.{name}: must be in [0, 1], got {value}")
@@ -80,7 +81,6 @@ class PPO(GRPO):
             raise ValueError(f"algo.value_clip: must be >= 0 (0: off), got {value_clip}")
         if not critic_lr > 0:
             raise ValueError(f"algo.critic_lr: must be > 0, got {critic_lr}")
-        self.group_size = group_size  # PPO needs no group: one response per prompt is allowed
         self.gamma, self.lam, self.whiten = float(gamma), float(lam), bool(whiten_advantages)
         self.value_clip = float(value_clip)
         self.critic = {"lr": float(critic_lr), "warmup_steps": int(critic_warmup_steps)}
