@@ -8,17 +8,12 @@ from rlmm.errors import fail
 
 def check_overrides(config_name: str, overrides: list[str]) -> None:
     """Compose and validate the config for every combination of the (sweep) overrides."""
-    from hydra import compose, initialize_config_dir
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
-    from hydra.core.global_hydra import GlobalHydra
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException, InstantiationException
     from hydra.utils import instantiate
-    from omegaconf import open_dict
     from omegaconf.errors import OmegaConfBaseException
 
-    import rlmm.schema  # noqa: F401  (registers the schemas)
-    from rlmm.config import group_options, validate
     from rlmm.errors import ConfigError
 
     ours = [o for o in overrides if not o.lstrip("+~").startswith("hydra")]
@@ -35,7 +30,40 @@ def check_overrides(config_name: str, overrides: list[str]) -> None:
         # Hydra merges appended groups in command-line order: the experiment's sizes would win silently.
         fail("+debug=... must come after +experiment=... (the last appended group wins; "
              "e.g. rlmm train +experiment=NAME +debug=train)")
-    for override in parsed + hydra_groups:  # unknown option of a group: name it and list the choices
+    fail_on_unknown_options(parsed + hydra_groups)
+    from rlmm.launcher import launcher_target
+
+    elsewhere = runs_on_another_machine(launcher_target(config_name, overrides) or "")
+    combinations = [batch for batches in BasicSweeper.split_arguments(parsed, None) for batch in batches]
+    combinations = with_config_sweep_params(config_name, combinations)
+    for combination in combinations:
+        try:
+            cfg, _ = composed_and_validated(config_name, combination)
+            # These constructors only check their arguments (paths, dtype names, ranges), so bad
+            # values surface here, before a sweep is submitted or an engine starts.
+            for group in ("model", "precision", "correction", "algo"):
+                if group in cfg:
+                    instantiate(cfg[group])
+            if not elsewhere:  # a SLURM job asks its own node's hardware when it starts
+                check_engines_support(cfg)
+            if "probe" in cfg:
+                from rlmm.probe import check_micro_batch_sizes
+
+                check_micro_batch_sizes(cfg.probe.trainer_micro_batch_sizes)
+        except (ConfigError, ValueError) as err:
+            fail(str(err).splitlines()[0])
+        except InstantiationException as err:
+            fail(str(err.__cause__ or err).splitlines()[0])
+        except (HydraException, OmegaConfBaseException) as err:
+            fail(_one_line(err) + _allowed_keys_hint(config_name, combination, err))
+
+
+def fail_on_unknown_options(parsed: list) -> None:
+    """For parsed overrides of config groups (rlmm's, and Hydra's own `hydra/...`): an option the group does
+    not have fails in one line naming the group's options."""
+    from rlmm.config import group_options
+
+    for override in parsed:
         group = override.key_or_group
         options = _hydra_group_options(group) if group.startswith("hydra/") else group_options(group)
         if options and not override.is_delete():
@@ -43,41 +71,29 @@ def check_overrides(config_name: str, overrides: list[str]) -> None:
             for value in values:
                 if str(value) not in options:
                     fail(f"unknown {group} '{value}' (allowed: {', '.join(options)})")
-    from rlmm.launcher import launcher_target
 
-    elsewhere = runs_on_another_machine(launcher_target(config_name, overrides) or "")
-    combinations = [batch for batches in BasicSweeper.split_arguments(parsed, None) for batch in batches]
-    combinations = with_config_sweep_params(config_name, combinations)
-    from rlmm.config import CONF_DIR
 
-    for combination in combinations:
+def composed_and_validated(config_name: str, combination: list[str]):
+    """The app's config for one combination of overrides (its `hydra` node dropped) and its group choices,
+    validated against the schemas (`rlmm.config.validate`)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from omegaconf import open_dict
+
+    import rlmm.schema  # noqa: F401  (registers the schemas)
+    from rlmm.config import CONF_DIR, validate
+
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            cfg = compose(config_name, overrides=combination, return_hydra_config=True)
+    finally:
         GlobalHydra.instance().clear()
-        try:
-            with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-                cfg = compose(config_name, overrides=combination, return_hydra_config=True)
-                choices = dict(cfg.hydra.runtime.choices)
-                with open_dict(cfg):
-                    del cfg["hydra"]
-                validate(cfg, choices)
-                # These constructors only check their arguments (paths, dtype names, ranges), so bad
-                # values surface here, before a sweep is submitted or an engine starts.
-                for group in ("model", "precision", "correction", "algo"):
-                    if group in cfg:
-                        instantiate(cfg[group])
-                if not elsewhere:  # a SLURM job asks its own node's hardware when it starts
-                    check_engines_support(cfg)
-                if "probe" in cfg:
-                    from rlmm.probe import check_micro_batch_sizes
-
-                    check_micro_batch_sizes(cfg.probe.trainer_micro_batch_sizes)
-        except (ConfigError, ValueError) as err:
-            fail(str(err).splitlines()[0])
-        except InstantiationException as err:
-            fail(str(err.__cause__ or err).splitlines()[0])
-        except (HydraException, OmegaConfBaseException) as err:
-            fail(_one_line(err) + _allowed_keys_hint(config_name, combination, err))
-        finally:
-            GlobalHydra.instance().clear()
+    choices = dict(cfg.hydra.runtime.choices)
+    with open_dict(cfg):
+        del cfg["hydra"]
+    validate(cfg, choices)
+    return cfg, choices
 
 
 def with_config_sweep_params(config_name: str, combinations: list[list[str]]) -> list[list[str]]:

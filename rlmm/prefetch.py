@@ -64,39 +64,23 @@ def main(argv: list[str]) -> None:
 def composed(app: str, overrides: list[str]) -> list[tuple]:
     """(config, group choices) for every combination of the overrides, as the app composes them,
     each validated against its schemas; a bad value fails in one line."""
-    from hydra import compose, initialize_config_dir
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
     from hydra.core.global_hydra import GlobalHydra
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
-    from omegaconf import open_dict
     from omegaconf.errors import OmegaConfBaseException
 
-    import rlmm.schema  # noqa: F401  (registers the schemas)
+    from rlmm.config import ConfigError
     from rlmm.errors import fail
-    from rlmm.overrides import with_config_sweep_params
-    from rlmm.config import CONF_DIR, ConfigError, group_options, validate
+    from rlmm.overrides import composed_and_validated, fail_on_unknown_options, with_config_sweep_params
 
     ours = [o for o in overrides if not o.lstrip("+~").startswith("hydra")]  # Hydra's own: launcher, dirs
-    configs = []
     try:
         parsed = OverridesParser.create().parse_overrides(ours)
-        for override in parsed:  # an unknown option of a group: name it and list the choices
-            options = group_options(override.key_or_group)
-            values = list(override.sweep_string_iterator()) if override.is_sweep_override() else [override.value()]
-            for value in values if options and not override.is_delete() else []:
-                if str(value) not in options:
-                    fail(f"unknown {override.key_or_group} '{value}' (allowed: {', '.join(options)})")
+        fail_on_unknown_options(parsed)
         combinations = [batch for batches in BasicSweeper.split_arguments(parsed, None) for batch in batches]
-        for combination in with_config_sweep_params(app, combinations):
-            GlobalHydra.instance().clear()
-            with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-                cfg = compose(app, overrides=combination, return_hydra_config=True)
-            choices = dict(cfg.hydra.runtime.choices)
-            with open_dict(cfg):
-                del cfg["hydra"]
-            validate(cfg, choices)
-            configs.append((cfg, choices))
+        configs = [composed_and_validated(app, combination)
+                   for combination in with_config_sweep_params(app, combinations)]
     except ConfigError as err:
         fail(str(err))
     except (HydraException, OmegaConfBaseException) as err:
