@@ -1,4 +1,4 @@
-"""Aggregation over seeds: Student's t quantile (no scipy), the 95% confidence interval's half-width,
+"""Aggregation over seeds: Student's t quantile, the 95% confidence interval's half-width,
 and `aggregate`, one row per (configuration, metric) with mean, CI, std and run counts."""
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import math
 import statistics
 
 import pandas as pd
+from scipy import stats
 
 from rlmm.table.frames import check_metrics, direction, varying_axes
 
@@ -13,42 +14,10 @@ CONFIDENCE = 0.95
 
 
 def t_quantile(p: float, dof: int) -> float:
-    """Quantile of Student's t with `dof` (integer) degrees of freedom: q with P(T <= q) = p.
-
-    Bisection on the exact closed-form CDF for integer dof (Abramowitz & Stegun, Handbook of
-    Mathematical Functions, 26.7.3-26.7.4), with θ = atan(t/√ν) and A(t|ν) = P(|T| <= t):
-      ν odd:  A = (2/π) [θ + sinθ (cosθ + (2/3)cos³θ + ... + (2·4···(ν−3))/(3·5···(ν−2)) cos^(ν−2)θ)]
-      ν even: A = sinθ [1 + (1/2)cos²θ + (1·3)/(2·4)cos⁴θ + ... + (1·3···(ν−3))/(2·4···(ν−2)) cos^(ν−2)θ]
-    (scipy.stats.t.ppf gives the same; scipy is not a dependency.)
-    """
+    """Quantile of Student's t with `dof` degrees of freedom: q with P(T <= q) = p (scipy.stats.t.ppf)."""
     if dof < 1 or not 0 < p < 1:
         raise ValueError(f"t_quantile: need dof >= 1 and 0 < p < 1 (got dof={dof}, p={p})")
-    if p < 0.5:
-        return -t_quantile(1 - p, dof)
-    target = 2 * p - 1
-    lo, hi = 0.0, 1.0
-    while _t_two_sided(hi, dof) < target:
-        hi *= 2
-    for _ in range(200):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if _t_two_sided(mid, dof) < target else (lo, mid)
-    return (lo + hi) / 2
-
-
-def _t_two_sided(t: float, dof: int) -> float:
-    theta = math.atan(t / math.sqrt(dof))
-    s, c = math.sin(theta), math.cos(theta)
-    if dof % 2:
-        term = total = c if dof > 1 else 0.0
-        for j in range(1, (dof - 1) // 2):
-            term *= (2 * j) / (2 * j + 1) * c * c
-            total += term
-        return 2 / math.pi * (theta + s * total)
-    term = total = 1.0
-    for j in range(1, dof // 2):
-        term *= (2 * j - 1) / (2 * j) * c * c
-        total += term
-    return s * total
+    return float(stats.t.ppf(p, dof))
 
 
 def ci_half_width(values: list[float], confidence: float = CONFIDENCE) -> float:
