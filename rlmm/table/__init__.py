@@ -3,7 +3,9 @@
 Reads every run of a sweep (a Hydra multirun directory of `rlmm train -m` or `rlmm probe -m`, or W&B
 runs), groups the runs by the overrides that vary across them, aggregates each chosen metric over the
 seeds (mean and a Student-t 95% confidence interval), and writes `table.md`, `table.csv`, `table.tex`,
-`curves.png` and `bars.png`.
+`curves.png` and `bars.png`; with `--baseline KEY=VALUE`, the paired differences of every other value of
+KEY from VALUE (same seed and same other overrides), with a 95% interval and Holm-adjusted p-values,
+in `paired.md`, `paired.csv`, `paired.tex` and `paired.png` (see `paired`).
 
     runs = load_runs(["multirun/2026-11-29/10-00-00"])          # one row per run
     varying_axes(runs)                                            # ['precision', 'correction']
@@ -21,8 +23,9 @@ Only complete runs are counted in the table unless `include_incomplete` is set (
 then counts with the values of its last recorded step).
 
 Modules: `discovery` (finding runs, reading their records), `wandb_source` (W&B runs), `frames` (pandas
-frames, metric specs), `stats` (t quantile, confidence intervals, aggregation), `render` (Markdown,
-LaTeX, CSV), `plots`; `base` holds what they share. This module is the `rlmm table` command.
+frames, metric specs), `stats` (t quantile, confidence intervals, aggregation), `paired` (pairing runs
+with a baseline's, paired differences, Holm), `render` (Markdown, LaTeX, CSV), `plots`; `base` holds
+what they share. This module is the `rlmm table` command.
 """
 from __future__ import annotations
 
@@ -35,12 +38,13 @@ from rlmm.errors import fail
 from rlmm.table.base import Run, TableError
 from rlmm.table.discovery import read_runs
 from rlmm.table.frames import DEFAULT_METRICS, check_metrics, default_metrics, direction, load_runs, varying_axes
+from rlmm.table.paired import INTERVALS, pair_runs, paired_differences, parse_baseline
 from rlmm.table.render import cell, write_outputs
 from rlmm.table.stats import aggregate, ci_half_width, t_quantile
 from rlmm.table.wandb_source import _wandb_run, parse_wandb_source
 
 __all__ = ["Run", "TableError", "read_runs", "load_runs", "varying_axes", "direction", "default_metrics",
-           "aggregate", "ci_half_width", "t_quantile", "cell", "write_outputs", "parse_wandb_source", "_wandb_run",
+           "aggregate", "ci_half_width", "t_quantile", "parse_baseline", "pair_runs", "paired_differences", "cell", "write_outputs", "parse_wandb_source", "_wandb_run",
            "main"]
 
 
@@ -69,7 +73,14 @@ def main(argv: list[str] | None = None) -> None:
                         help="metrics whose best is the max (repeatable)")
     parser.add_argument("--include-incomplete", action="store_true",
                         help="count killed/unfinished runs at their last step")
+    parser.add_argument("--baseline", metavar="KEY=VALUE",
+                        help="paired differences of KEY's other values from VALUE (runs paired by seed and every "
+                        "other override), 95%% interval, Holm-adjusted p; writes paired.md/.csv/.tex/.png")
+    parser.add_argument("--interval", choices=INTERVALS,
+                        help="interval of the paired differences: t (default) or bootstrap (percentile, seed 0)")
     args = parser.parse_args(argv)
+    if args.interval and not args.baseline:
+        fail("--interval applies to the paired differences: it needs --baseline KEY=VALUE")
     directions = {**{p: "min" for p in args.lower_is_better}, **{p: "max" for p in args.higher_is_better}}
     try:
         runs = read_runs(args.sources)
@@ -79,8 +90,10 @@ def main(argv: list[str] | None = None) -> None:
             counts = df["status"].value_counts()
             raise TableError(f"no run recorded a metric ({', '.join(f'{n} {s}' for s, n in counts.items())})")
         check_metrics(df, metrics)
+        baseline = parse_baseline(args.baseline, df) if args.baseline else None
         out = args.out or default_out(args.sources)
-        text, written = write_outputs(runs, df, metrics, out, args.include_incomplete)
+        text, written = write_outputs(runs, df, metrics, out, args.include_incomplete, baseline,
+                                      args.interval or "t")
     except TableError as err:
         fail(str(err))
     print(text)

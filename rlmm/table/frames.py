@@ -106,6 +106,11 @@ def check_metrics(df: pd.DataFrame, metrics: list[str]) -> list[tuple[str, str]]
     return parsed
 
 
+def reduction_label(name: str, reduction: str, df: pd.DataFrame) -> str:
+    """How tables name a reduction: 'final', 'mean', or 'best (min)' / 'best (max)'."""
+    return f"best ({direction(name, df.attrs.get('directions'))})" if reduction == "best" else reduction
+
+
 def default_metrics(df: pd.DataFrame) -> list[str]:
     kinds = df.loc[df["kind"] != "", "kind"]
     kind = kinds.mode().iloc[0] if len(kinds) else "train"

@@ -1,5 +1,6 @@
-"""The figures: `curves.png` (each metric over steps, one line per configuration, CI band) and `bars.png`
-(the headline metric per configuration, CI error bars). matplotlib is imported on first use."""
+"""The figures: `curves.png` (each metric over steps, one line per configuration, CI band), `bars.png`
+(the headline metric per configuration, CI error bars) and `paired.png` (the paired differences from a
+baseline with their intervals, the significant ones marked). matplotlib is imported on first use."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -81,6 +82,41 @@ def plot_bars(agg: pd.DataFrame, path: Path, by: list[str]) -> None:
         ax.set_xscale("log")
     ax.set_xlabel(f"{head['metric'].iloc[0]} ({head['reduction'].iloc[0]})")
     ax.set_title(f"mean ± {CONFIDENCE:.0%} CI over seeds", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_paired(paired: pd.DataFrame, path: Path, key: str, baseline: str) -> None:
+    """One panel per metric: each arm's (and configuration's) mean paired difference from the baseline,
+    error bars = its 95% interval, a line at 0; red with a star where Holm-adjusted p < 0.05."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = list(paired.groupby(["metric", "reduction"], sort=False))
+    rows = max((len(p) for _, p in panels), default=1)
+    fig, axes = plt.subplots(1, max(len(panels), 1), figsize=(2.5 + 3.5 * max(len(panels), 1), 1.4 + 0.4 * rows),
+                             squeeze=False, sharey=True)  # every metric has the same rows
+    for ax, ((metric, reduction), panel) in zip(axes[0], panels):
+        y = range(len(panel))
+        mean = panel["mean_diff"].to_numpy()
+        err = [(panel["mean_diff"] - panel["ci_low"]).fillna(0).to_numpy(),
+               (panel["ci_high"] - panel["mean_diff"]).fillna(0).to_numpy()]
+        for i, significant in enumerate(panel["significant"]):
+            color = "C3" if significant else "C0"
+            ax.errorbar(mean[i], i, xerr=[[err[0][i]], [err[1][i]]], fmt="o", color=color, capsize=3)
+            if significant:
+                ax.annotate("*", (mean[i], i), textcoords="offset points", xytext=(0, 4), ha="center", color=color)
+        ax.axvline(0, color="grey", linewidth=0.8)
+        ax.ticklabel_format(axis="x", style="sci", scilimits=(-2, 3))
+        labels = [" ".join(f"{k}={r[k]}" for k in paired.attrs["axes"]) for _, r in panel.iterrows()]
+        ax.set_yticks(list(y), labels, fontsize=8)
+        ax.set_ylim(len(panel) - 0.5, -0.5)  # first row on top, as in the table
+        ax.set_title(f"{metric} ({reduction})", fontsize=9)
+    fig.suptitle(f"Δ = arm − {key}={baseline}, paired by seed, {CONFIDENCE:.0%} CI; red *: Holm-adjusted p < 0.05",
+                 fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -8,7 +8,7 @@ import statistics
 import pandas as pd
 from scipy import stats
 
-from rlmm.table.frames import check_metrics, direction, varying_axes
+from rlmm.table.frames import check_metrics, reduction_label, varying_axes
 
 CONFIDENCE = 0.95
 
@@ -31,6 +31,11 @@ def ci_half_width(values: list[float], confidence: float = CONFIDENCE) -> float:
     return t_quantile((1 + confidence) / 2, n - 1) * s / math.sqrt(n)
 
 
+def counted_runs(df: pd.DataFrame, include_incomplete: bool = False) -> pd.Series:
+    """Which runs count (a boolean per row): complete ones, and incomplete ones if asked."""
+    return df["status"].isin(["complete", "incomplete"] if include_incomplete else ["complete"])
+
+
 def aggregate(df: pd.DataFrame, metrics: list[str], by: list[str] | None = None,
               include_incomplete: bool = False) -> pd.DataFrame:
     """One row per (configuration, metric): the axes `by` (default `varying_axes(df)`), `metric`,
@@ -40,7 +45,7 @@ def aggregate(df: pd.DataFrame, metrics: list[str], by: list[str] | None = None,
     Configurations keep the order of their first run."""
     parsed = check_metrics(df, metrics)
     by = varying_axes(df) if by is None else list(by)
-    counted = df["status"].isin(["complete", "incomplete"] if include_incomplete else ["complete"])
+    counted = counted_runs(df, include_incomplete)
     groups = df.groupby(by, sort=False, dropna=False) if by else [((), df)]
     rows = []
     for key, group in groups:
@@ -52,8 +57,8 @@ def aggregate(df: pd.DataFrame, metrics: list[str], by: list[str] | None = None,
             n = len(values)
             mean = statistics.mean(values) if n else math.nan
             std = statistics.stdev(values) if n > 1 else math.nan
-            label = f"best ({direction(name, df.attrs.get('directions'))})" if reduction == "best" else reduction
-            rows.append({**dict(zip(by, key)), "metric": name, "reduction": label, "mean": mean,
+            rows.append({**dict(zip(by, key)), "metric": name, "reduction": reduction_label(name, reduction, df),
+                         "mean": mean,
                          "ci95": ci_half_width(values), "std": std, "n": n,
                          "ok": int(status.get("complete", 0)), "incomplete": int(status.get("incomplete", 0)),
                          "failed": int(status.get("failed", 0))})
