@@ -3,6 +3,9 @@
     <run dir>/checkpoints/step-000040/model.safetensors  full weights (Hugging Face names), from rank 0
     <run dir>/checkpoints/step-000040/rank0.pt, rank1.pt  per rank: trainer state (optimizer, ZeRO partition,
                                                           LR schedule, step counters) and torch's RNG state
+    <run dir>/checkpoints/step-000040/shards/            the states' sharded tensors (DTensors: FSDP's optimizer
+                                                          moments), written by `torch.distributed.checkpoint`,
+                                                          each rank its own shard
     <run dir>/checkpoints/step-000040/critic.safetensors  the critic's weights, when the algorithm has one (PPO)
     <run dir>/checkpoints/step-000040/state.json         step, the sampler's request counter
     <run dir>/checkpoints/latest                         name of the newest *complete* checkpoint
@@ -26,6 +29,9 @@ from pathlib import Path
 import torch
 
 CHECKPOINTS = "checkpoints"
+SHARDS = "shards"
+# Where a sharded tensor stood in a rank's state (rankN.pt); its data is in shards/ under its path.
+IN_SHARDS = "<in shards/>"
 
 
 def _rank_and_world() -> tuple[int, int]:
@@ -69,8 +75,13 @@ def save(run_dir: str | Path, step: int, trainer, sampler, critic=None, keep: in
             save_file({k: v.detach().cpu().clone().contiguous() for k, v in critic_weights.items()},
                       path / "critic.safetensors")
     _barrier()
-    torch.save({"trainer": trainer.checkpoint_state(), "torch_rng": torch.get_rng_state(),
-                **({"critic": critic.checkpoint_state()} if critic is not None else {})}, path / f"rank{rank}.pt")
+    rank_state, shards = split_sharded({"trainer": trainer.checkpoint_state(), "torch_rng": torch.get_rng_state(),
+                                        **({"critic": critic.checkpoint_state()} if critic is not None else {})})
+    if shards:  # a collective: every rank of a sharded trainer has them
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(shards, checkpoint_id=path / SHARDS)
+    torch.save(rank_state, path / f"rank{rank}.pt")
     _barrier()
     if rank == 0:
         state = {"step": step, "world_size": world, "sampler_calls": sampler.calls}
@@ -100,6 +111,14 @@ def load(path: Path, trainer, sampler, critic=None) -> dict:
     with torch.serialization.safe_globals(allowed):
         # map_location: a GPU run's states come back on the CPU (every rank reads every rank's file)
         rank_states = [torch.load(path / f"rank{r}.pt", weights_only=True, map_location="cpu") for r in range(world)]
+    # The sharded tensors come back into a fresh state's own (laid out over this run's ranks as they were).
+    _, shards = split_sharded({"trainer": trainer.checkpoint_state(),
+                               **({"critic": critic.checkpoint_state()} if critic is not None else {})})
+    if shards:
+        import torch.distributed.checkpoint as dcp
+
+        dcp.load(shards, checkpoint_id=path / SHARDS)
+        rank_states[rank] = joined_sharded(rank_states[rank], shards)
     weights = load_file(path / "model.safetensors")
     trainer.load_checkpoint(weights, [s["trainer"] for s in rank_states])
     if critic is not None:
@@ -108,3 +127,40 @@ def load(path: Path, trainer, sampler, critic=None) -> dict:
     sampler.calls = state["sampler_calls"]
     sampler.load_weights(trainer.state_dict())
     return state
+
+
+def split_sharded(state: dict, prefix: str = "") -> tuple[dict, dict[str, torch.Tensor]]:
+    """`state` with every DTensor (a tensor sharded over the ranks) replaced by `IN_SHARDS`, and those
+    DTensors by their path ("trainer/optimizer/state/<param>/exp_avg"), for `torch.distributed.checkpoint`:
+    it writes each rank's shard of them once, where `torch.save` of a rank's state would write only that
+    rank's local piece with no record of the layout."""
+    from torch.distributed.tensor import DTensor
+
+    kept, shards = {}, {}
+    for key, value in state.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, DTensor):
+            kept[key], shards[path] = IN_SHARDS, value
+        elif isinstance(value, dict):
+            kept[key], inner = split_sharded(value, f"{path}/")
+            shards.update(inner)
+        else:
+            kept[key] = value
+    return kept, shards
+
+
+def joined_sharded(state: dict, shards: dict[str, torch.Tensor], prefix: str = "") -> dict:
+    """The inverse of `split_sharded`: each `IN_SHARDS` in `state` replaced by its tensor from `shards`."""
+    joined = {}
+    for key, value in state.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, str) and value == IN_SHARDS:
+            if path not in shards:
+                raise ValueError(f"train.resume: the checkpoint's sharded tensor '{path}' has no counterpart in this "
+                                 f"run's trainer (resume with the run's own trainer and algo, or train.resume=false)")
+            joined[key] = shards[path]
+        elif isinstance(value, dict):
+            joined[key] = joined_sharded(value, shards, f"{path}/")
+        else:
+            joined[key] = value
+    return joined

@@ -146,45 +146,25 @@ class FSDPTrainer:
         return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True))
 
     def checkpoint_state(self) -> dict:
-        """This rank's shard of the optimizer state (`torch.distributed.checkpoint.state_dict`'s sharded
-        optimizer state dict, each DTensor as its local shard: plain tensors, so every rank writes only its
-        own part), the schedule and the loss scaler."""
+        """The optimizer state as `torch.distributed.checkpoint.state_dict` shards it (each moment a DTensor:
+        `rlmm.checkpoint` writes those with `torch.distributed.checkpoint`, each rank its own shard), the
+        schedule and the loss scaler."""
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-        from torch.distributed.tensor import DTensor
 
-        sharded = get_optimizer_state_dict(self.model, self.optimizer)
-        local = {name: {key: value.to_local() if isinstance(value, DTensor) else value for key, value in state.items()}
-                 for name, state in sharded["state"].items()}
-        return {"optimizer": {"state": local, "param_groups": sharded["param_groups"]},
+        return {"optimizer": get_optimizer_state_dict(self.model, self.optimizer),
                 "lr_schedule": self.lr_schedule.state_dict(), "grad_scaler": self.grad_scaler.state_dict()}
 
     def load_checkpoint(self, weights: dict[str, torch.Tensor], rank_states: list[dict]) -> None:
+        import torch.distributed as dist
         from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
                                                              set_optimizer_state_dict)
-
-        import torch.distributed as dist
-
-        from torch.distributed.tensor import DTensor
 
         if len(rank_states) != dist.get_world_size():
             raise ValueError(f"train.resume: the checkpoint was written by {len(rank_states)} ranks, this run has "
                              f"{dist.get_world_size()} (resume with the same number of ranks)")
         own = rank_states[dist.get_rank()]
         set_model_state_dict(self.model, weights, options=StateDictOptions(full_state_dict=True))
-        # Each local shard back into a DTensor laid out as its parameter is (moments have its shape).
-        params = dict(self.model.named_parameters())
-
-        def sharded(name: str, value):
-            param = params[name]
-            if isinstance(param, DTensor) and torch.is_tensor(value) and value.dim() > 0:
-                return DTensor.from_local(value.to(param.device), param.device_mesh, param.placements,
-                                          shape=param.shape, stride=param.stride())
-            return value
-
-        state = {name: {key: sharded(name, value) for key, value in entry.items()}
-                 for name, entry in own["optimizer"]["state"].items()}
-        set_optimizer_state_dict(self.model, self.optimizer, {"state": state,
-                                                              "param_groups": own["optimizer"]["param_groups"]})
+        set_optimizer_state_dict(self.model, self.optimizer, own["optimizer"])
         self.lr_schedule.load_state_dict(own["lr_schedule"])
         if self.grad_scaler.is_enabled():
             self.grad_scaler.load_state_dict(own["grad_scaler"])
