@@ -2,7 +2,7 @@
 backend; rank 0 writes the new weights. Run under torchrun by test_update (2 ranks) and called in-process
 by it (1 rank): the two must give the same update.
 
-    torchrun --nproc_per_node 2 tests/ranks_step.py MODEL_PATH ROLLOUTS_JSON OUT_DIR
+    torchrun --nproc_per_node 2 tests/ranks_step.py MODEL_PATH ROLLOUTS_JSON OUT_DIR [TRAINER_VALUES_JSON]
 """
 from __future__ import annotations
 
@@ -57,8 +57,9 @@ class ReplaySampler:
         pass
 
 
-def step_on_share(model_path: str, recorded: dict, backend: str, scratch: Path) -> dict[str, torch.Tensor]:
-    """This rank's trainer after one step on its share of the recorded prompts (SGD, token-level TIS)."""
+def step_on_share(model_path: str, recorded: dict, backend: str, scratch: Path, **values) -> dict[str, torch.Tensor]:
+    """This rank's trainer after one step on its share of the recorded prompts (SGD, token-level TIS);
+    `values`: other trainer YAML values (e.g. a token budget)."""
     import torch.distributed as dist
     from transformers import AutoTokenizer
 
@@ -71,7 +72,7 @@ def step_on_share(model_path: str, recorded: dict, backend: str, scratch: Path) 
     task = from_yaml("task", "arithmetic", seed=0, careless_demos=0.0)
     examples = {e.prompt: e for e in task.examples("train", 64)}
     prompts = [examples[p] for p in recorded["prompts"]]
-    trainer = sgd_trainer(backend, model_path, scratch, rows_per_minibatch=len(prompts) // world * GROUP)
+    trainer = sgd_trainer(backend, model_path, scratch, rows_per_minibatch=len(prompts) // world * GROUP, **values)
     c = Components(task=OddLengthReward(task), tokenizer=AutoTokenizer.from_pretrained(model_path),
                    sampler=ReplaySampler(recorded), trainer=trainer, correction=TokenTIS(cap=2.0), algo=algo(),
                    sampling=OPTIONS)
@@ -92,8 +93,9 @@ def main() -> None:
     model_path, replay, out_dir = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
     init_process_group()
     recorded = json.loads(replay.read_text())
+    values = json.loads(sys.argv[4]) if len(sys.argv) > 4 else {}
     for backend in BACKENDS:
-        weights = step_on_share(model_path, recorded, backend, out_dir)
+        weights = step_on_share(model_path, recorded, backend, out_dir, **values)
         if dist.get_rank() == 0:
             save_file(weights, out_dir / f"{backend}-{dist.get_world_size()}.safetensors")
 

@@ -89,9 +89,9 @@ class RecordingSampler:
 
 
 def sgd_trainer(backend: str, model_path: str, tmp_path: Path, rows_per_minibatch: int, micro_batch_size: int = 8,
-                lr: float = 1.0):
+                lr: float = 1.0, **values):
     """A trainer whose optimizer is plain SGD (no clipping), so an update is -lr x the gradient.
-    `deepspeed-zero3`: DeepSpeed with its parameters partitioned (ZeRO-3)."""
+    `deepspeed-zero3`: DeepSpeed with its parameters partitioned (ZeRO-3). `values`: other YAML values."""
     accumulation_steps = math.ceil(rows_per_minibatch / micro_batch_size)
     if backend.startswith("deepspeed"):
         config = tmp_path / "sgd.json"
@@ -100,15 +100,17 @@ def sgd_trainer(backend: str, model_path: str, tmp_path: Path, rows_per_minibatc
         return from_yaml("trainer", "deepspeed", model_path=model_path, precision=FP32, sampling=OPTIONS,
                          micro_batch_size=micro_batch_size, grad_clip=0.0,
                          zero_stage=int(backend[-1]) if backend.startswith("deepspeed-zero") else 0,
-                         config_file=str(config), accumulation_steps=accumulation_steps)
+                         config_file=str(config), accumulation_steps=accumulation_steps, **values)
 
     if backend == "fsdp":
         trainer = from_yaml("trainer", "fsdp", model_path=model_path, precision=FP32, sampling=OPTIONS,
-                            micro_batch_size=micro_batch_size, grad_clip=0.0, accumulation_steps=accumulation_steps)
+                            micro_batch_size=micro_batch_size, grad_clip=0.0, accumulation_steps=accumulation_steps,
+                            **values)
         trainer.optimizer = torch.optim.SGD(trainer.model.parameters(), lr=lr)  # the fp32 shards
         return trainer
     trainer = from_yaml("trainer", "torch", model_path=model_path, precision=FP32, sampling=OPTIONS,
-                        micro_batch_size=micro_batch_size, grad_clip=0.0, accumulation_steps=accumulation_steps)
+                        micro_batch_size=micro_batch_size, grad_clip=0.0, accumulation_steps=accumulation_steps,
+                        **values)
     trainer.optimizer = torch.optim.SGD(trainer.optimized_params, lr=lr)
     return trainer
 

@@ -13,6 +13,7 @@ from rlmm.precision import SidePrecision
 from rlmm.samplers.base import Rollouts, SamplingOptions
 from rlmm.trainers.optim import linear_warmup
 from rlmm.trainers.memory import ActivationBudget, optimizer_state_bytes, prepare_for_training
+from rlmm.trainers.packing import Batch, MicroBatching, use_varlen_attention
 from rlmm.trainers.scoring import MinibatchUpdate, model_scores, score_rollouts
 
 
@@ -123,6 +124,9 @@ class FP32HeadOptimizer:
 class DeepSpeedTrainer:
     """Args:
         micro_batch_size: rollouts per forward pass.
+        micro_batch_tokens: null, or micro-batches of at most this many tokens instead (rows longest first;
+            rlmm/trainers/packing.py).
+        padding_free: each micro-batch's sequences packed into one row without padding (packing.py).
         zero_stage: ZeRO stage 0-3.
         lr, weight_decay: AdamW (torch's implementation, so it runs on CPU too).
         warmup_steps: linear learning-rate warm-up over this many optimizer steps (0: none).
@@ -134,7 +138,9 @@ class DeepSpeedTrainer:
             update whose largest micro-batch would not fit otherwise (rlmm/trainers/memory.py).
         config_file: a DeepSpeed JSON of your own, merged over the config rlmm derives from the values
             above and the precision (yours wins key by key; batch sizes stay rlmm's, they follow the run).
-        accumulation_steps: micro-batches per optimizer step (set by the app from the minibatch size).
+        accumulation_steps: micro-batches per optimizer step (set by the app from the minibatch size; DeepSpeed's
+            `gradient_accumulation_steps`, though the optimizer steps at each minibatch's last micro-batch,
+            whatever their count: `DeepSpeedUpdate` sets the boundary itself).
         value_head: a value model instead of the policy (PPO's critic, rlmm/critic.py; set by the app).
 
     An fp32 LM head under a 16-bit body (precision `*_fp32head`) trains as a parameter group of its own:
@@ -148,13 +154,12 @@ class DeepSpeedTrainer:
     def __init__(self, model_path: str, precision: SidePrecision, sampling: SamplingOptions, micro_batch_size: int,
                  zero_stage: int, lr: float, weight_decay: float, warmup_steps: int, grad_clip: float,
                  logits_chunk_size: int, gradient_checkpointing: bool | None, config_file: str | None,
-                 accumulation_steps: int, value_head: bool = False):
+                 micro_batch_tokens: int | None, padding_free: bool, accumulation_steps: int, value_head: bool = False):
         import deepspeed
         import torch.distributed as dist
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        if micro_batch_size < 1:
-            raise ValueError(f"trainer.micro_batch_size: must be >= 1, got {micro_batch_size}")
+        self.batching = MicroBatching(micro_batch_size, micro_batch_tokens, padding_free)
         if zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"trainer.zero_stage: unknown stage {zero_stage} (allowed: 0, 1, 2, 3)")
         if precision.fp32_head and zero_stage == 3:
@@ -164,7 +169,6 @@ class DeepSpeedTrainer:
         if problem:
             raise ValueError(problem)
         self.sampling = sampling
-        self.micro_batch_size = micro_batch_size
         self.device = select_device()
         forget_stale_groups()
         init_process_group()
@@ -176,6 +180,8 @@ class DeepSpeedTrainer:
             fp32_head = model.get_output_embeddings().weight.detach().clone() if precision.fp32_head else None
             self.head = install_output_head(model, fp32=precision.fp32_head, chunk_size=logits_chunk_size,
                                             fp32_weight=fp32_head)
+        if padding_free:
+            use_varlen_attention(model, self.device, precision.torch_dtype)
         prepare_for_training(model, gradient_checkpointing)
         config = {
             "train_micro_batch_size_per_gpu": micro_batch_size,
@@ -231,12 +237,12 @@ class DeepSpeedTrainer:
                     f"trainer=torch scores in any)")
         return None
 
-    def _forward(self, ids: torch.Tensor, attention: torch.Tensor, keep: int) -> torch.Tensor:
-        return model_scores(self.engine, ids, attention, keep, self.engine.device, value_model=self.head is None)
+    def _forward(self, batch: Batch) -> torch.Tensor:
+        return model_scores(self.engine, batch, self.engine.device, value_model=self.head is None)
 
     def logprobs(self, rollouts: Rollouts, micro_batch_size: int | None = None) -> torch.Tensor:
-        return score_rollouts(self._forward, self.head, rollouts, self.sampling,
-                              micro_batch_size or self.micro_batch_size, self.pad_id)
+        return score_rollouts(self._forward, self.head, rollouts, self.sampling, self.batching.sized(micro_batch_size),
+                              self.pad_id)
 
     def begin_update(self, rollouts: Rollouts, rows: list[int]) -> DeepSpeedUpdate:
         return DeepSpeedUpdate(self, rollouts, rows)
@@ -304,17 +310,18 @@ class DeepSpeedTrainer:
 
 
 class DeepSpeedUpdate(MinibatchUpdate):
-    """One optimizer step of `DeepSpeedTrainer` on exactly `accumulation_steps` micro-batches (see
-    `MinibatchUpdate`). DeepSpeed steps its optimizer at the accumulation boundary, inside the last
-    micro-batch's `backward`; `step()` then reports. A non-finite gradient skips the step
+    """One optimizer step of `DeepSpeedTrainer` (see `MinibatchUpdate`). DeepSpeed steps its optimizer at
+    the accumulation boundary, inside the last micro-batch's `backward`; `step()` then reports. The boundary
+    is set here (`set_gradient_accumulation_boundary`) at the minibatch's last micro-batch, not counted by
+    the engine from `accumulation_steps`, since a token budget makes the count vary per minibatch. A non-finite gradient skips the step
     (metrics["skipped"] = 1, DeepSpeed's skipped_steps + 1): in fp16/bf16 DeepSpeed's loss scaler does it,
     in fp32 rlmm drops the gradients first."""
 
     def __init__(self, trainer: DeepSpeedTrainer, rollouts: Rollouts, rows: list[int]):
         engine = trainer.engine
         super().__init__(trainer._forward, trainer.head, rollouts, rows, trainer.sampling, trainer.pad_id,
-                         trainer.micro_batch_size, trainer.budget, engine.module)
-        self.trainer, self.engine = trainer, engine
+                         trainer.batching, trainer.budget, engine.module)
+        self.trainer, self.engine, self.backwards = trainer, engine, 0
         self.own_norm: float | None = None  # ZeRO-0: DeepSpeed reports no norm, rlmm takes it
         self.skipped = False
         self.skipped_before = engine.skipped_steps
@@ -324,6 +331,9 @@ class DeepSpeedUpdate(MinibatchUpdate):
 
     def backward(self, loss: torch.Tensor) -> None:
         engine, head = self.engine, self.trainer.head_optimizer
+        self.backwards += 1
+        # Reduce (ZeRO-1/2/3: partition) and step after the minibatch's last micro-batch, whatever the count.
+        engine.set_gradient_accumulation_boundary(self.backwards == len(self.micro_batches))
         # The loss is already normalised by the whole minibatch: no extra 1/accumulation_steps.
         engine.backward(loss, scale_wrt_gas=False)
         if not engine.is_gradient_accumulation_boundary():
@@ -353,8 +363,9 @@ class DeepSpeedUpdate(MinibatchUpdate):
     def step(self) -> dict[str, float]:
         engine, head = self.engine, self.trainer.head_optimizer
         self._settled()
-        if engine.micro_steps % engine.gradient_accumulation_steps() != 0:
-            raise RuntimeError("DeepSpeedUpdate: the minibatch did not fill accumulation_steps micro-batches")
+        if self.backwards != len(self.micro_batches):
+            raise RuntimeError(f"DeepSpeedUpdate: step() after {self.backwards} of the minibatch's "
+                               f"{len(self.micro_batches)} micro-batches")
         metrics = {"lr": self.lr}
         if self.loss_scale is not None:
             metrics["loss_scale"] = self.loss_scale

@@ -29,6 +29,7 @@ from rlmm.precision import SidePrecision, dtype_name
 from rlmm.samplers.base import Rollouts, SamplingOptions
 from rlmm.trainers.memory import ActivationBudget, optimizer_state_bytes, prepare_for_training
 from rlmm.trainers.optim import linear_warmup
+from rlmm.trainers.packing import Batch, MicroBatching, use_varlen_attention
 from rlmm.trainers.scoring import MinibatchUpdate, model_scores, score_rollouts
 
 REDUCE_DTYPES = ("fp32", "bf16", "fp16")
@@ -49,6 +50,9 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 class FSDPTrainer:
     """Args:
         micro_batch_size: rollouts per forward pass.
+        micro_batch_tokens: null, or micro-batches of at most this many tokens instead (rows longest first;
+            every rank runs the same count: rlmm/trainers/packing.py).
+        padding_free: each micro-batch's sequences packed into one row without padding (packing.py).
         lr, weight_decay: AdamW (on the fp32 shards).
         warmup_steps: linear learning-rate warm-up over this many optimizer steps (0: none).
         grad_clip: clip the global gradient norm to this (0: off).
@@ -64,7 +68,8 @@ class FSDPTrainer:
     def __init__(self, model_path: str, precision: SidePrecision, sampling: SamplingOptions, micro_batch_size: int,
                  lr: float, weight_decay: float, warmup_steps: int, grad_clip: float, logits_chunk_size: int,
                  gradient_checkpointing: bool | None, reduce_dtype: str, initial_loss_scale: float,
-                 loss_scale_growth_interval: int, accumulation_steps: int, value_head: bool = False):
+                 loss_scale_growth_interval: int, micro_batch_tokens: int | None, padding_free: bool,
+                 accumulation_steps: int, value_head: bool = False):
         import warnings
 
         import torch.distributed as dist
@@ -72,14 +77,13 @@ class FSDPTrainer:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        if micro_batch_size < 1:
-            raise ValueError(f"trainer.micro_batch_size: must be >= 1, got {micro_batch_size}")
+        self.batching = MicroBatching(micro_batch_size, micro_batch_tokens, padding_free)
         if not lr > 0:
             raise ValueError(f"trainer.lr: must be > 0, got {lr}")
         if reduce_dtype not in REDUCE_DTYPES:
             raise ValueError(f"trainer.reduce_dtype: unknown dtype '{reduce_dtype}' (allowed: "
                              f"{', '.join(REDUCE_DTYPES)})")
-        self.sampling, self.micro_batch_size, self.grad_clip = sampling, micro_batch_size, grad_clip
+        self.sampling, self.grad_clip = sampling, grad_clip
         self.device = select_device()
         init_process_group()
         # rlmm never changes a unit's output in place (it slices it), the case this warning is about.
@@ -95,6 +99,8 @@ class FSDPTrainer:
             fp32_head = model.get_output_embeddings().weight.detach().clone() if precision.fp32_head else None
             self.head = install_output_head(model, fp32=precision.fp32_head, chunk_size=logits_chunk_size,
                                             fp32_weight=fp32_head)
+        if padding_free:
+            use_varlen_attention(model, self.device, compute)
         prepare_for_training(model, gradient_checkpointing)
         reduce = SidePrecision(reduce_dtype, False).torch_dtype
         policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=reduce)
@@ -128,12 +134,12 @@ class FSDPTrainer:
         """None: FSDP2's mixed precision casts to any of rlmm's dtypes on CPU and GPU."""
         return None
 
-    def _forward(self, ids: torch.Tensor, attention: torch.Tensor, keep: int) -> torch.Tensor:
-        return model_scores(self.model, ids, attention, keep, self.device, value_model=self.head is None)
+    def _forward(self, batch: Batch) -> torch.Tensor:
+        return model_scores(self.model, batch, self.device, value_model=self.head is None)
 
     def logprobs(self, rollouts: Rollouts, micro_batch_size: int | None = None) -> torch.Tensor:
-        return score_rollouts(self._forward, self.head, rollouts, self.sampling,
-                              micro_batch_size or self.micro_batch_size, self.pad_id)
+        return score_rollouts(self._forward, self.head, rollouts, self.sampling, self.batching.sized(micro_batch_size),
+                              self.pad_id)
 
     def begin_update(self, rollouts: Rollouts, rows: list[int]) -> FSDPUpdate:
         return FSDPUpdate(self, rollouts, rows)
@@ -185,7 +191,7 @@ class FSDPUpdate(MinibatchUpdate):
     def __init__(self, trainer: FSDPTrainer, rollouts: Rollouts, rows: list[int]):
         trainer.optimizer.zero_grad(set_to_none=True)
         super().__init__(trainer._forward, trainer.head, rollouts, rows, trainer.sampling, trainer.pad_id,
-                         trainer.micro_batch_size, trainer.budget, trainer.model)
+                         trainer.batching, trainer.budget, trainer.model)
         self.trainer, self.backwards = trainer, 0
 
     def backward(self, loss: torch.Tensor) -> None:

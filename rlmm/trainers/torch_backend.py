@@ -21,12 +21,16 @@ from rlmm.precision import SidePrecision
 from rlmm.samplers.base import Rollouts, SamplingOptions
 from rlmm.trainers.optim import linear_warmup
 from rlmm.trainers.memory import ActivationBudget, optimizer_state_bytes, prepare_for_training
+from rlmm.trainers.packing import Batch, MicroBatching, use_varlen_attention
 from rlmm.trainers.scoring import MinibatchUpdate, model_scores, score_rollouts
 
 
 class TorchTrainer:
     """Args:
         micro_batch_size: rollouts per forward pass (batch shape changes the numerics).
+        micro_batch_tokens: null, or micro-batches of at most this many tokens instead (rows longest first;
+            rlmm/trainers/packing.py).
+        padding_free: each micro-batch's sequences packed into one row without padding (packing.py).
         lr, weight_decay: AdamW.
         warmup_steps: linear learning-rate warm-up over this many optimizer steps (0: none).
         grad_clip: clip the global gradient norm to this (0: off).
@@ -45,15 +49,14 @@ class TorchTrainer:
     def __init__(self, model_path: str, precision: SidePrecision, sampling: SamplingOptions, micro_batch_size: int,
                  lr: float, weight_decay: float, warmup_steps: int, grad_clip: float, logits_chunk_size: int,
                  gradient_checkpointing: bool | None, initial_loss_scale: float, loss_scale_growth_interval: int,
-                 accumulation_steps: int, value_head: bool = False):
+                 micro_batch_tokens: int | None, padding_free: bool, accumulation_steps: int,
+                 value_head: bool = False):
         from transformers import AutoTokenizer
 
-        if micro_batch_size < 1:
-            raise ValueError(f"trainer.micro_batch_size: must be >= 1, got {micro_batch_size}")
+        self.batching = MicroBatching(micro_batch_size, micro_batch_tokens, padding_free)
         if not lr > 0:
             raise ValueError(f"trainer.lr: must be > 0, got {lr}")
         self.sampling = sampling
-        self.micro_batch_size = micro_batch_size
         self.grad_clip = grad_clip
         self.device = select_device()
         if value_head:  # PPO's critic: the policy's body with a scalar head (rlmm/critic.py)
@@ -62,6 +65,8 @@ class TorchTrainer:
             self.model = load_causal_lm(model_path, precision, trainable=True, logits_chunk_size=logits_chunk_size,
                                         device=self.device)
             self.head = self.model.get_output_embeddings()
+        if padding_free:
+            use_varlen_attention(self.model, self.device, precision.torch_dtype)
         prepare_for_training(self.model, gradient_checkpointing)
         params = list(self.model.parameters())
         # fp32 weights are their own master copy; 16-bit ones get one in fp32 for AdamW to update.
@@ -82,12 +87,12 @@ class TorchTrainer:
         self.pad_id = padding_id(tokenizer, model_path)
         self.actual_precision = model_precision(self.model)
 
-    def _forward(self, ids: torch.Tensor, attention: torch.Tensor, keep: int) -> torch.Tensor:
-        return model_scores(self.model, ids, attention, keep, self.device, value_model=self.head is None)
+    def _forward(self, batch: Batch) -> torch.Tensor:
+        return model_scores(self.model, batch, self.device, value_model=self.head is None)
 
     def logprobs(self, rollouts: Rollouts, micro_batch_size: int | None = None) -> torch.Tensor:
-        return score_rollouts(self._forward, self.head, rollouts, self.sampling,
-                              micro_batch_size or self.micro_batch_size, self.pad_id)
+        return score_rollouts(self._forward, self.head, rollouts, self.sampling, self.batching.sized(micro_batch_size),
+                              self.pad_id)
 
     def begin_update(self, rollouts: Rollouts, rows: list[int]) -> TorchUpdate:
         return TorchUpdate(self, rollouts, rows)
@@ -133,7 +138,7 @@ class TorchUpdate(MinibatchUpdate):
     def __init__(self, trainer: TorchTrainer, rollouts: Rollouts, rows: list[int]):
         trainer.optimizer.zero_grad(set_to_none=True)
         super().__init__(trainer._forward, trainer.head, rollouts, rows, trainer.sampling, trainer.pad_id,
-                         trainer.micro_batch_size, trainer.budget, trainer.model)
+                         trainer.batching, trainer.budget, trainer.model)
         self.trainer = trainer
 
     def backward(self, loss: torch.Tensor) -> None:
