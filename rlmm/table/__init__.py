@@ -44,7 +44,8 @@ from rlmm.table.stats import aggregate, ci_half_width, t_quantile
 from rlmm.table.wandb_source import _wandb_run, parse_wandb_source
 
 __all__ = ["Run", "TableError", "read_runs", "load_runs", "varying_axes", "direction", "default_metrics",
-           "aggregate", "ci_half_width", "t_quantile", "parse_baseline", "pair_runs", "paired_differences", "cell", "write_outputs", "parse_wandb_source", "_wandb_run",
+           "aggregate", "ci_half_width", "t_quantile", "parse_baseline", "pair_runs", "paired_differences", "cell",
+           "write_outputs", "parse_wandb_source", "_wandb_run",
            "main"]
 
 

@@ -98,7 +98,7 @@ def latex(wide: pd.DataFrame) -> str:
                       r"\bottomrule", r"\end{tabular}"]) + "\n"
 
 
-PAIRED_HEAD = ["n", "Δ mean", "95% CI", "p", "p (Holm)"]
+PAIRED_HEAD = ["n", "Δ mean", f"{CONFIDENCE:.0%} CI", "p", "p (Holm)"]
 
 
 def _number_or_dash(value) -> str:
@@ -112,14 +112,15 @@ def paired_markdown(paired: pd.DataFrame, unpaired: list[str], key: str, baselin
              _number_or_dash(r["mean_diff"]) + (" *" if r["significant"] else ""),
              "—" if math.isnan(r["ci_low"]) else f"[{format_number(r['ci_low'])}, {format_number(r['ci_high'])}]",
              _number_or_dash(r["p"]), _number_or_dash(r["p_holm"])] for r in paired.to_dict("records")]
-    interval = ("paired t" if (paired["interval"] == "t").all() else
-                f"percentile bootstrap of the mean, {BOOTSTRAP_RESAMPLES} resamples of the pairs, seed {BOOTSTRAP_SEED}")
+    interval = ("paired t" if (paired["interval"] == "t").all() else f"percentile bootstrap of the mean, "
+                f"{BOOTSTRAP_RESAMPLES} resamples of the pairs, seed {BOOTSTRAP_SEED}")
     return "\n".join([
         f"Paired differences from {key}={baseline}: Δ = arm − baseline over pairs of runs that agree on every "
         f"other override ({', '.join(paired.attrs['match']) or 'none varies'}).", "",
         markdown_table(["metric", *axes, *PAIRED_HEAD], rows), "",
-        f"95% CI: {interval}. p: two-sided paired t-test; p (Holm): Holm-adjusted over the comparisons of each "
-        f"metric; * p (Holm) < {ALPHA:g}; — where n < 2 or every difference is 0. n: pairs with a value in both runs.",
+        f"{CONFIDENCE:.0%} CI: {interval}. p: two-sided paired t-test; p (Holm): Holm-adjusted over the "
+        f"comparisons of each metric; * p (Holm) < {ALPHA:g}; — where n < 2 or every difference is 0. "
+        "n: pairs with a value in both runs.",
         "Unpaired runs: " + ("; ".join(unpaired) if unpaired else "none") + "."]) + "\n"
 
 
@@ -135,7 +136,7 @@ def paired_latex(paired: pd.DataFrame) -> str:
                  ci, tex_number(r["p"]), tex_number(r["p_holm"])]
         return " & ".join(cells) + r" \\"
 
-    head = [tex_text(c) for c in ("metric", *axes)] + [r"$n$", r"$\Delta$ mean", r"95\% CI", r"$p$",
+    head = [tex_text(c) for c in ("metric", *axes)] + [r"$n$", r"$\Delta$ mean", tex_text(PAIRED_HEAD[2]), r"$p$",
                                                        r"$p_{\mathrm{Holm}}$"]
     return "\n".join([r"\begin{tabular}{" + "l" * (1 + len(axes)) + "r" * len(PAIRED_HEAD) + "}", r"\toprule",
                       " & ".join(head) + r" \\", r"\midrule", *(row(r) for r in paired.to_dict("records")),
