@@ -7,7 +7,9 @@ metric, the n pairs give the differences dᵢ = armᵢ − baselineᵢ and
 
     mean   d̄ = Σ dᵢ / n
     95% CI d̄ ± t_{0.975, n−1} · s_d / √n           (paired t; `interval="t"`), or the 2.5% and 97.5%
-           percentiles of d̄ over 10 000 resamples of the pairs (`interval="bootstrap"`, seed 0)
+           percentiles of d̄ over 10 000 resamples of the pairs (`interval="bootstrap"`, seed 0; it
+           undercovers with few pairs: 3 pairs have 10 distinct resample means, so at 3 seeds it
+           is far narrower than the t interval, and the t interval is the one to read)
     p      two-sided paired t-test of E[d] = 0, t = d̄ √n / s_d (the same for both intervals)
     p_holm Holm's step-down adjustment of p over every comparison of the same metric in the table
            (all arms × configurations); `significant` = p_holm < 0.05

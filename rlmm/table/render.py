@@ -113,7 +113,8 @@ def paired_markdown(paired: pd.DataFrame, unpaired: list[str], key: str, baselin
              "—" if math.isnan(r["ci_low"]) else f"[{format_number(r['ci_low'])}, {format_number(r['ci_high'])}]",
              _number_or_dash(r["p"]), _number_or_dash(r["p_holm"])] for r in paired.to_dict("records")]
     interval = ("paired t" if (paired["interval"] == "t").all() else f"percentile bootstrap of the mean, "
-                f"{BOOTSTRAP_RESAMPLES} resamples of the pairs, seed {BOOTSTRAP_SEED}")
+                f"{BOOTSTRAP_RESAMPLES} resamples of the pairs, seed {BOOTSTRAP_SEED} (too narrow with few pairs: "
+                "n pairs have at most n^n distinct resamples; below about 10 pairs read the paired t interval)")
     return "\n".join([
         f"Paired differences from {key}={baseline}: Δ = arm − baseline over pairs of runs that agree on every "
         f"other override ({', '.join(paired.attrs['match']) or 'none varies'}).", "",
