@@ -63,8 +63,9 @@ def save(run_dir: str | Path, step: int, trainer, sampler, critic=None, keep: in
     rank, world = _rank_and_world()
     root = Path(run_dir) / CHECKPOINTS
     path = root / f"step-{step:06d}"
-    weights = trainer.state_dict()  # a collective under ZeRO-3
-    critic_weights = critic.state_dict() if critic is not None else None
+    # Read on every rank: a collective under ZeRO-3 and FSDP (whose weights are gathered as they are read).
+    weights = dict(trainer.state_dict().items())
+    critic_weights = dict(critic.state_dict().items()) if critic is not None else None
     if rank == 0:
         if path.exists():
             shutil.rmtree(path)

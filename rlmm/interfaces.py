@@ -12,6 +12,7 @@ Each config group's options are classes that satisfy one of these (structurally:
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -61,8 +62,10 @@ class Trainer(Protocol):
         """Start one optimizer step on the rollout rows `rows` (gradients zeroed)."""
         ...
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """Full Hugging Face-named weights for the sampler (a collective when the weights are sharded)."""
+    def state_dict(self) -> Mapping[str, torch.Tensor]:
+        """Full Hugging Face-named weights for the sampler. A collective when the weights are sharded (every
+        rank reads all of them, in the same order): ZeRO-3 gathers them here, FSDP as each is read
+        (`rlmm.trainers.weight_sync.GatheredWeights`)."""
         ...
 
     def checkpoint_state(self) -> dict:

@@ -51,7 +51,7 @@ def main() -> None:
     checkpoint.load(checkpoint.latest(out), second, RecordingSampler())
     for _ in range(2):
         minibatch_step(second, rollouts, rows, loss_fn)
-    resumed = second.state_dict()
+    resumed = dict(second.state_dict().items())  # every rank reads: each read is a gather
     if rank == 0:
         differing = [k for k in uninterrupted if not torch.equal(uninterrupted[k], resumed[k])]
         (out / "result.json").write_text(json.dumps({"differing": differing, "keys": len(uninterrupted)}))

@@ -44,3 +44,54 @@ def test_an_unknown_reduce_dtype_is_one_line(small_model_path):
     with pytest.raises(ValueError, match=r"trainer.reduce_dtype: unknown dtype 'fp8' \(allowed: fp32, bf16, fp16\)"):
         from_yaml("trainer", "fsdp", model_path=small_model_path, precision=SidePrecision("fp32", False),
                   sampling=sampling(), accumulation_steps=1, reduce_dtype="fp8")
+
+
+def test_weights_are_gathered_one_tensor_at_a_time_with_the_names_and_values_of_the_full_state_dict(
+        small_model_path, arithmetic_task):
+    """The weight sync reads `GatheredWeights`: the same names and (after an update) the same values as
+    torch.distributed.checkpoint's full state dict, gathered only when read."""
+    import torch
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.tensor import DTensor
+
+    from rlmm.trainers.weight_sync import GatheredWeights
+
+    trainer = build_trainer("fsdp", small_model_path, SidePrecision("bf16", True), sampling(), lr=1e-3)
+    try:
+        minibatch_step(trainer, fixed_rollouts(small_model_path, arithmetic_task), list(range(8)), loss_fn)
+        weights = trainer.state_dict()
+        full = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True))
+        assert isinstance(weights, GatheredWeights) and all(isinstance(v, DTensor) for v in weights.sharded.values())
+        assert list(weights) == list(full)
+        for name, value in weights.items():
+            assert not isinstance(value, DTensor) and torch.equal(value, full[name]), name
+    finally:
+        trainer.close()
+
+
+def test_a_nan_in_a_shard_stops_the_sync_before_anything_is_gathered_or_sent(small_model_path):
+    import torch
+
+    from rlmm.errors import NonFiniteWeights
+    from rlmm.trainers.weight_sync import send_weights
+
+    class Recording:
+        loaded: list = []
+
+        def load_weights(self, weights):
+            self.loaded.extend(weights.items())
+
+    trainer = build_trainer("fsdp", small_model_path, SidePrecision("fp32", False), sampling())
+    try:
+        sampler = Recording()
+        send_weights(trainer.state_dict(), sampler)
+        assert len(sampler.loaded) == len(trainer.state_dict())
+        sampler.loaded.clear()
+        last = list(trainer.model.parameters())[-1]
+        with torch.no_grad():
+            last.to_local().view(-1)[0] = float("nan")
+        with pytest.raises(NonFiniteWeights, match="were not sent to the sampler"):
+            send_weights(trainer.state_dict(), sampler)
+        assert sampler.loaded == []
+    finally:
+        trainer.close()

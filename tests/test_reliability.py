@@ -214,7 +214,7 @@ def test_fp16_overflow_skips_the_step_and_halves_the_loss_scale(small_model_path
 
 
 def test_all_finite_is_exact():
-    from rlmm.step import all_finite
+    from rlmm.trainers.weight_sync import all_finite
 
     weights = [torch.randn(64, 32), torch.randn(32, dtype=torch.bfloat16), torch.randn(8, dtype=torch.float16)]
     assert all_finite(weights)

@@ -31,6 +31,7 @@ from rlmm.trainers.memory import ActivationBudget, optimizer_state_bytes, prepar
 from rlmm.trainers.optim import linear_warmup
 from rlmm.trainers.packing import Batch, MicroBatching, use_varlen_attention
 from rlmm.trainers.scoring import MinibatchUpdate, model_scores, score_rollouts
+from rlmm.trainers.weight_sync import GatheredWeights
 
 REDUCE_DTYPES = ("fp32", "bf16", "fp16")
 
@@ -144,12 +145,13 @@ class FSDPTrainer:
     def begin_update(self, rollouts: Rollouts, rows: list[int]) -> FSDPUpdate:
         return FSDPUpdate(self, rollouts, rows)
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """Full Hugging Face-named fp32 weights on every rank (gathered from the shards: a collective, every
-        rank calls it; each rank's sampler loads them and casts to its own dtype)."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    def state_dict(self) -> GatheredWeights:
+        """Full Hugging Face-named fp32 weights, each gathered from its shards as it is read (a collective:
+        every rank reads them all in one order, as a weight sync does; each rank's sampler casts them to its
+        own dtype). One tensor at a time: the sync's extra peak is the largest tensor, not the model."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True))
+        return GatheredWeights(get_model_state_dict(self.model))
 
     def checkpoint_state(self) -> dict:
         """The optimizer state as `torch.distributed.checkpoint.state_dict` shards it (each moment a DTensor:
