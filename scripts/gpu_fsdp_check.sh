@@ -3,7 +3,8 @@
 # transformers but no package index): rlmm probe with the transformers sampler against trainer=fsdp and
 # trainer=torch on a Qwen2.5-0.5B-architecture model (random init, 151,936-token vocabulary) in bf16,
 # fp16, fp32 and bf16 + fp32 head, each trainer against itself at micro-batch sizes 1 and 32; then 3
-# steps of rlmm train with trainer=fsdp and algo=ppo (its critic too). Writes gpu_fsdp_check.json (the
+# steps of rlmm train with trainer=fsdp and algo=ppo (its critic too), and the FSDP weight sync's peak memory
+# (benchmarks/weight_sync_memory.py, one rank). Writes gpu_fsdp_check.json (the
 # figures) and the runs' logs into $OUT (or ./gpu_fsdp_check).
 #   Prepared here:   PY_SITE=.gpu_site (hydra, omegaconf, antlr4, submitit copied from .venv: pure Python),
 #                    MODEL_FILES=.gpu_model (the fullvocab model's config and tokenizer files)
@@ -46,6 +47,14 @@ if [ "${ONLY:-all}" != train ]; then  # ONLY=train: the training run alone
       run probe-$trainer-$precision probe "${common[@]}" "${probe[@]}" trainer=$trainer precision=$precision
     done
   done
+fi
+# The weight sync's extra peak GPU memory: full state dict vs one tensor at a time (benchmarks/README.md).
+started=$SECONDS
+if $python -m torch.distributed.run --standalone --nproc_per_node 1 benchmarks/weight_sync_memory.py /tmp/qwen \
+    "$out/weight_sync_memory_gpu.json" > /tmp/runs/weight_sync_memory.log 2>&1; then
+  echo "weight_sync_memory ok in $((SECONDS - started)) s"
+else
+  echo "weight_sync_memory FAILED"; tail -5 /tmp/runs/weight_sync_memory.log
 fi
 run train-fsdp-ppo train "${common[@]}" trainer=fsdp algo=ppo precision=bf16 +debug=train train.steps=3 \
     sampling.max_new_tokens=64 algo.group_size=4 train.prompts_per_step=8
