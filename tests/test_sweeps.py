@@ -239,16 +239,17 @@ def test_local_sweep_runs_every_job(small_model_path, tmp_path, held_port):
     check_table(sweep_dir, {"complete": 4})
 
 
-def test_slurm_job_of_two_tasks_trains_as_two_ranks(slurm_cluster, small_model_path, tmp_path):  # noqa: F811
-    """tasks_per_node=2: one job, two SLURM tasks, one DeepSpeed world of two gloo ranks (each rank
+@pytest.mark.parametrize("trainer", ["deepspeed", "fsdp"])
+def test_slurm_job_of_two_tasks_trains_as_two_ranks(slurm_cluster, small_model_path, tmp_path, trainer):  # noqa: F811
+    """tasks_per_node=2: one job, two SLURM tasks, one DeepSpeed or FSDP world of two gloo ranks (each rank
     samples half the prompts); rank 0 writes the record."""
     sweep_dir = tmp_path / "sweep"
-    result = sweep("slurm", sweep_dir, ["seed=0", "trainer=deepspeed", "sampler=hf", "model=hf",
+    result = sweep("slurm", sweep_dir, ["seed=0", f"trainer={trainer}", "sampler=hf", "model=hf",
                                         f"model.path={small_model_path}", "hydra.launcher.tasks_per_node=2"])
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
     runs = job_dirs(sweep_dir)
     assert sorted(runs) == [0]
-    check_complete(runs[0], {"trainer": "deepspeed"})
+    check_complete(runs[0], {"trainer": trainer})
     log_text = job_log(runs[0])
     assert "rank 0 of 2" in log_text and "rank 1 of 2" in log_text, log_text[-3000:]
     check_table(sweep_dir, {"complete": 1})
