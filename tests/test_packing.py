@@ -192,7 +192,6 @@ def test_two_ranks_agree_on_the_micro_batch_count(small_model_path, arithmetic_t
     from tests.ranks_step import BACKENDS, step_on_share
     from tests.test_update import components
 
-    budget = {"micro_batch_tokens": 48}
     c = components(small_model_path, arithmetic_task, None, None)
     prompts = arithmetic_task.examples("train", 6)
     rollouts = c.sampler.generate([c.tokenizer(e.prompt).input_ids for e in prompts], n=GROUP)
@@ -200,19 +199,19 @@ def test_two_ranks_agree_on_the_micro_batch_count(small_model_path, arithmetic_t
     recorded = {"prompts": [e.prompt for e in prompts], "group_size": GROUP, "prompt_ids": rollouts.prompt_ids,
                 "response_ids": rollouts.response_ids,
                 "sampler_logprobs": [lp.tolist() for lp in rollouts.sampler_logprobs]}
-    counts = []
-    for rank in (0, 1):
-        rows = [p * GROUP + j for p in rank_share(list(range(6)), rank, 2) for j in range(GROUP)]
-        counts.append(len(token_budget_groups([len(rollouts.prompt_ids[i]) + len(rollouts.response_ids[i])
-                                               for i in rows], budget["micro_batch_tokens"])))
-    assert counts[0] != counts[1], counts  # so the ranks must agree
+    lengths = [[len(rollouts.prompt_ids[i]) + len(rollouts.response_ids[i])
+                for p in rank_share(list(range(6)), rank, 2) for i in range(p * GROUP, (p + 1) * GROUP)]
+               for rank in (0, 1)]
+    # The largest budget under which the ranks' own shares need different counts, so they must agree.
+    tokens = max(b for b in range(16, 200) if len({len(token_budget_groups(share, b)) for share in lengths}) > 1)
+    budget = {"micro_batch_tokens": tokens}
     replay = tmp_path / "rollouts.json"
     replay.write_text(json.dumps(recorded))
     root = Path(__file__).parent.parent
     torchrun = Path(sys.executable).parent / "torchrun"
     result = subprocess.run([str(torchrun), "--standalone", "--nproc_per_node", "2", "tests/ranks_step.py",
                              small_model_path, str(replay), str(tmp_path), json.dumps(budget)],
-                            capture_output=True, text=True, timeout=400, cwd=root,
+                            capture_output=True, text=True, timeout=200, cwd=root,
                             env=subprocess_env(OMP_NUM_THREADS="1", PYTHONPATH=str(root)))
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
     initial = load_file(Path(small_model_path) / "model.safetensors")
