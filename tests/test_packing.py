@@ -27,7 +27,7 @@ from tests.test_update import GROUP, OPTIONS, relative_error, sgd_trainer, weigh
 
 FP32 = SidePrecision("fp32", False)
 ROWS = 12
-BUDGET = 64  # tokens: micro-batches of 2 to 4 of these rows (22 to 33 tokens each)
+BUDGET = 40  # tokens: 5 micro-batches of 2 or 3 of these rows (8 to 16 tokens each), not 3 of 4
 
 
 def variable_rollouts(model_path: str, task, rows: int = ROWS, seed: int = 0) -> Rollouts:
@@ -175,7 +175,7 @@ def test_the_same_update_as_fixed_padded_micro_batches(small_model_path, arithme
         finally:
             trainer.close()
         if "micro_batch_tokens" in values:
-            assert counts != [4, 4, 4], counts  # a different grouping really was used
+            assert len(counts) != 3, counts  # another count than the fixed 3 (DeepSpeed counts 3 to a step)
     assert max(v.abs().max().item() for v in changes["fixed"].values()) > 0
     assert relative_error(changes[mode], changes["fixed"]) < 1e-5
 
