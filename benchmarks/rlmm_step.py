@@ -140,10 +140,10 @@ def main() -> None:
 
     eval_seconds = None
     if job.get("eval_prompts"):
-        from rlmm.train import evaluate
+        from rlmm.train import accuracy
 
         start = time.perf_counter()
-        evaluate(c, c.task.examples("test", job["eval_prompts"]))
+        accuracy(c, c.sampler, c.task.examples("test", job["eval_prompts"]))  # the sampler's greedy eval
         eval_seconds = time.perf_counter() - start
     record.close()
     logger.finish()

@@ -34,6 +34,7 @@ class Components:
     sampling: SamplingOptions
     critic: Critic | None = None  # an algorithm with a value model (PPO)
     model_path: str = ""
+    trainer_precision: SidePrecision | None = None  # what the trainer side computes in (asked for)
     precision_report: dict = field(default_factory=dict)  # asked for vs what each engine really runs
 
     def close(self) -> None:
@@ -86,6 +87,7 @@ def build_components(cfg: DictConfig, prompts: Callable[[object], list],
                 raise
     return Components(task=task, tokenizer=tokenizer, sampler=sampler, trainer=trainer, correction=correction,
                       algo=algo, sampling=sampling, model_path=model_path, critic=critic,
+                      trainer_precision=precision.trainer,
                       precision_report=check_precision(precision, sampler.actual_precision, trainer.actual_precision))
 
 

@@ -53,6 +53,7 @@ class TrainOptions:
     prompts_per_step: int = MISSING
     eval_every: int = MISSING
     eval_prompts: int = MISSING
+    eval_trained_weights: bool = MISSING
     ratio_cap: float = MISSING
     checkpoint_every: int = MISSING
     resume: bool = MISSING

@@ -58,16 +58,15 @@ def run_train(cfg: DictConfig, run_dir: Path, choices: dict[str, str], logger) -
     train_examples = components.task.examples("train", options.steps * options.prompts_per_step)
     eval_examples = components.task.examples("test", options.eval_prompts)
 
-    def evaluate_on_rank_zero() -> float:
-        return evaluate(components, eval_examples) if rank == 0 else float("nan")
+    evaluate = Evaluation(components, eval_examples, options.eval_trained_weights, rank)
 
     # Signals are recorded from before the first logged row: a SIGTERM that lands between step 0's
     # evaluation and the loop must still end in a checkpoint, not in the default handler.
     with StopSignals() as stop:
         if first_step == 1:
-            accuracy = evaluate_on_rank_zero()
-            record.log({"eval/accuracy": accuracy}, step=0)
-            logger.log({"eval/accuracy": accuracy}, step=0)
+            accuracies = evaluate()
+            record.log(accuracies, step=0)
+            logger.log(accuracies, step=0)
         bad_in_a_row, bad_total, shown_accuracy = 0, 0, float("nan")
         bar = tqdm(range(first_step, options.steps + 1), desc="rlmm train", unit="step", initial=first_step - 1,
                    total=options.steps, disable=None if rank == 0 else True)
@@ -83,7 +82,8 @@ def run_train(cfg: DictConfig, run_dir: Path, choices: dict[str, str], logger) -
             bad_total += bool(metrics["train/skipped"])
             metrics.update({"train/bad_steps": bad_total, "train/bad_steps_in_a_row": bad_in_a_row})
             if step % options.eval_every == 0 or step == options.steps:
-                metrics["eval/accuracy"] = shown_accuracy = evaluate_on_rank_zero()
+                metrics.update(evaluate())
+                shown_accuracy = metrics["eval/accuracy"]
             record.log(metrics, step)
             logger.log(metrics, step=step)
             bar.set_postfix(reward=f"{metrics['rollout/reward_mean']:.3f}", kl_k3=f"{metrics['mismatch/kl_k3']:.1e}",
@@ -96,23 +96,27 @@ def run_train(cfg: DictConfig, run_dir: Path, choices: dict[str, str], logger) -
             if stopping or too_many_bad:
                 record.close()
                 logger.finish()
+                evaluate.close()
                 components.close()
                 if too_many_bad:
                     raise TrainingStopped(f"{bad_in_a_row} bad steps in a row (train.max_bad_steps="
                                           f"{options.max_bad_steps}) at step {step}; last good state in {saved}")
                 log.warning("stop signal %s at step %d: checkpoint in %s", stop.received, step, saved)
                 stop.hand_over()
-    history = [row for row in read_steps(run_dir) if row["step"] > 0] if rank == 0 else []
-    accuracy = {row["step"]: row["eval/accuracy"] for row in read_steps(run_dir)
-                if row.get("eval/accuracy") is not None}
-    summary = summarize(history, accuracy, choices, precision_report, options, world, time.perf_counter() - started,
-                        first_step) if rank == 0 else {}
+    rows = read_steps(run_dir) if rank == 0 else []
+    history = [row for row in rows if row["step"] > 0]
+    accuracy = {row["step"]: row["eval/accuracy"] for row in rows if row.get("eval/accuracy") is not None}
+    trained_accuracy = {row["step"]: row["eval/accuracy_trained"] for row in rows
+                        if row.get("eval/accuracy_trained") is not None}
+    summary = summarize(history, accuracy, trained_accuracy, choices, precision_report, options, world,
+                        time.perf_counter() - started, first_step) if rank == 0 else {}
     record.summary(summary)
     record.close()
     logger.summary(summary)
+    evaluate.close()
     components.close()
     if rank == 0:
-        plot_training(history, accuracy, run_dir / "training.png", choices)
+        plot_training(history, accuracy, trained_accuracy, run_dir / "training.png", choices)
         print_summary(summary)
     return summary
 
@@ -126,14 +130,54 @@ def refill_prompts(pool: list, seed: int, step: int, sampling_round: int, count:
     return random.Random(f"{seed}/{step}/{sampling_round}").sample(pool, count)
 
 
-def evaluate(c: Components, examples: list) -> float:
-    """Greedy accuracy on held-out prompts, with the sampler (the policy as deployed)."""
-    rollouts: Rollouts = c.sampler.generate([c.tokenizer(e.prompt).input_ids for e in examples], greedy=True)
+class Evaluation:
+    """Greedy accuracy on held-out prompts, on rank 0, of two policies:
+
+    - `eval/accuracy`: the deployed policy, i.e. the sampler (its kernels and precision, and the noise of
+      `sampler.perturb`): what the run's rollouts come from;
+    - `eval/accuracy_trained` (with `train.eval_trained_weights`): the trainer's weights as they are, with
+      no perturbation, greedy in the trainer side's precision through transformers (`sampler=hf` with
+      `perturb: 0`, built on rank 0 at the first call and loaded with the trainer's weights at each).
+
+    A correction that trains better but deploys through a bad sampler shows in the second, not the first.
+    Every rank calls it (reading the trainer's weights is a collective when they are sharded)."""
+
+    def __init__(self, c: Components, examples: list, trained_weights: bool, rank: int):
+        self.c, self.examples, self.trained_weights, self.rank = c, examples, trained_weights, rank
+        self.trained_engine = None
+
+    def __call__(self) -> dict[str, float]:
+        nan = float("nan")
+        weights = self.c.trainer.state_dict() if self.trained_weights else None
+        if self.rank != 0:
+            for _ in (weights or {}).values():  # take part in each tensor's gather
+                pass
+            return {"eval/accuracy": nan, **({"eval/accuracy_trained": nan} if weights is not None else {})}
+        accuracies = {"eval/accuracy": accuracy(self.c, self.c.sampler, self.examples)}
+        if weights is not None:
+            if self.trained_engine is None:
+                from rlmm.config import from_yaml
+
+                self.trained_engine = from_yaml("sampler", "hf", model_path=self.c.model_path, perturb=0.0,
+                                                precision=self.c.trainer_precision, sampling=self.c.sampling, seed=0)
+            self.trained_engine.load_weights(weights)
+            accuracies["eval/accuracy_trained"] = accuracy(self.c, self.trained_engine, self.examples)
+        return accuracies
+
+    def close(self) -> None:
+        if self.trained_engine is not None:
+            self.trained_engine.close()
+            self.trained_engine = None
+
+
+def accuracy(c: Components, sampler, examples: list) -> float:
+    """Greedy accuracy of `sampler` on `examples` (the task's reward of each greedy response)."""
+    rollouts: Rollouts = sampler.generate([c.tokenizer(e.prompt).input_ids for e in examples], greedy=True)
     texts = c.tokenizer.batch_decode(rollouts.response_ids, skip_special_tokens=True)
     return sum(reward(c.task, e, t) for e, t in zip(examples, texts)) / len(examples)
 
 
-def summarize(history: list[dict], accuracy: dict[int, float], choices: dict, precision_report: dict, options,
+def summarize(history: list[dict], accuracy: dict[int, float], trained_accuracy: dict[int, float], choices: dict, precision_report: dict, options,
               world: int, seconds: float, first_step: int) -> dict:
     """The run's headline figures, from its record (so a resumed run summarises every step)."""
     def mean(key: str) -> float:
@@ -147,6 +191,9 @@ def summarize(history: list[dict], accuracy: dict[int, float], choices: dict, pr
         "resumed_at_step": first_step if first_step > 1 else None,
         "eval_accuracy_start": accuracy.get(0, float("nan")), "eval_accuracy_end": accuracy[options.steps],
         "eval_accuracy_best": max(accuracy.values()),
+        # the trainer's unperturbed weights (train.eval_trained_weights)
+        "eval_accuracy_trained_start": trained_accuracy.get(0, float("nan")),
+        "eval_accuracy_trained_end": trained_accuracy.get(options.steps, float("nan")),
         "reward_first": history[0]["rollout/reward_mean"], "reward_last": history[-1]["rollout/reward_mean"],
         "bad_steps": sum(bool(h.get("train/skipped")) for h in history),
         "mismatch_kl_k3_mean": mean("mismatch/kl_k3"),
@@ -164,14 +211,16 @@ def print_summary(summary: dict) -> None:
                   title_justify="left")
     table.add_column("")
     table.add_column("value", justify="right")
-    for key in ("eval_accuracy_start", "eval_accuracy_end", "eval_accuracy_best", "reward_first", "reward_last",
+    for key in ("eval_accuracy_start", "eval_accuracy_end", "eval_accuracy_best", "eval_accuracy_trained_start",
+                "eval_accuracy_trained_end", "reward_first", "reward_last",
                 "mismatch_logprob_abs_diff_mean", "mismatch_kl_k3_mean", "step_seconds_median", "seconds"):
         value = summary[key]
         table.add_row(key, format_number(value))
     Console().print(table)
 
 
-def plot_training(history: list[dict], accuracy: dict[int, float], path: Path, choices: dict) -> None:
+def plot_training(history: list[dict], accuracy: dict[int, float], trained_accuracy: dict[int, float], path: Path,
+                  choices: dict) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -184,7 +233,10 @@ def plot_training(history: list[dict], accuracy: dict[int, float], path: Path, c
 
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
     axes[0].plot(steps, series("rollout/reward_mean"), label="rollout reward")
-    axes[0].plot(list(accuracy), list(accuracy.values()), marker="o", label="greedy eval accuracy")
+    axes[0].plot(list(accuracy), list(accuracy.values()), marker="o", label="greedy eval: sampler (deployed)")
+    if trained_accuracy:
+        axes[0].plot(list(trained_accuracy), list(trained_accuracy.values()), marker="x", linestyle="--",
+                     label="greedy eval: trainer's weights")
     axes[0].set_title("reward")
     axes[0].legend()
     axes[1].plot(steps, series("mismatch/logprob_abs_diff_mean"), label="mean |δ|")

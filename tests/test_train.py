@@ -214,6 +214,8 @@ def test_main_job_end_to_end(tmp_path):
     assert (tmp_path / "training.png").stat().st_size > 10_000
     assert (tmp_path / "config.yaml").exists() and list((tmp_path / "wandb").glob("offline-run-*"))
     assert "eval_accuracy_end" in result.stdout
+    assert all(0 <= s["eval/accuracy_trained"] <= 1 for s in steps)  # the trainer's own weights, every eval
+    assert 0 <= summary["eval_accuracy_trained_end"] <= 1
 
 
 @pytest.mark.parametrize("trainer_name", ["deepspeed", pytest.param("fsdp", marks=pytest.mark.slow)])
@@ -248,3 +250,50 @@ def test_two_ranks_with_torchrun(tmp_path, small_model_path, trainer_name):
     assert rewarded[0] + rewarded[1] == Counter({p: 4 * n for p, n in Counter(e.prompt for e in trained).items()})
     assert not set(rewarded[0]) & set(rewarded[1])  # no prompt on both ranks
     assert sum(rewarded[0].values()) == sum(rewarded[1].values()) == 2 * 2 * 4  # 2 prompts a step each
+
+
+class FingerprintTask(ParityTask):
+    """A reward that is a hash of the completion: the mean over prompts moves when any greedy
+    completion does (the tests' small model has too little accuracy to show a change)."""
+
+    def reward(self, example, completion):
+        import hashlib
+
+        return int(hashlib.sha256(completion.encode()).hexdigest(), 16) % 1000 / 999
+
+
+def test_evaluation_reads_the_deployed_sampler_and_the_trainers_own_weights(small_model_path, arithmetic_task):
+    """eval/accuracy is the sampler's greedy accuracy, eval/accuracy_trained the trainer's weights' (an
+    unperturbed transformers engine loaded from the trainer): equal while both hold the same fp32 weights;
+    noise in the sampler moves only the first, noise in the trainer only the second."""
+    import torch
+
+    from rlmm.precision import SidePrecision
+    from rlmm.train import Evaluation
+
+    task = FingerprintTask(arithmetic_task)
+    c = make_components(small_model_path, task, "hf", "torch", "fp32")
+    c.model_path, c.trainer_precision = small_model_path, SidePrecision("fp32", False)
+    evaluate = Evaluation(c, arithmetic_task.examples("test", 64), trained_weights=True, rank=0)
+    try:
+        clean = evaluate()
+        assert clean["eval/accuracy"] == clean["eval/accuracy_trained"]
+        generator = torch.Generator().manual_seed(0)
+
+        def noisy(weights):
+            return {k: v + 0.5 * v.std() * torch.randn(v.shape, generator=generator) if v.dim() > 1 else v
+                    for k, v in weights.items()}
+
+        c.sampler.load_weights(noisy(c.trainer.state_dict()))
+        deployed_noisy = evaluate()
+        assert deployed_noisy["eval/accuracy_trained"] == clean["eval/accuracy_trained"]
+        assert deployed_noisy["eval/accuracy"] != clean["eval/accuracy"]
+        c.sampler.load_weights(c.trainer.state_dict())
+        c.trainer.model.load_state_dict(noisy(c.trainer.state_dict()))
+        trainer_noisy = evaluate()
+        assert trainer_noisy["eval/accuracy"] == clean["eval/accuracy"]
+        assert trainer_noisy["eval/accuracy_trained"] != clean["eval/accuracy_trained"]
+    finally:
+        evaluate.close()
+        c.trainer.close()
+        c.sampler.close()
