@@ -47,7 +47,7 @@ def small_model_path(tmp_path_factory, arithmetic_task) -> str:
 
     spec = TinyModel(hidden_size=128, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=256,
                      max_position=128, seed=0, warm_start_steps=60, warm_start_lr=3e-3, warm_start_batch_size=32,
-                     cache_dir=str(tmp_path_factory.mktemp("rlmm-cache")))
+                     cache_dir=str(tmp_path_factory.mktemp("rlmm-cache")), rebuild=False)
     return spec.resolve(arithmetic_task, {"test": "small"})
 
 

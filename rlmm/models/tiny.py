@@ -5,6 +5,13 @@ policy's. A short supervised warm start on the task's training split makes the d
 (partially competent, not perfect), so that RL has something to improve and the mismatch is
 measured where it matters: on confident tokens. The result is a normal Hugging Face checkpoint
 directory that vLLM and transformers both load, cached under a hash of everything that determines it.
+
+The default configuration's model ships with rlmm (rlmm/models/builtin/tiny-<key>/, its files' SHA-256
+in rlmm/models/builtin/SHA256SUMS) and is used in place instead of being built: the warm start's bytes
+depend on the CPU's kernels (AVX2 and AVX-512 machines give different models, with different start
+accuracies), so a model built on each machine would make every measured figure machine-specific.
+`rebuild: true` builds it on this machine anyway, compares the bytes with the shipped ones, and uses
+this machine's build.
 """
 from __future__ import annotations
 
@@ -25,12 +32,45 @@ log = logging.getLogger(__name__)
 SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 # Printable ASCII covers the arithmetic task and English word problems alike.
 CHARACTERS = [c for c in string.printable if c not in "\t\r\x0b\x0c"]
-# Bump when the builder's code changes what it produces, so stale caches are not reused.
+# Bump when the builder's code changes what it produces, so stale caches are not reused (and rebuild the
+# shipped model: see rlmm/models/builtin/README.md).
 BUILDER_VERSION = 1
+# Models shipped with rlmm, one directory per cache key, and the SHA-256 of each of their files.
+BUILTIN_DIR = Path(__file__).resolve().parent / "builtin"
+BUILTIN_SUMS = BUILTIN_DIR / "SHA256SUMS"
 
 
 def default_cache_dir() -> Path:
     return Path(os.environ.get("RLMM_CACHE", Path.home() / ".cache" / "rlmm"))
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def shipped_digests() -> dict[str, dict[str, str]]:
+    """{directory name: {file name: sha256}} from SHA256SUMS (`sha256sum` format, so that
+    `cd rlmm/models/builtin && sha256sum -c SHA256SUMS` checks them too)."""
+    shipped: dict[str, dict[str, str]] = {}
+    if BUILTIN_SUMS.exists():
+        for line in BUILTIN_SUMS.read_text().splitlines():
+            digest, name = line.split(maxsplit=1)
+            folder, _, file = name.lstrip("*").partition("/")
+            shipped.setdefault(folder, {})[file] = digest
+    return shipped
+
+
+def verify(path: Path, digests: dict[str, str]) -> None:
+    """Raise a one-line ValueError naming the first file of `path` whose SHA-256 is not the expected one."""
+    for file, expected in digests.items():
+        actual = sha256_of(path / file) if (path / file).exists() else "missing"
+        if actual != expected:
+            raise ValueError(f"{path / file}: sha256 {actual}, expected {expected} ({BUILTIN_SUMS}); "
+                             "the file is corrupted: restore it (git checkout or reinstall rlmm)")
 
 
 def build_char_tokenizer():
@@ -60,11 +100,15 @@ class TinyModel:
         warm_start_lr: peak AdamW learning rate (linear warm-up, cosine decay).
         warm_start_batch_size: examples per supervised step.
         cache_dir: where built models live; null means $RLMM_CACHE or ~/.cache/rlmm.
+        rebuild: for a configuration whose model ships with rlmm (rlmm/models/builtin/), build it on
+            this machine (cached like any other) and use that build instead of the shipped one; a
+            build whose weights differ from the shipped ones is reported with both digests. Other
+            configurations are always built.
     """
 
     def __init__(self, hidden_size: int, num_layers: int, num_heads: int, num_kv_heads: int,
                  intermediate_size: int, max_position: int, seed: int, warm_start_steps: int,
-                 warm_start_lr: float, warm_start_batch_size: int, cache_dir: str | None):
+                 warm_start_lr: float, warm_start_batch_size: int, cache_dir: str | None, rebuild: bool):
         if hidden_size % num_heads or num_heads % num_kv_heads:
             raise ValueError(f"model: hidden_size={hidden_size} must divide by num_heads={num_heads}, "
                              f"and num_heads by num_kv_heads={num_kv_heads}")
@@ -74,6 +118,7 @@ class TinyModel:
         self.seed = seed
         self.warm_start = dict(steps=warm_start_steps, lr=warm_start_lr, batch_size=warm_start_batch_size)
         self.cache_dir = Path(cache_dir) if cache_dir else default_cache_dir()
+        self.rebuild = rebuild
 
     def cache_key(self, task_config: dict) -> str:
         blob = json.dumps({"arch": self.arch, "seed": self.seed, "warm_start": self.warm_start,
@@ -81,8 +126,27 @@ class TinyModel:
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
     def resolve(self, task, task_config: dict) -> str:
-        """Return the checkpoint directory, building and warm-starting it if it is not cached."""
-        path = self.cache_dir / "models" / f"tiny-{self.cache_key(task_config)}"
+        """Return the checkpoint directory: the shipped one (checked against its SHA-256) when this
+        configuration's model ships with rlmm, else the cached build, building it if there is none."""
+        name = f"tiny-{self.cache_key(task_config)}"
+        shipped = shipped_digests().get(name)
+        if shipped is not None and not self.rebuild:
+            verify(BUILTIN_DIR / name, shipped)
+            return str(BUILTIN_DIR / name)
+        path = self._cached_build(task, task_config, self.cache_dir / "models" / name)
+        if shipped is not None:
+            built = sha256_of(Path(path) / "model.safetensors")
+            if built == shipped["model.safetensors"]:
+                log.info("model.rebuild: this machine's build of %s has the shipped weights (sha256 %s)", name, built)
+            else:
+                log.warning("model.rebuild: this machine's build of %s differs from the shipped model "
+                            "(model.safetensors sha256 %s here, %s shipped; CPU kernels differ); this run uses "
+                            "this machine's build, the shipped one is used unless model.rebuild=true",
+                            name, built, shipped["model.safetensors"])
+        return path
+
+    def _cached_build(self, task, task_config: dict, path: Path) -> str:
+        """Build and warm-start the model into `path` unless it is already there."""
         if (path / "rlmm_model.json").exists():
             return str(path)
         log.info("building the tiny model in %s (cached for later runs)", path)
