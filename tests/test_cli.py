@@ -31,7 +31,7 @@ TRAIN_CASES = [
     (["algo.group_size=0"], "algo.group_size: must be >= 2, got 0"),
     (["train.steps=ten"], "Value 'ten' of type 'str' could not be converted to Integer"),
     (["-m", "hydra/launcher=nope"], "unknown hydra/launcher 'nope' (allowed: basic, local, process, slurm,"),
-    (["trainer=torch", "trainer.zero_stage=3"], "(allowed: micro_batch_size, lr, weight_decay, warmup_steps,"),
+    (["trainer=torch", "trainer.zero_stage=3"], "(allowed: micro_batch_size, micro_batch_tokens, padding_free, lr, weight_decay,"),
 ]
 
 
