@@ -89,7 +89,7 @@ def test_trainer_against_itself_scores_at_the_two_micro_batch_sizes(small_model_
                         micro_batch_size=3, accumulation_steps=1)
     shapes = []
     forward = trainer._forward
-    trainer._forward = lambda ids, attention, keep: shapes.append(ids.size(0)) or forward(ids, attention, keep)
+    trainer._forward = lambda batch: shapes.append(batch.ids.size(0)) or forward(batch)
     record = trainer_against_itself(trainer, rollouts, [8, 2], ratio_cap=2.0)
     assert record["micro_batch_sizes"] == [2, 8]
     assert sorted(shapes) == [2, 2, 2, 2, 8]  # one pass in micro-batches of 2, one of all 8 rows
