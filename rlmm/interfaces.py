@@ -55,7 +55,8 @@ class Trainer(Protocol):
 
     def logprobs(self, rollouts: Rollouts, micro_batch_size: int | None = None) -> torch.Tensor:
         """[B, T] float32 log π_train of every response token (no grad; laid out like
-        `rollouts.padded_sampler_logprobs()`), in micro-batches of the configured size or of this one."""
+        `rollouts.padded_sampler_logprobs()`), in micro-batches as configured (`micro_batch_size`, or a
+        `micro_batch_tokens` budget: then a collective, every rank scores together) or of this many rows."""
         ...
 
     def begin_update(self, rollouts: Rollouts, rows: list[int]) -> MinibatchUpdate:
