@@ -182,6 +182,47 @@ def test_the_same_update_as_fixed_padded_micro_batches(small_model_path, arithme
 
 # -- two ranks ----------------------------------------------------------------------------------------------
 
+SHARES = {0: [30, 30, 30, 30, 5], 1: [30, 5]}  # tokens of each rank's rows
+BUDGETS = (65, 40)  # rank 0 needs 2 and rank 1 1 micro-batch; rank 0 needs 4, more than rank 1's 2 rows
+
+
+def _split_on_rank(rank: int, port: int, out: str) -> None:
+    import os
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        lengths = SHARES[rank]
+        splits = [MicroBatching(4, budget, False).split(lengths, list(range(len(lengths)))) for budget in BUDGETS]
+        Path(out, f"{rank}.json").write_text(json.dumps(splits))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ranks_run_as_many_micro_batches_as_the_fewest_rows_allow(tmp_path):
+    """Two gloo ranks agree on one count without an empty micro-batch: at 65 tokens rank 1 splits its one
+    micro-batch in two to run rank 0's 2; at 40 tokens rank 0 needs 4 but rank 1 holds 2 rows, so both run
+    2 and rank 0's exceed the budget (the one case that does, logged)."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_split_on_rank, args=(port, str(tmp_path)), nprocs=2)
+    results = {rank: json.loads((tmp_path / f"{rank}.json").read_text()) for rank in (0, 1)}
+    for case, budget in enumerate(BUDGETS):
+        splits = {rank: results[rank][case] for rank in (0, 1)}
+        assert len(splits[0]) == len(splits[1]) == 2, splits
+        for rank, split in splits.items():
+            assert all(split) and sorted(i for m in split for i in m) == list(range(len(SHARES[rank])))
+            if budget == 65:
+                assert all(sum(SHARES[rank][i] for i in m) <= budget for m in split)
+
+
 def test_two_ranks_agree_on_the_micro_batch_count(small_model_path, arithmetic_task, tmp_path):
     """torchrun, 2 gloo ranks whose shares need different numbers of micro-batches under the budget: they run
     the same count (ZeRO-3's and FSDP's collectives would otherwise not pair up), and the averaged update
