@@ -48,6 +48,19 @@ class ProbeConfig:
 
 
 @dataclass
+class MonitorOptions:
+    enabled: bool = MISSING
+    rising: list[str] = MISSING
+    falling: list[str] = MISSING
+    warmup_steps: int = MISSING
+    drift: float = MISSING
+    threshold: float = MISSING
+    clip: float = MISSING
+    action: str = MISSING
+    switch_to: str = MISSING
+
+
+@dataclass
 class TrainOptions:
     steps: int = MISSING
     prompts_per_step: int = MISSING
@@ -59,6 +72,7 @@ class TrainOptions:
     resume: bool = MISSING
     max_bad_steps: int = MISSING
     reuse_training_forward: bool = MISSING
+    monitor: MonitorOptions = field(default_factory=MonitorOptions)
 
 
 @dataclass

@@ -21,6 +21,7 @@ from rlmm.components import Components, build_components
 from rlmm.config import to_container
 from rlmm.errors import TrainingStopped
 from rlmm.formatting import format_number
+from rlmm.monitor import build_monitor
 from rlmm.records import NullRecord, RunRecord, read_steps
 from rlmm.samplers.base import Rollouts
 from rlmm.step import mean_over_ranks, rank_share, reward, rl_step
@@ -42,6 +43,7 @@ def run_train(cfg: DictConfig, run_dir: Path, choices: dict[str, str], logger) -
     if options.prompts_per_step % world_size():
         raise ValueError(f"train.prompts_per_step: {options.prompts_per_step} does not split over {world_size()} "
                          "ranks")
+    monitor = build_monitor(options.monitor)  # its values checked before anything is built
     torch.manual_seed(cfg.seed)
     components = build_components(cfg, lambda task: (task.examples("train", options.steps * options.prompts_per_step)
                                                      + task.examples("test", options.eval_prompts)))
@@ -84,16 +86,19 @@ def run_train(cfg: DictConfig, run_dir: Path, choices: dict[str, str], logger) -
             if step % options.eval_every == 0 or step == options.steps:
                 metrics.update(evaluate())
                 shown_accuracy = metrics["eval/accuracy"]
-            record.log(metrics, step)
+            metrics.update(monitor.observe(metrics, step, components))  # may switch the correction from here on
+            record.log({**metrics, **monitor.record_entry()}, step)
             logger.log(metrics, step=step)
             bar.set_postfix(reward=f"{metrics['rollout/reward_mean']:.3f}", kl_k3=f"{metrics['mismatch/kl_k3']:.1e}",
                             acc=f"{shown_accuracy:.3f}", bad=bad_total)
             stopping = on_any_rank(stop.requested)
             too_many_bad = options.max_bad_steps and bad_in_a_row >= options.max_bad_steps
-            if stopping or too_many_bad or (options.checkpoint_every and step % options.checkpoint_every == 0):
+            alarmed = monitor.stop_requested  # the same on every rank: it reads metrics averaged over ranks
+            if (stopping or too_many_bad or alarmed
+                    or (options.checkpoint_every and step % options.checkpoint_every == 0)):
                 # Bad steps changed no weights: this checkpoint holds the last good state.
                 saved = checkpoint.save(run_dir, step, trainer, sampler, components.critic)
-            if stopping or too_many_bad:
+            if stopping or too_many_bad or alarmed:
                 record.close()
                 logger.finish()
                 evaluate.close()
@@ -101,6 +106,8 @@ def run_train(cfg: DictConfig, run_dir: Path, choices: dict[str, str], logger) -
                 if too_many_bad:
                     raise TrainingStopped(f"{bad_in_a_row} bad steps in a row (train.max_bad_steps="
                                           f"{options.max_bad_steps}) at step {step}; last good state in {saved}")
+                if alarmed:
+                    raise TrainingStopped(monitor.stop_message(saved))
                 log.warning("stop signal %s at step %d: checkpoint in %s", stop.received, step, saved)
                 stop.hand_over()
     rows = read_steps(run_dir) if rank == 0 else []
