@@ -123,7 +123,10 @@ def resized_groups(groups: list[list[int]], lengths: list[int], count: int) -> l
     two or more positions) split where its two halves' tokens are closest, or the adjacent pair with the
     fewest tokens together merged, until there are `count`. A split never exceeds a budget the groups kept."""
     groups = [list(g) for g in groups]
-    tokens = lambda group: sum(lengths[i] for i in group)  # noqa: E731
+
+    def tokens(group: list[int]) -> int:
+        return sum(lengths[i] for i in group)
+
     while len(groups) < count:
         at = max((i for i, g in enumerate(groups) if len(g) > 1), key=lambda i: tokens(groups[i]))
         group = groups[at]
