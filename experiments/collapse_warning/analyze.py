@@ -11,6 +11,7 @@ alone. Lead time = collapse step - alarm step (> 0: the alarm came first).
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -59,7 +60,7 @@ def runs(sweeps: list[str]) -> list[dict]:
                           "seed": cfg.seed, "steps": rows[-1]["step"], "rows": rows, "threshold": threshold,
                           "alarm": alarm, "signal": signal, "mismatch_alarm": mismatch_alarm,
                           "mismatch_signal": mismatch_signal, "collapse": collapse, "scores": scores,
-                          "overrides": overrides})
+                          "overrides": overrides, "monitor": cfg.train.monitor})
     return found
 
 
@@ -93,14 +94,55 @@ def summary(found: list[dict]) -> str:
             leads = [r["collapse"] - r[key] for r in collapsed if r[key]]
             missed = sum(1 for r in collapsed if not r[key] or r[key] > r["collapse"])
             if collapsed:
-                out.append(f"  - {name}: lead times {sorted(leads)} (median {sorted(leads)[len(leads) // 2] if leads else '—'}); "
+                out.append(f"  - {name}: lead times {sorted(leads)} (median {statistics.median(leads) if leads else '—'}); "
                            f"collapses without an alarm at or before them: {missed}/{len(collapsed)}")
         healthy = [r for r in rs if not r["collapse"]]
         if healthy:
-            out.append(f"  - runs that did not collapse: {len(healthy)}, with an alarm (false alarm): "
+            out.append(f"  - runs that did not collapse within the run: {len(healthy)}, with an alarm: "
                        f"{sum(bool(r['alarm']) for r in healthy)} (any signal), "
                        f"{sum(bool(r['mismatch_alarm']) for r in healthy)} (mismatch signals)")
     return "\n".join(out)
+
+
+def replay(rows: list[dict], monitor, threshold: float, which: str) -> int | None:
+    """The first alarm step the run's monitor would have raised at another threshold: the detector is a
+    function of the logged metric series, so it can be rerun on the record."""
+    from rlmm.monitor import CUSUM
+
+    signals = {**{n: "up" for n in monitor.rising}, **{n: "down" for n in monitor.falling}}
+    detectors = {n: CUSUM(d, monitor.warmup_steps, monitor.drift, threshold, monitor.clip)
+                 for n, d in signals.items() if which == "all" or n.startswith(which.split()[0] + "/")}
+    for row in rows:
+        for name, detector in detectors.items():
+            detector.update(float("nan") if row.get(name) is None else row[name])
+        if any(d.alarm for d in detectors.values()):
+            return row["step"]
+    return None
+
+
+def sensitivity(found: list[dict], thresholds=(4.0, 8.0, 12.0, 16.0, 24.0)) -> str:
+    lines = ["| threshold h | signals | collapses warned at or before them (lead times) | healthy runs with an alarm |",
+             "|---|---|---|---|"]
+    for h in thresholds:
+        for which in ("all", "mismatch only", "rollout only"):
+            warned, leads, false = 0, [], 0
+            collapsed = [r for r in found if r["collapse"]]
+            for r in found:
+                alarm = replay(r["rows"], r["monitor"], h, which)
+                if r["collapse"]:
+                    if alarm is not None and alarm <= r["collapse"]:
+                        warned += 1
+                    leads.append(r["collapse"] - alarm if alarm is not None else None)
+                else:
+                    false += alarm is not None
+            healthy = len(found) - len(collapsed)
+            false = sum(replay(r["rows"], r["monitor"], h, which) is not None
+                        for r in found if not r["collapse"] and "healthy" in r["arm"])
+            healthy = sum(1 for r in found if not r["collapse"] and "healthy" in r["arm"])
+            shown = ", ".join("none" if x is None else f"{x:+d}" for x in leads)
+            lines.append(f"| {h:g} | {which.replace('rollout', 'reward')} | {warned}/{len(collapsed)} "
+                         f"({shown}) | {false}/{healthy} |")
+    return "\n".join(lines)
 
 
 def plot(found: list[dict], path: Path) -> None:
@@ -142,7 +184,7 @@ def plot(found: list[dict], path: Path) -> None:
 
 def main(sweeps: list[str]) -> None:
     found = runs(sweeps)
-    text = table(found) + "\n\n" + summary(found) + "\n"
+    text = table(found) + "\n\n" + summary(found) + "\n\nThe same records, the detector rerun at other thresholds:\n\n" + sensitivity(found) + "\n"
     print(text)
     (HERE / "table.md").write_text(text)
     plot(found, HERE / "curves.png")
