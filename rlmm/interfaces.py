@@ -20,6 +20,7 @@ import torch
 from rlmm.corrections.base import Correction, CorrectionOutput
 from rlmm.precision import SidePrecision
 from rlmm.samplers.base import Rollouts, Sampler
+from rlmm.trainers.packing import MicroBatching
 
 __all__ = ["Algorithm", "Correction", "CorrectionOutput", "MinibatchUpdate", "Rollouts", "Sampler", "Trainer"]
 
@@ -53,10 +54,13 @@ class Trainer(Protocol):
 
     actual_precision: dict[str, str]
 
-    def logprobs(self, rollouts: Rollouts, micro_batch_size: int | None = None) -> torch.Tensor:
+    def logprobs(self, rollouts: Rollouts, micro_batch_size: int | None = None, *,
+                 layout: MicroBatching | None = None) -> torch.Tensor:
         """[B, T] float32 log π_train of every response token (no grad; laid out like
         `rollouts.padded_sampler_logprobs()`), in micro-batches as configured (`micro_batch_size`, or a
-        `micro_batch_tokens` budget: then a collective, every rank scores together) or of this many rows."""
+        `micro_batch_tokens` budget: then a collective, every rank scores together) or of this many rows.
+        `layout`: another micro-batching and layout than the trainer's own, for this call only (the probe
+        scores the same rollouts padded, under a token budget and padding-free)."""
         ...
 
     def begin_update(self, rollouts: Rollouts, rows: list[int]) -> MinibatchUpdate:

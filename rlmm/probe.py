@@ -4,8 +4,9 @@ Reads top to bottom:
   1. build the task, the model checkpoint, the precision policy, the sampler and the trainer;
   2. check that each engine really runs the precision it was asked for;
   3. sample rollouts and score them on both sides -> mismatch metrics and the per-position profile;
-  4. decompose: trainer vs itself at two micro-batch sizes; sampler vs itself, greedy, with the
-     same prompts alone and inside larger batches (Thinking Machines 2025, "Defeating
+  4. decompose: trainer vs itself at two micro-batch sizes, and across micro-batch layouts (padded
+     micro-batches of trainer.micro_batch_size vs a token budget vs padding-free, `probe.trainer_layouts`);
+     sampler vs itself, greedy, with the same prompts alone and inside larger batches (Thinking Machines 2025, "Defeating
      Nondeterminism in LLM Inference": 80 unique completions of 1000 without batch-invariant kernels);
   5. print a table, write `probe.json` and `probe.png` into the run directory, log to the logger.
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 import time
 from pathlib import Path
 
@@ -27,6 +29,8 @@ from rlmm.logging import redact
 from rlmm.metrics import mismatch_metrics, position_profile
 from rlmm.samplers.base import Rollouts, pad_right
 from rlmm.timing import timed
+from rlmm.trainers.packing import MicroBatching
+from rlmm.trainers.scoring import row_tokens
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +45,7 @@ def run_probe(cfg: DictConfig, run_dir: Path, choices: dict[str, str]) -> dict:
     stage_seconds: dict[str, float] = {}
     options = cfg.probe
     check_micro_batch_sizes(options.trainer_micro_batch_sizes)  # before any engine starts
+    layouts = check_layouts(options.trainer_layouts, cfg.trainer.micro_batch_size)
     components = build_components(cfg, lambda task: (task.examples(options.split, options.num_prompts)
                                                      + task.examples("train", options.batch_invariance.max_batch_size)),
                                   stage_seconds)
@@ -66,6 +71,7 @@ def run_probe(cfg: DictConfig, run_dir: Path, choices: dict[str, str]) -> dict:
     with timed(stage_seconds, "trainer_vs_itself"):
         trainer_vs_itself = trainer_against_itself(trainer, rollouts, options.trainer_micro_batch_sizes,
                                                    options.ratio_cap)
+        trainer_vs_itself.update(trainer_across_layouts(trainer, rollouts, layouts, options.ratio_cap))
     with timed(stage_seconds, "sampler_vs_itself"):
         sampler_vs_itself = batch_invariance(sampler, task, tokenizer, options)
     trainer.close()
@@ -113,6 +119,41 @@ def check_micro_batch_sizes(sizes) -> tuple[int, int]:
     if len(sizes) != 2 or sizes[0] == sizes[1] or sizes[0] < 1:
         raise ValueError(f"probe.trainer_micro_batch_sizes: two different sizes >= 1, got {sizes}")
     return sizes[0], sizes[1]
+
+
+def check_layouts(layouts, micro_batch_size: int) -> dict[str, MicroBatching]:
+    """`probe.trainer_layouts` as MicroBatching settings, the padded reference (micro-batches of
+    `trainer.micro_batch_size` rows) under "reference". A name is a metric name's part: letters, digits, _."""
+    out = {"reference": MicroBatching(micro_batch_size, None, False)}
+    for name, layout in layouts.items():
+        if not re.fullmatch(r"[A-Za-z0-9_]+", name) or name == "reference":
+            raise ValueError(f"probe.trainer_layouts: {name!r} is not a name of letters, digits and _ "
+                             f"(other than 'reference')")
+        try:
+            out[name] = MicroBatching(micro_batch_size, layout.micro_batch_tokens, layout.padding_free)
+        except ValueError as err:
+            raise ValueError(f"probe.trainer_layouts.{name}: {err}") from None
+    return out
+
+
+def trainer_across_layouts(trainer, rollouts: Rollouts, layouts: dict[str, MicroBatching], ratio_cap: float) -> dict:
+    """The same rollouts scored by the same trainer under each layout and under the padded reference
+    (`check_layouts`): what the micro-batch layout alone does to the trainer's log-probs, the reference
+    playing the sampler in δ = log π_layout - log π_reference. Returns `layouts` (each one's settings and
+    micro-batch count) and `NAME/METRIC` for every layout and metric (rlmm table: trainer_vs_itself/NAME/METRIC)."""
+    _, mask = rollouts.padded_sampler_logprobs()
+    rows = list(range(len(rollouts)))
+    reference = trainer.logprobs(rollouts, layout=layouts["reference"])
+    record = {"layouts": {name: {"micro_batch_size": layout.size, "micro_batch_tokens": layout.tokens,
+                                 "padding_free": layout.padding_free,
+                                 "micro_batches": len(layout.split(row_tokens(rollouts, rows), rows))}
+                          for name, layout in layouts.items()}}
+    for name, layout in layouts.items():
+        if name == "reference":
+            continue
+        metrics = mismatch_metrics(trainer.logprobs(rollouts, layout=layout), reference, mask, ratio_cap=ratio_cap)
+        record.update({f"{name}/{key}": value for key, value in metrics.items()})
+    return record
 
 
 def trainer_against_itself(trainer, rollouts: Rollouts, micro_batch_sizes: list[int], ratio_cap: float) -> dict:
@@ -182,11 +223,26 @@ def print_probe(record: dict) -> None:
     table = Table(title=f"mismatch: {title}", title_justify="left")
     table.add_column("metric")
     table.add_column("sampler vs trainer", justify="right")
-    table.add_column(f"trainer vs itself (mb {record['trainer_vs_itself']['micro_batch_sizes']})", justify="right")
+    itself = record["trainer_vs_itself"]
+    table.add_column(f"trainer vs itself (mb {itself['micro_batch_sizes']})", justify="right")
     for key in HEADLINE:
         fmt = (lambda v: f"{v:.7f}") if key == "prob_pearson" else format_number  # its story is in the 5th digit
-        table.add_row(key, fmt(record["sampler_vs_trainer"][key]), fmt(record["trainer_vs_itself"][key]))
+        table.add_row(key, fmt(record["sampler_vs_trainer"][key]), fmt(itself[key]))
     console.print(table)
+    layouts = itself.get("layouts", {})
+    if len(layouts) > 1:
+        reference = layouts["reference"]
+        table = Table(title=f"trainer vs itself across layouts, against {describe_layout(reference)}",
+                      title_justify="left")
+        table.add_column("layout", no_wrap=True)
+        table.add_column("micro-batches", no_wrap=True)
+        table.add_column("mean |Δlogp|", justify="right")
+        table.add_column("max |Δlogp|", justify="right")
+        for name, layout in layouts.items():
+            if name != "reference":
+                table.add_row(name, describe_layout(layout), format_number(itself[f"{name}/logprob_abs_diff_mean"]),
+                              format_number(itself[f"{name}/logprob_abs_diff_max"]))
+        console.print(table)
     inv = record["sampler_vs_itself"]
     precision = record["precision"]
     engines = {side: ", ".join(f"{k} {v}" for k, v in precision["actual"][side].items() if k != "engine")
@@ -204,6 +260,13 @@ def print_probe(record: dict) -> None:
                   + ", ".join(f"{k} {v:.1f}" for k, v in record["stage_seconds"].items()) + ")")
 
 
+def describe_layout(layout: dict) -> str:
+    """e.g. '3 x <=512 tok packed': the micro-batch count, each one's size, packed or padded."""
+    tokens = layout["micro_batch_tokens"]
+    return (f"{layout['micro_batches']} x " + (f"<={tokens} tok" if tokens else f"{layout['micro_batch_size']} rows")
+            + (" packed" if layout["padding_free"] else " padded"))
+
+
 def plot_probe(record: dict, path: Path) -> None:
     import matplotlib
 
@@ -213,7 +276,7 @@ def plot_probe(record: dict, path: Path) -> None:
     profile = record["position_profile"]
     starts, ends = profile["bucket_start"], profile["bucket_end"]
     centers = [(s + e) / 2 for s, e in zip(starts, ends)]
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    fig, axes = plt.subplots(1, 3, figsize=(15, 3.8))
     axes[0].plot(centers, profile["logprob_abs_diff_mean"], marker="o", label="mean |δ|")
     axes[0].plot(centers, profile["kl_k3"], marker="s", label="KL k3 (per token)")
     axes[0].set_xlabel("response position (tokens)")
@@ -226,6 +289,20 @@ def plot_probe(record: dict, path: Path) -> None:
     ax.set_xlabel("response position (tokens)")
     ax.set_ylabel("tokens in bucket")
     ax.set_title("tokens per position bucket")
+    # What the trainer's batch shape alone does: |Δ log p| of the trainer against itself.
+    itself = record["trainer_vs_itself"]
+    small, large = itself["micro_batch_sizes"]
+    names = [f"mb {large} vs {small}"] + [f"{n} vs padded" for n in itself.get("layouts", {}) if n != "reference"]
+    prefixes = [""] + [f"{n}/" for n in itself.get("layouts", {}) if n != "reference"]
+    ax = axes[2]
+    at = range(len(names))
+    ax.bar([x - 0.2 for x in at], [itself[f"{p}logprob_abs_diff_mean"] for p in prefixes], width=0.4, label="mean")
+    ax.bar([x + 0.2 for x in at], [itself[f"{p}logprob_abs_diff_max"] for p in prefixes], width=0.4, label="max")
+    ax.set_xticks(list(at), names, rotation=15, fontsize=8)
+    ax.set_yscale("symlog", linthresh=1e-8)
+    ax.set_ylabel("|Δ log p| (nats)")
+    ax.set_title("trainer vs itself: batch shape and layout")
+    ax.legend()
     choices = record["choices"]
     fig.suptitle(" ".join(f"{k}={v}" for k, v in choices.items()), fontsize=9)
     fig.tight_layout()

@@ -8,7 +8,7 @@ nodes (model, sampler, ...) are typed `Any` here and checked against their own `
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
@@ -24,6 +24,15 @@ class BatchInvarianceOptions:
 
 
 @dataclass
+class TrainerLayout:
+    """One way to lay out the trainer's micro-batches (rlmm/trainers/packing.py), scored in `rlmm probe`
+    against padded micro-batches of `trainer.micro_batch_size` (the trainer's other settings unchanged)."""
+
+    micro_batch_tokens: Optional[int] = MISSING  # null: micro_batch_size rows a micro-batch; N: a token budget
+    padding_free: bool = MISSING
+
+
+@dataclass
 class ProbeOptions:
     split: str = MISSING
     num_prompts: int = MISSING
@@ -31,6 +40,7 @@ class ProbeOptions:
     ratio_cap: float = MISSING
     position_buckets: int = MISSING
     trainer_micro_batch_sizes: list[int] = MISSING
+    trainer_layouts: dict[str, TrainerLayout] = MISSING
     batch_invariance: BatchInvarianceOptions = field(default_factory=BatchInvarianceOptions)
 
 

@@ -144,3 +144,82 @@ def test_sampler_against_itself_counts_what_the_batch_changes(small_model_path, 
     assert record["first_divergence_index"] == [2, 2]
     assert record["logprob_abs_diff_mean"] == pytest.approx(0.007, abs=1e-6)
     assert record["logprob_abs_diff_max"] == pytest.approx(0.007, abs=1e-6)
+
+
+LAYOUTS = ["trainer.micro_batch_size=4", "probe.trainer_layouts.token_budget.micro_batch_tokens=64",
+           "probe.trainer_layouts.budget_padding_free.micro_batch_tokens=64"]
+
+
+def test_trainer_across_layouts_fp32_in_the_record_table_and_plot(tmp_path, small_model_path):
+    """fp32: every layout scores the trainer's log-probs to within rounding of the padded reference, and the
+    reference against itself (`padded`, the same layout) exactly; `rlmm table` reads each figure."""
+    from rlmm.table.discovery import probe_values
+
+    record = run_probe(tmp_path, "model=hf", f"model.path={small_model_path}", "sampler=hf", "trainer=torch",
+                       "precision=fp32", "logger=none", *LAYOUTS)
+    itself = record["trainer_vs_itself"]
+    layouts = itself["layouts"]
+    assert list(layouts) == ["reference", "padded", "token_budget", "padding_free", "budget_padding_free"]
+    assert layouts["reference"] == {"micro_batch_size": 4, "micro_batch_tokens": None, "padding_free": False,
+                                    "micro_batches": 4}  # 16 rows, 4 a micro-batch
+    assert layouts["token_budget"]["micro_batch_tokens"] == 64 and layouts["token_budget"]["micro_batches"] != 4
+    assert layouts["padding_free"]["padding_free"] and layouts["padding_free"]["micro_batches"] == 4
+    assert itself["padded/logprob_abs_diff_max"] == 0 and itself["padded/kl_k3"] == 0
+    for name in ("token_budget", "padding_free", "budget_padding_free"):
+        assert itself[f"{name}/num_tokens"] == record["sampler_vs_trainer"]["num_tokens"]
+        assert 0 <= itself[f"{name}/logprob_abs_diff_mean"] <= itself[f"{name}/logprob_abs_diff_max"] < 1e-5, name
+        assert f"{name} " in record["stdout"]
+    assert "trainer vs itself across layouts" in record["stdout"]
+    values = probe_values(record)
+    assert values["trainer_vs_itself/padding_free/logprob_abs_diff_max"] == itself["padding_free/logprob_abs_diff_max"]
+    assert values["trainer_vs_itself/token_budget/logprob_abs_diff_mean"] == itself["token_budget/logprob_abs_diff_mean"]
+    assert not any(key.startswith("trainer_vs_itself/layouts") for key in values)
+
+
+def test_trainer_across_layouts_scores_each_layout(small_model_path, prompts):
+    """Each layout's figures come from forwards laid out as it says (a token budget: micro-batches within it,
+    rows longest first; padding-free: one packed row a micro-batch), and in bf16 packing changes the
+    log-probs (nonzero |Δ|), while the reference scored twice does not."""
+    import pytest
+
+    from rlmm.precision import SidePrecision
+    from rlmm.probe import check_layouts, trainer_across_layouts
+    from tests.conftest import sampling
+
+    options = sampling(max_new_tokens=6)
+    bf16 = SidePrecision("bf16", False)
+    sampler = from_yaml("sampler", "hf", model_path=small_model_path, precision=bf16, sampling=options, seed=0)
+    rollouts = sampler.generate(prompts[:4], n=2)  # 8 rows
+    trainer = from_yaml("trainer", "torch", model_path=small_model_path, precision=bf16, sampling=options,
+                        micro_batch_size=3, accumulation_steps=1)
+    from omegaconf import OmegaConf
+
+    settings = OmegaConf.create({"budget": {"micro_batch_tokens": 40, "padding_free": False},
+                                 "packed": {"micro_batch_tokens": None, "padding_free": True},
+                                 "same": {"micro_batch_tokens": None, "padding_free": False}})
+    layouts = check_layouts(settings, 2)
+    batches = []
+    forward = trainer._forward
+    trainer._forward = lambda batch: batches.append(batch) or forward(batch)
+    record = trainer_across_layouts(trainer, rollouts, layouts, ratio_cap=2.0)
+    trainer._forward = forward
+    lengths = [len(p) + len(r) for p, r in zip(rollouts.prompt_ids, rollouts.response_ids)]
+    counts = {name: layout["micro_batches"] for name, layout in record["layouts"].items()}
+    assert counts["reference"] == counts["packed"] == counts["same"] == 4  # 8 rows, 2 a micro-batch
+    reference, budget = batches[:4], batches[4:4 + counts["budget"]]
+    packed, same = batches[4 + counts["budget"]:8 + counts["budget"]], batches[8 + counts["budget"]:]
+    assert len(same) == 4 and all(b.positions is None and b.ids.size(0) == 2 for b in reference + same)
+    assert all(b.positions is None and b.attention.sum() <= 40 for b in budget)  # real tokens within the budget
+    assert sorted(int(b.attention.sum()) for b in budget) != sorted(int(b.attention.sum()) for b in reference)
+    assert all(b.positions is not None and b.ids.size(0) == 1 and b.attention is None for b in packed)
+    assert sum(b.ids.size(1) for b in packed) == sum(lengths)  # no padding computed
+    assert record["same/logprob_abs_diff_max"] == 0
+    assert record["packed/logprob_abs_diff_max"] > 0  # bf16: packing changes the kernels' shapes
+    assert record["budget/logprob_abs_diff_max"] >= 0  # regrouped padded rows: 0 here (row-wise kernels)
+    assert record["packed/num_tokens"] == sum(map(len, rollouts.response_ids))
+    with pytest.raises(ValueError, match="probe.trainer_layouts.bad: trainer.micro_batch_tokens: must be null"):
+        check_layouts(OmegaConf.create({"bad": {"micro_batch_tokens": 0, "padding_free": False}}), 2)
+    with pytest.raises(ValueError, match="probe.trainer_layouts: 'a/b' is not a name"):
+        check_layouts(OmegaConf.create({"a/b": {"micro_batch_tokens": None, "padding_free": False}}), 2)
+    trainer.close()
+    sampler.close()

@@ -90,8 +90,10 @@ class TorchTrainer:
     def _forward(self, batch: Batch) -> torch.Tensor:
         return model_scores(self.model, batch, self.device, value_model=self.head is None)
 
-    def logprobs(self, rollouts: Rollouts, micro_batch_size: int | None = None) -> torch.Tensor:
-        return score_rollouts(self._forward, self.head, rollouts, self.sampling, self.batching.sized(micro_batch_size),
+    def logprobs(self, rollouts: Rollouts, micro_batch_size: int | None = None, *,
+                 layout: MicroBatching | None = None) -> torch.Tensor:
+        return score_rollouts(self._forward, self.head, rollouts, self.sampling,
+                              (layout or self.batching).sized(micro_batch_size),
                               self.pad_id)
 
     def begin_update(self, rollouts: Rollouts, rows: list[int]) -> TorchUpdate:
