@@ -98,7 +98,7 @@ def fetch_model(node, choice: str) -> str:
 
     model = instantiate(node)
     if not isinstance(model, PretrainedModel):
-        return f"model={choice}: built by the run itself, nothing to fetch"
+        return f"model={choice}: shipped with rlmm or built by the run itself, nothing to fetch"
     if Path(model.path).exists():
         return f"model={choice} {model.path}: a local directory, nothing to fetch"
     return f"model={choice} {model.path}: cached in {model.resolve()}"  # what the run's resolve() will find

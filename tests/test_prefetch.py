@@ -200,7 +200,7 @@ def test_local_files_need_nothing_and_a_sweep_lists_each_item_once(tmp_path, cap
     main(["-m", "task=gsm8k", f"task.path={SAMPLE}", "seed=0,1", "correction=tis,none",
           "hydra/launcher=local"])
     assert capsys.readouterr().out.splitlines() == [
-        "model=tiny: built by the run itself, nothing to fetch",
+        "model=tiny: shipped with rlmm or built by the run itself, nothing to fetch",
         f"task=gsm8k {SAMPLE}: a local file, nothing to fetch",
         f"run offline: HF_HOME='{tmp_path / 'hf dir'}' HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 rlmm train -m "
         f"task=gsm8k task.path={SAMPLE} seed=0,1 correction=tis,none hydra/launcher=local",
