@@ -20,8 +20,9 @@ def test_two_arms_of_one_seed_draw_the_same_prompts_and_responses(small_model_pa
             capture_output=True, text=True, timeout=600, env=subprocess_env(), stdin=subprocess.DEVNULL)
         assert result.returncode == 0, result.stderr[-3000:]
         arms[correction] = record.read_text().splitlines()
-    # +debug=train: step 0's evaluation on 4 prompts, then step 1's 2 prompts x 2 samples
-    before_the_first_update = 4 + 2 * 2
+    # +debug=train: step 0's evaluation on 4 prompts by both policies (the sampler, the trainer's weights),
+    # then step 1's 2 prompts x 2 samples
+    before_the_first_update = 2 * 4 + 2 * 2
     assert len(arms["none"]) > before_the_first_update
     assert arms["none"][:before_the_first_update] == arms["icepop"][:before_the_first_update]
-    assert len({line.split("\t")[0] for line in arms["none"][4:8]}) == 2  # two prompts, two samples each
+    assert len({line.split("\t")[0] for line in arms["none"][8:12]}) == 2  # two prompts, two samples each
