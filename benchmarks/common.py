@@ -7,8 +7,10 @@ belongs to one system alone. This module imports neither torch nor vLLM at impor
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
+import random
 import resource
 import statistics
 import subprocess
@@ -27,6 +29,8 @@ class Workload:
 
     model: "tiny" (rlmm's built-in default model, conf/model/tiny.yaml) or a key of benchmarks.models.SIZES
         (random init, unreachable eos, so every response is exactly max_new_tokens long).
+    response_lengths: None, or a length distribution (`forced_lengths`): every system generates up to
+        max_new_tokens and cuts row k of the run to the k-th drawn length, the same for every system.
     """
 
     name: str
@@ -37,16 +41,34 @@ class Workload:
     micro_batch_size: int  # rollouts per trainer forward pass (rlmm trainer.micro_batch_size, TRL per-device batch)
     warmup: int = 2  # steps run and thrown away (first vLLM/DeepSpeed calls allocate and compile)
     steps: int = 5  # measured steps; the table reports medians
+    response_lengths: dict | None = None
 
     @property
     def rollouts(self) -> int:
         return self.prompts * self.group_size
 
 
+# Response lengths shaped like GSM8K chain-of-thought answers: a log-normal with median 150 tokens and
+# sigma 0.6 (p10 70, p90 324 before clipping), clipped to [16, 512], drawn from its own seeded stream.
+VARLEN = {"median": 150, "sigma": 0.6, "low": 16, "high": 512, "seed": 0}
+
+
+def forced_lengths(spec: dict, count: int) -> list[int]:
+    """`count` response lengths from `spec` (VARLEN's keys), row k of the run getting the k-th: the same
+    numbers in every process and venv (the standard library's Mersenne Twister, no numpy)."""
+    draw = random.Random(spec["seed"])
+    return [min(spec["high"], max(spec["low"], round(draw.lognormvariate(math.log(spec["median"]), spec["sigma"]))))
+            for _ in range(count)]
+
+
 # The default config is conf/train.yaml as it is (16 prompts x 8 samples, 8 new tokens, micro-batch 32).
 WORKLOADS: dict[str, Workload] = {
     "default": Workload("default", "tiny", prompts=16, group_size=8, max_new_tokens=8, micro_batch_size=32),
     "large": Workload("large", "large", prompts=8, group_size=8, max_new_tokens=128, micro_batch_size=32),
+    # large's model and prompts, responses of forced lengths (VARLEN) up to 512 tokens; fewer rows and
+    # steps than large so that five systems run in ~20 minutes on 2 cores
+    "varlen": Workload("varlen", "large", prompts=2, group_size=8, max_new_tokens=512, micro_batch_size=8,
+                       warmup=1, steps=2, response_lengths=VARLEN),
     "smoke": Workload("smoke", "smoke", prompts=4, group_size=4, max_new_tokens=16, micro_batch_size=8,
                       warmup=1, steps=2),
     "gpu": Workload("gpu", "qwen2.5-0.5b", prompts=16, group_size=8, max_new_tokens=256, micro_batch_size=16),
@@ -100,11 +122,12 @@ class Stopwatch:
         def timed(*args, **kwargs):
             if when is not None and not when():
                 return inner(*args, **kwargs)
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             try:
                 return inner(*args, **kwargs)
             finally:
                 self.add(name, time.perf_counter() - start)
+                self.add(f"{name}.cpu", time.process_time() - cpu)  # this process's CPU time, all threads
 
         setattr(owner, attr, timed)
 

@@ -19,14 +19,17 @@ Stages, per step (seconds; the table shows the median over the measured steps):
   other              step wall time minus all of the above: mismatch metrics, advantages, correction,
                      metric dict (.item() calls)
   step               wall time of rl_step + logging
+  *.cpu              the same stage's CPU time of this process (all threads; time.process_time), which
+                     other jobs on the machine change less than its wall time; train.cpu: forward + backward
+                     + optimizer step
 """
 from __future__ import annotations
 
 import time
 from pathlib import Path
 
-from benchmarks.common import Stopwatch, read_job, set_runtime_env, summarize, sync_device, workload_from, \
-    write_result
+from benchmarks.common import Stopwatch, forced_lengths, read_job, set_runtime_env, summarize, sync_device, \
+    workload_from, write_result
 
 RL_STAGES = ("generate", "reward", "trainer_logprobs", "train", "weight_sync")
 
@@ -68,6 +71,50 @@ def instrument(c, watch: Stopwatch) -> None:
     llm = getattr(c.sampler, "llm", None)
     if llm is not None:
         watch.wrap(llm, "generate", "generate.engine")
+
+
+def force_lengths(sampler, lengths: list[int]) -> None:
+    """Make every sampled (non-greedy) response of `sampler.generate` as long as `lengths` says (the step's
+    rows, in order; the list is replaced in place each step), as if each had sampled eos there (the varlen
+    workload; instance attributes only). vLLM: each of a request's n samples becomes its own request with
+    its own max_tokens (seed + j, as vLLM seeds a request's n samples), so the engine generates no token
+    past a row's length; then every response is cut to its length (token ids and log-probs alike)."""
+    from rlmm.samplers.base import Rollouts
+
+    llm = getattr(sampler, "llm", None)
+    if llm is not None:
+        engine_generate = llm.generate
+
+        def engine_generate_forced(prompts, params, **kwargs):
+            if not isinstance(params, list) or params[0].temperature == 0:  # greedy: untouched
+                return engine_generate(prompts, params, **kwargs)
+            rows_prompts, rows_params = [], []
+            for prompt, request in zip(prompts, params):
+                for j in range(request.n):
+                    row = request.clone()
+                    row.n, row.max_tokens = 1, lengths[len(rows_params) % len(lengths)]
+                    row.seed = None if request.seed is None else request.seed + j
+                    rows_prompts.append(prompt)
+                    rows_params.append(row)
+            outputs, merged = engine_generate(rows_prompts, rows_params, **kwargs), []
+            for request in params:
+                group, outputs = outputs[:request.n], outputs[request.n:]
+                group[0].outputs = [out.outputs[0] for out in group]
+                merged.append(group[0])
+            return merged
+
+        llm.generate = engine_generate_forced
+    generate = sampler.generate
+
+    def generate_forced(prompt_ids, *, n=1, greedy=False):
+        out = generate(prompt_ids, n=n, greedy=greedy)
+        if greedy:
+            return out
+        cut = [lengths[i % len(lengths)] for i in range(len(out))]
+        return Rollouts(out.prompt_ids, [r[:k] for r, k in zip(out.response_ids, cut)],
+                        [lp[:k] for lp, k in zip(out.sampler_logprobs, cut)], out.finish_reasons, out.info)
+
+    sampler.generate = generate_forced
 
 
 def main() -> None:
@@ -114,12 +161,18 @@ def main() -> None:
 
     watch = Stopwatch()
     instrument(c, watch)
+    step_lengths: list[int] = []
+    if w.response_lengths:
+        all_lengths = forced_lengths(w.response_lengths, (w.warmup + w.steps) * w.rollouts)
+        force_lengths(c.sampler, step_lengths)
     per_step, lengths = [], []
     for step in range(1, w.warmup + w.steps + 1):
         prompts = examples[(step - 1) * w.prompts: step * w.prompts]
+        if w.response_lengths:
+            step_lengths[:] = all_lengths[(step - 1) * w.rollouts: step * w.rollouts]
         watch.take()
         sync_device()
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         metrics = rl_step(c, prompts, cfg.train.ratio_cap, cfg.train.reuse_training_forward)
         sync_device()
         t1 = time.perf_counter()
@@ -130,7 +183,8 @@ def main() -> None:
         stages = {k: metrics.get(f"perf/{k}_seconds", 0.0) for k in RL_STAGES}  # one pass: no trainer_logprobs
         train_parts = sum(inner.get(k, 0.0) for k in ("train.forward", "train.backward", "train.step"))
         row = {**stages, **inner, "train.other": stages["train"] - train_parts, "logging": t2 - t1,
-               "step": t2 - t0}
+               "step": t2 - t0, "step.cpu": time.process_time() - cpu0,
+               "train.cpu": sum(inner.get(f"{k}.cpu", 0.0) for k in ("train.forward", "train.backward", "train.step"))}
         row["other"] = row["step"] - sum(stages.values()) - row["logging"]
         if step > w.warmup:
             per_step.append(row)

@@ -27,10 +27,10 @@ PRECISIONS = ("fp32", "bf16")
 STAGES = [  # (key in the workers' medians, label); indented ones are parts of the one above
     ("generate", "generate"), ("generate.engine", "  engine call"), ("generate.unseeded", "  unseeded"),
     ("reward", "reward"), ("trainer_logprobs", "trainer log-probs"), ("logprobs", "log-probs"),
-    ("train", "train"), ("train.forward", "  forward"), ("train.backward", "  backward"),
+    ("train", "train"), ("train.cpu", "  CPU time (fwd+bwd+step)"), ("train.forward", "  forward"), ("train.backward", "  backward"),
     ("train.step", "  optimizer step"), ("train.other", "  other"),
     ("weight_sync", "weight sync"), ("weight_sync.state_dict", "  state_dict"),
-    ("logging", "logging"), ("other", "everything else"),
+    ("logging", "logging"), ("other", "everything else"), ("step.cpu", "step CPU time"),
 ]
 
 
@@ -113,13 +113,18 @@ def run_suite(args) -> dict:
                 tag = f"{size}-{precision}-{system}"
                 run_dir = str(out_dir / "runs" / tag)
                 if system == "rlmm":
-                    overrides = list(args.override)
-                    if args.device == "cuda":
-                        overrides.append(f"sampler.gpu_memory_utilization={args.gpu_memory_utilization}")
-                    job = {**common, "model_path": prepared["model_path"], "run_dir": run_dir,
-                           "model_path_given": bool(args.model_path), "logger": args.logger,
-                           "overrides": overrides, "eval_prompts": args.eval_prompts}
-                    result = run_worker("rlmm_step", job, out_dir, tag, python, args.timeout)
+                    for label, extra in variants(args.variant):
+                        overrides = list(args.override) + extra
+                        if args.device == "cuda":
+                            overrides.append(f"sampler.gpu_memory_utilization={args.gpu_memory_utilization}")
+                        job = {**common, "model_path": prepared["model_path"], "run_dir": run_dir + label,
+                               "model_path_given": bool(args.model_path), "logger": args.logger,
+                               "overrides": overrides, "eval_prompts": args.eval_prompts}
+                        result = run_worker("rlmm_step", job, out_dir, tag + label, python, args.timeout)
+                        record["results"].append({**result, "size": size, "precision": precision,
+                                                  "system": f"rlmm{label}"})
+                        save()
+                    continue
                 elif system == "parts":
                     job = {**common, "model_path": prepared["model_path"]}
                     result = run_worker("parts", job, out_dir, tag, python, args.timeout)
@@ -141,6 +146,17 @@ def run_suite(args) -> dict:
     print_tables(record)
     print(f"\nwrote {results_path}")
     return record
+
+
+def variants(specs: list[str]) -> list[tuple[str, list[str]]]:
+    """`--variant "LABEL OVERRIDE ..."` as ("-LABEL", overrides); none given: rlmm once, as configured."""
+    if not specs:
+        return [("", [])]
+    out = []
+    for spec in specs:
+        label, *overrides = spec.split()
+        out.append((f"-{label}", overrides))
+    return out
 
 
 def run_probe(model_path: str, precision: str, w, args, out_dir: Path, size: str) -> dict:
@@ -278,6 +294,23 @@ def print_tables(record: dict) -> None:
                       _fmt(row.get("rlmm_over_trl-hf"), 2), _fmt(row.get("rlmm_tokens_per_second"), 0),
                       *[_fmt(row.get(f"{s}_peak_rss_mib"), 0) for s in SYSTEMS])
     console.print(table)
+    layouts = [r for r in record["results"] if r["system"].startswith("rlmm-") and r.get("status") == "ok"]
+    if layouts:
+        table = Table(title="rlmm variants (--variant) and TRL: median seconds; train = forward + backward + "
+                            "optimizer step; x: the first variant's over this one", title_justify="left")
+        for column in ("size", "prec", "system", "step", "step CPU", "train", "train CPU", "train x (CPU x)",
+                       "peak RSS MiB"):
+            table.add_column(column, justify="right")
+        for r in layouts + [r for r in record["results"] if r["system"].startswith("trl") and r.get("status") == "ok"]:
+            first = next(f for f in layouts if f["size"] == r["size"] and f["precision"] == r["precision"])
+            m, f = r["median"], first["median"]
+            train = sum(m.get(k, 0.0) for k in ("train.forward", "train.backward", "train.step"))
+            first_train = sum(f.get(k, 0.0) for k in ("train.forward", "train.backward", "train.step"))
+            table.add_row(r["size"], r["precision"], r["system"], _fmt(m.get("step")), _fmt(m.get("step.cpu")),
+                          _fmt(train), _fmt(m.get("train.cpu")),
+                          f"{first_train / train:.2f} ({f.get('train.cpu', 0) / max(m.get('train.cpu', 1e-9), 1e-9):.2f})",
+                          _fmt(r.get("peak_rss_mib"), 0))
+        console.print(table)
     probes = [p for p in record.get("probe", []) if p.get("status") == "ok"]
     if probes:
         table = Table(title="rlmm probe at the benchmark's scale (sampler vs trainer, same rollouts)",
@@ -320,6 +353,9 @@ def parse_args(argv=None):
     parser.add_argument("--eval-prompts", type=int, default=0,
                         help="also time one rlmm greedy evaluation on this many prompts (0: off)")
     parser.add_argument("--override", action="append", default=[], help="extra rlmm train override (repeatable)")
+    parser.add_argument("--variant", action="append", default=[], metavar='"LABEL OVERRIDE ..."',
+                        help="run rlmm once per variant (system rlmm-LABEL) with these extra overrides "
+                             "(repeatable; e.g. --variant padded --variant budget trainer.micro_batch_tokens=2048)")
     parser.add_argument("--model-path", default=None, help="use this checkpoint instead of building one")
     parser.add_argument("--trl-python", default=None, help="python of the TRL venv (default benchmarks/.venv-trl)")
     parser.add_argument("--probe", action="store_true", help="also run `rlmm probe` on each size x precision")

@@ -17,15 +17,38 @@ Stages (timers wrapped around TRL's own methods; per optimizer step):
   (_calculate_rewards), trainer_logprobs (no-grad _get_per_token_logps_and_entropies), train.forward
   (model forward with grad), train.backward (accelerator.backward), train.step (optimizer.step),
   logging (Trainer.log), other (the rest of the step's wall time), step (wall time between two
-  on_step_end callbacks).
+  on_step_end callbacks); *.cpu: the same stages' CPU time of this process (time.process_time).
+Forced lengths (the varlen workload): `_generate_single_turn`'s completions cut to the run's k-th drawn
+  length for row k, as rlmm's (benchmarks/common.py forced_lengths). TRL's GRPO has no padding-free
+  option (GRPOConfig 1.16 has no `padding_free`; SFTConfig and DPOConfig do): it trains on padded rows.
 """
 from __future__ import annotations
 
 import time
 
-from benchmarks.common import Stopwatch, read_job, set_runtime_env, summarize, workload_from, write_result
+from benchmarks.common import Stopwatch, forced_lengths, read_job, set_runtime_env, summarize, workload_from, \
+    write_result
 
 GENERATION = ("vllm", "transformers")
+
+
+def force_lengths(trainer, lengths: list[int]) -> None:
+    """Make the completions of each `_generate_single_turn` call as long as the next rows of `lengths`, as
+    if each had sampled eos there: transformers generate runs until the batch's longest row (max_new_tokens
+    set to it for the call, as a batch stops when its last row ends), then each completion (and its
+    log-probs when vLLM returned them) is cut to its length."""
+    generate, taken = trainer._generate_single_turn, [0]
+
+    def generate_forced(prompt_ids, *args, **kwargs):
+        longest = max(lengths[taken[0]: taken[0] + len(prompt_ids)])  # a prompt per row (TRL repeats them)
+        trainer.generation_config.max_new_tokens = trainer.generation_kwargs["max_new_tokens"] = longest
+        completion_ids, logprobs = generate(prompt_ids, *args, **kwargs)
+        cut = lengths[taken[0]: taken[0] + len(completion_ids)]
+        taken[0] += len(completion_ids)
+        return ([c[:k] for c, k in zip(completion_ids, cut)],
+                None if logprobs is None else [lp[:k] for lp, k in zip(logprobs, cut)])
+
+    trainer._generate_single_turn = generate_forced
 
 
 def main() -> None:
@@ -72,6 +95,7 @@ def main() -> None:
 
     watch = Stopwatch()
     times: list[float] = []
+    cpu_times: list[float] = []
     per_step: list[dict] = []
 
     class StepClock(TrainerCallback):
@@ -79,11 +103,15 @@ def main() -> None:
             watch.wrap(trainer.optimizer, "step", "train.step")
             watch.take()
             times.append(time.perf_counter())
+            cpu_times.append(time.process_time())
 
         def on_step_end(self, args, state, control, **kwargs):
             times.append(time.perf_counter())
+            cpu_times.append(time.process_time())
             row = watch.take()
             row["step"] = times[-1] - times[-2]
+            row["step.cpu"] = cpu_times[-1] - cpu_times[-2]
+            row["train.cpu"] = sum(row.get(f"{k}.cpu", 0.0) for k in ("train.forward", "train.backward", "train.step"))
             row["generate"] = row.get("generate", 0.0) - row.get("weight_sync", 0.0)
             row["other"] = row["step"] - sum(v for k, v in row.items()
                                              if k in ("generate", "weight_sync", "reward", "trainer_logprobs",
@@ -100,6 +128,8 @@ def main() -> None:
     setup_seconds = time.perf_counter() - started
     if generation == "vllm":
         watch.wrap(trainer.vllm_generation, "sync_weights", "weight_sync")
+    if w.response_lengths:
+        force_lengths(trainer, forced_lengths(w.response_lengths, total_steps * w.rollouts))
     watch.wrap(trainer, "_generate_single_turn", "generate")
     watch.wrap(trainer, "_calculate_rewards", "reward")
     watch.wrap(trainer, "_get_per_token_logps_and_entropies", "trainer_logprobs", when=lambda: not torch.is_grad_enabled())
