@@ -37,10 +37,10 @@ class _NaNUpdates:
         update.step = step_then_stop_poisoning
         return update
 
-    def logprobs(self, rollouts, micro_batch_size=None):
+    def logprobs(self, rollouts, micro_batch_size=None, *, layout=None):
         poisoning, self.poisoning = self.poisoning, False  # scoring is never poisoned
         try:
-            return super().logprobs(rollouts, micro_batch_size)
+            return super().logprobs(rollouts, micro_batch_size, layout=layout)
         finally:
             self.poisoning = poisoning
 
