@@ -229,7 +229,7 @@ def print_probe(record: dict) -> None:
         fmt = (lambda v: f"{v:.7f}") if key == "prob_pearson" else format_number  # its story is in the 5th digit
         table.add_row(key, fmt(record["sampler_vs_trainer"][key]), fmt(itself[key]))
     console.print(table)
-    layouts = itself.get("layouts", {})
+    layouts = itself["layouts"]
     if len(layouts) > 1:
         reference = layouts["reference"]
         table = Table(title=f"trainer vs itself across layouts, against {describe_layout(reference)}",
@@ -292,8 +292,9 @@ def plot_probe(record: dict, path: Path) -> None:
     # What the trainer's batch shape alone does: |Δ log p| of the trainer against itself.
     itself = record["trainer_vs_itself"]
     small, large = itself["micro_batch_sizes"]
-    names = [f"mb {large} vs {small}"] + [f"{n} vs padded" for n in itself.get("layouts", {}) if n != "reference"]
-    prefixes = [""] + [f"{n}/" for n in itself.get("layouts", {}) if n != "reference"]
+    compared = [name for name in itself["layouts"] if name != "reference"]
+    names = [f"mb {large} vs {small}"] + [f"{name} vs padded" for name in compared]
+    prefixes = [""] + [f"{name}/" for name in compared]
     ax = axes[2]
     at = range(len(names))
     ax.bar([x - 0.2 for x in at], [itself[f"{p}logprob_abs_diff_mean"] for p in prefixes], width=0.4, label="mean")

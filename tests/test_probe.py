@@ -72,21 +72,28 @@ def test_gsm8k_task_with_longer_answers(tmp_path, small_model_path):
     assert record["sampler_vs_trainer"]["logprob_abs_diff_mean"] > 0
 
 
+def bf16_rollouts_and_trainer(model_path, prompts):
+    """A bf16 transformers sampler, its 8 rollouts of 4 prompts, and a bf16 torch trainer in micro-batches of 3."""
+    from rlmm.precision import SidePrecision
+    from tests.conftest import sampling
+
+    options = sampling(max_new_tokens=6)
+    bf16 = SidePrecision("bf16", False)
+    sampler = from_yaml("sampler", "hf", model_path=model_path, precision=bf16, sampling=options, seed=0)
+    rollouts = sampler.generate(prompts[:4], n=2)  # 8 rows
+    trainer = from_yaml("trainer", "torch", model_path=model_path, precision=bf16, sampling=options,
+                        micro_batch_size=3, accumulation_steps=1)
+    return sampler, rollouts, trainer
+
+
 def test_trainer_against_itself_scores_at_the_two_micro_batch_sizes(small_model_path, prompts):
     """The trainer-vs-itself figures come from two scorings of the same rows in micro-batches of each size."""
     import pytest
     import torch
 
-    from rlmm.precision import SidePrecision
     from rlmm.probe import trainer_against_itself
-    from tests.conftest import sampling
 
-    options = sampling(max_new_tokens=6)
-    bf16 = SidePrecision("bf16", False)
-    sampler = from_yaml("sampler", "hf", model_path=small_model_path, precision=bf16, sampling=options, seed=0)
-    rollouts = sampler.generate(prompts[:4], n=2)  # 8 rows
-    trainer = from_yaml("trainer", "torch", model_path=small_model_path, precision=bf16, sampling=options,
-                        micro_batch_size=3, accumulation_steps=1)
+    sampler, rollouts, trainer = bf16_rollouts_and_trainer(small_model_path, prompts)
     shapes = []
     forward = trainer._forward
     trainer._forward = lambda batch: shapes.append(batch.ids.size(0)) or forward(batch)
@@ -182,16 +189,9 @@ def test_trainer_across_layouts_scores_each_layout(small_model_path, prompts):
     log-probs (nonzero |Δ|), while the reference scored twice does not."""
     import pytest
 
-    from rlmm.precision import SidePrecision
     from rlmm.probe import check_layouts, trainer_across_layouts
-    from tests.conftest import sampling
 
-    options = sampling(max_new_tokens=6)
-    bf16 = SidePrecision("bf16", False)
-    sampler = from_yaml("sampler", "hf", model_path=small_model_path, precision=bf16, sampling=options, seed=0)
-    rollouts = sampler.generate(prompts[:4], n=2)  # 8 rows
-    trainer = from_yaml("trainer", "torch", model_path=small_model_path, precision=bf16, sampling=options,
-                        micro_batch_size=3, accumulation_steps=1)
+    sampler, rollouts, trainer = bf16_rollouts_and_trainer(small_model_path, prompts)
     from omegaconf import OmegaConf
 
     settings = OmegaConf.create({"budget": {"micro_batch_tokens": 40, "padding_free": False},
