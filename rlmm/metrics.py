@@ -32,7 +32,7 @@ import math
 
 import torch
 
-__all__ = ["mismatch_metrics", "position_profile", "METRIC_KEYS"]
+__all__ = ["mismatch_metrics", "position_profile", "early_vs_late", "METRIC_KEYS"]
 
 METRIC_KEYS = (
     "num_tokens",
@@ -261,3 +261,41 @@ def position_profile(
         "prob_abs_diff_mean": abs_p,
         "kl_k3": k3,
     }
+
+
+def early_vs_late(
+    train_logprobs: torch.Tensor,
+    sampler_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    response_tokens: int,
+    window: int,
+) -> dict[str, float]:
+    """The mismatch early and late in the same responses.
+
+    Of every response at least ``response_tokens`` long, the tokens at positions ``[0, window)``
+    (early) and ``[response_tokens - window, response_tokens)`` (late), so both windows hold the same
+    number of tokens from the same responses. :func:`position_profile`'s late buckets hold only the
+    responses that got that long, so its growth mixes the position with which responses are long
+    (Liu et al. 2025 find the mismatch largest on low-probability tokens, which long answers have
+    more of); here the difference ``late - early`` is the position's alone, paired within each
+    response. Means over tokens: ``logprob_abs_diff_mean`` = mean |delta| and ``kl_k3`` =
+    mean(r - 1 - delta) (Schulman 2020), as in :func:`mismatch_metrics`. No long response: NaN.
+    """
+    if window < 1 or 2 * window > response_tokens:
+        raise ValueError(f"early_vs_late: need 1 <= window and 2 * window <= response_tokens, got "
+                         f"window={window}, response_tokens={response_tokens}")
+    lt, ls, m = _gather(train_logprobs, sampler_logprobs, mask)
+    cols = torch.arange(m.shape[1], device=m.device)
+    first = torch.where(m, cols, m.shape[1]).min(dim=1, keepdim=True).values
+    pos = cols - first
+    long = m & (m.sum(dim=1, keepdim=True) >= response_tokens)
+    d = lt - ls
+    out = {"num_sequences": int(long.any(dim=1).sum()), "response_tokens": response_tokens, "window": window}
+    for name, selected in (("early", long & (pos < window)),
+                           ("late", long & (pos >= response_tokens - window) & (pos < response_tokens))):
+        dd = d[selected]
+        out[f"{name}_logprob_abs_diff_mean"] = dd.abs().mean().item() if dd.numel() else math.nan
+        out[f"{name}_kl_k3"] = (torch.expm1(dd) - dd).mean().item() if dd.numel() else math.nan
+    out["late_minus_early_logprob_abs_diff"] = out["late_logprob_abs_diff_mean"] - out["early_logprob_abs_diff_mean"]
+    return out

@@ -47,9 +47,9 @@ def check_overrides(config_name: str, overrides: list[str]) -> None:
             if not elsewhere:  # a SLURM job asks its own node's hardware when it starts
                 check_engines_support(cfg)
             if "probe" in cfg:
-                from rlmm.probe import check_micro_batch_sizes
+                from rlmm.probe import check_options
 
-                check_micro_batch_sizes(cfg.probe.trainer_micro_batch_sizes)
+                check_options(cfg)
         except (ConfigError, ValueError) as err:
             fail(str(err).splitlines()[0])
         except InstantiationException as err:

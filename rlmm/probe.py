@@ -26,7 +26,7 @@ from rlmm.components import build_components
 from rlmm.config import to_container
 from rlmm.formatting import format_number
 from rlmm.logging import redact
-from rlmm.metrics import mismatch_metrics, position_profile
+from rlmm.metrics import early_vs_late, mismatch_metrics, position_profile
 from rlmm.samplers.base import Rollouts, pad_right
 from rlmm.timing import timed
 from rlmm.trainers.packing import MicroBatching
@@ -44,8 +44,7 @@ def run_probe(cfg: DictConfig, run_dir: Path, choices: dict[str, str]) -> dict:
     started = time.perf_counter()
     stage_seconds: dict[str, float] = {}
     options = cfg.probe
-    check_micro_batch_sizes(options.trainer_micro_batch_sizes)  # before any engine starts
-    layouts = check_layouts(options.trainer_layouts, cfg.trainer.micro_batch_size)
+    layouts = check_options(cfg)  # before any engine starts
     components = build_components(cfg, lambda task: (task.examples(options.split, options.num_prompts)
                                                      + task.examples("train", options.batch_invariance.max_batch_size)),
                                   stage_seconds)
@@ -67,6 +66,9 @@ def run_probe(cfg: DictConfig, run_dir: Path, choices: dict[str, str]) -> dict:
     # Whole-token buckets of equal width, so short answers get one bucket per position.
     bucket_size = max(1, math.ceil(mask.sum(1).max().item() / options.position_buckets))
     profile = position_profile(train_logprobs, sampler_logprobs, mask, bucket_size=bucket_size)
+    early_late = options.early_vs_late
+    same_responses = ({} if early_late.response_tokens is None else
+                      early_vs_late(train_logprobs, sampler_logprobs, mask, **early_late))
 
     with timed(stage_seconds, "trainer_vs_itself"):
         trainer_vs_itself = trainer_against_itself(trainer, rollouts, options.trainer_micro_batch_sizes,
@@ -86,6 +88,7 @@ def run_probe(cfg: DictConfig, run_dir: Path, choices: dict[str, str]) -> dict:
                      "frac_truncated": rollouts.finish_reasons.count("length") / len(rollouts)},
         "sampler_vs_trainer": sampler_vs_trainer,
         "position_profile": profile,
+        "early_vs_late": same_responses,
         "trainer_vs_itself": trainer_vs_itself,
         "sampler_vs_itself": sampler_vs_itself,
         "seconds": time.perf_counter() - started,
@@ -113,12 +116,32 @@ def check_finite(logprobs: dict[str, torch.Tensor], precision_report: dict, clos
     raise ValueError(f"probe: non-finite log-probs: {sides}{hint}")
 
 
+def check_options(cfg: DictConfig) -> dict[str, MicroBatching]:
+    """Every `probe.*` value that can be checked before an engine starts (rlmm/overrides.py checks each
+    combination of a sweep with it); returns the trainer layouts to score."""
+    check_micro_batch_sizes(cfg.probe.trainer_micro_batch_sizes)
+    check_early_vs_late(cfg.probe.early_vs_late, cfg.sampling.max_new_tokens)
+    return check_layouts(cfg.probe.trainer_layouts, cfg.trainer.micro_batch_size)
+
+
 def check_micro_batch_sizes(sizes) -> tuple[int, int]:
     """`probe.trainer_micro_batch_sizes` as (small, large): two different sizes, each >= 1."""
     sizes = sorted(sizes)
     if len(sizes) != 2 or sizes[0] == sizes[1] or sizes[0] < 1:
         raise ValueError(f"probe.trainer_micro_batch_sizes: two different sizes >= 1, got {sizes}")
     return sizes[0], sizes[1]
+
+
+def check_early_vs_late(options, max_new_tokens: int) -> None:
+    """`probe.early_vs_late`: off (null), or windows that fit the responses the sampler can give."""
+    n, window = options.response_tokens, options.window
+    if n is None:
+        return
+    if not 1 <= window <= n // 2:
+        raise ValueError(f"probe.early_vs_late.window={window}: must be between 1 and response_tokens/2 = {n // 2}")
+    if n > max_new_tokens:
+        raise ValueError(f"probe.early_vs_late.response_tokens={n}: responses are at most "
+                         f"sampling.max_new_tokens={max_new_tokens} tokens long (null turns it off)")
 
 
 def check_layouts(layouts, micro_batch_size: int) -> dict[str, MicroBatching]:
@@ -254,6 +277,11 @@ def print_probe(record: dict) -> None:
     console.print(f"sampler vs itself (greedy): {inv['unique_greedy_completions']} unique of "
                   f"{inv['num_greedy_completions']} completions across batch sizes; alone vs batched identical for "
                   f"{inv['frac_identical_alone_vs_batched']:.0%} of prompts; |delta| mean {format_number(inv['logprob_abs_diff_mean'])}")
+    if early_late := record["early_vs_late"]:
+        console.print(f"early vs late in the same {early_late['num_sequences']} responses of >= "
+                      f"{early_late['response_tokens']} tokens: mean |delta| "
+                      f"{format_number(early_late['early_logprob_abs_diff_mean'])} in the first {early_late['window']}, "
+                      f"{format_number(early_late['late_logprob_abs_diff_mean'])} in the last {early_late['window']}")
     rollouts = record["rollouts"]
     console.print(f"rollouts: {rollouts['num']}, mean reward {rollouts['mean_reward']:.3f}, mean length "
                   f"{rollouts['mean_response_length']:.1f}; {record['seconds']:.1f} s ("

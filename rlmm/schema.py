@@ -24,6 +24,14 @@ class BatchInvarianceOptions:
 
 
 @dataclass
+class EarlyVsLateOptions:
+    """rlmm/metrics.py::early_vs_late: the mismatch early and late in the same long responses."""
+
+    response_tokens: Optional[int] = MISSING  # null: off; N: responses at least N tokens long
+    window: int = MISSING                     # tokens in each window: [0, window) and [N - window, N)
+
+
+@dataclass
 class TrainerLayout:
     """One way to lay out the trainer's micro-batches (rlmm/trainers/packing.py), scored in `rlmm probe`
     against padded micro-batches of `trainer.micro_batch_size` (the trainer's other settings unchanged)."""
@@ -41,6 +49,7 @@ class ProbeOptions:
     position_buckets: int = MISSING
     trainer_micro_batch_sizes: list[int] = MISSING
     trainer_layouts: dict[str, TrainerLayout] = MISSING
+    early_vs_late: EarlyVsLateOptions = field(default_factory=EarlyVsLateOptions)
     batch_invariance: BatchInvarianceOptions = field(default_factory=BatchInvarianceOptions)
 
 

@@ -21,6 +21,10 @@ CASES = [
     (["trainer.zero_stage=three"], "trainer=deepspeed: Value 'three' of type 'str' could not be converted to Integer"),
     (["probe.num_prompts=many"], "Value 'many' of type 'str' could not be converted to Integer"),
     (["probe.trainer_micro_batch_sizes=[4,4]"], "probe.trainer_micro_batch_sizes: two different sizes >= 1, got [4, 4]"),
+    (["probe.early_vs_late.response_tokens=64"],
+     "probe.early_vs_late.response_tokens=64: responses are at most sampling.max_new_tokens=16 tokens long"),
+    (["probe.early_vs_late.response_tokens=8", "probe.early_vs_late.window=5"],
+     "probe.early_vs_late.window=5: must be between 1 and response_tokens/2 = 4"),
 ]
 # rlmm train's own axes and options; the same rule: one line, before any engine starts.
 TRAIN_CASES = [

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from rlmm.metrics import METRIC_KEYS, mismatch_metrics, position_profile
+from rlmm.metrics import METRIC_KEYS, early_vs_late, mismatch_metrics, position_profile
 
 LN2 = math.log(2.0)
 NAN = math.nan
@@ -258,3 +258,29 @@ def test_position_profile_empty_mask():
     assert got["num_tokens"] == [0, 0, 0] and got["bucket_start"] == [0, 0, 0]
     assert all(math.isnan(v) for v in got["kl_k3"])
     assert all(v == [] for v in position_profile(z, z, z.bool(), bucket_size=4).values())
+
+
+def test_early_vs_late_compares_the_same_long_responses():
+    # Rows: A (4 tokens, right-aligned after 1 padding column), B (2 tokens, too short for
+    # response_tokens=4), C (5 tokens). Windows of 1: position 0 (early) and position 3 (late).
+    mask = torch.tensor([[0, 1, 1, 1, 1], [1, 1, 0, 0, 0], [1, 1, 1, 1, 1]], dtype=torch.bool)
+    sampler = torch.full((3, 5), -1.0)
+    train = sampler.clone()
+    train[0, 1], train[0, 4] = -1.0 + 0.1, -1.0 - 0.3   # A: δ 0.1 at position 0, -0.3 at position 3
+    train[2, 0], train[2, 3] = -1.0 + 0.2, -1.0 + 0.5   # C: δ 0.2 at position 0, 0.5 at position 3
+    train[2, 4] = -1.0 + 9.0                             # C's position 4: past response_tokens, never counted
+    train[1, 0], train[1, 1] = 5.0, 5.0                  # B: short, never counted
+    got = early_vs_late(train, sampler, mask, response_tokens=4, window=1)
+    assert got["num_sequences"] == 2
+    assert got["early_logprob_abs_diff_mean"] == pytest.approx((0.1 + 0.2) / 2)
+    assert got["late_logprob_abs_diff_mean"] == pytest.approx((0.3 + 0.5) / 2)
+    assert got["late_minus_early_logprob_abs_diff"] == pytest.approx(0.25)
+    k3 = lambda d: math.expm1(d) - d
+    assert got["late_kl_k3"] == pytest.approx((k3(-0.3) + k3(0.5)) / 2)
+    wide = early_vs_late(train, sampler, mask, response_tokens=4, window=2)  # [0, 2) and [2, 4)
+    assert wide["early_logprob_abs_diff_mean"] == pytest.approx((0.1 + 0.2) / 4)
+    none = early_vs_late(train, sampler, mask, response_tokens=5, window=2)  # only C is 5 long
+    assert none["num_sequences"] == 1
+    assert math.isnan(early_vs_late(train, sampler, mask & False, response_tokens=4, window=1)["early_kl_k3"])
+    with pytest.raises(ValueError, match="2 \\* window <= response_tokens"):
+        early_vs_late(train, sampler, mask, response_tokens=4, window=3)

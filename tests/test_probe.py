@@ -4,6 +4,7 @@ import subprocess
 from pathlib import Path
 import sys
 
+import pytest
 
 from rlmm.config import from_yaml
 from tests.conftest import subprocess_env
@@ -65,9 +66,17 @@ def test_gsm8k_task_with_longer_answers(tmp_path, small_model_path):
     data = Path(__file__).parent / "data" / "gsm8k_sample.jsonl"
     record = run_probe(tmp_path, "model=hf", f"model.path={small_model_path}", "task=gsm8k", f"task.path={data}",
                        "sampler=hf", "trainer=torch", "precision=bf16_sampler_fp32_trainer", "logger=none",
-                       "sampling.max_new_tokens=32", "probe.num_prompts=2", "probe.split=test")
+                       "sampling.max_new_tokens=32", "probe.num_prompts=2", "probe.split=test",
+                       "probe.early_vs_late.response_tokens=2", "probe.early_vs_late.window=1")
     profile = record["position_profile"]
     assert sum(profile["num_tokens"]) == record["sampler_vs_trainer"]["num_tokens"]  # every token in a bucket
+    early_late = record["early_vs_late"]  # 4 rollouts (3-4-token answers); those of >= 2 tokens, positions 0 and 1
+    assert 1 <= early_late["num_sequences"] <= 4 and early_late["early_logprob_abs_diff_mean"] >= 0
+    assert f"early vs late in the same {early_late['num_sequences']} responses of >= 2 tokens" in record["stdout"]
+    from rlmm.table.discovery import probe_values
+
+    assert probe_values(record)["position/late_minus_early_logprob_abs_diff"] == pytest.approx(
+        early_late["late_logprob_abs_diff_mean"] - early_late["early_logprob_abs_diff_mean"])
     assert len(profile["bucket_start"]) <= 8
     assert record["sampler_vs_trainer"]["logprob_abs_diff_mean"] > 0
 
@@ -88,7 +97,6 @@ def bf16_rollouts_and_trainer(model_path, prompts):
 
 def test_trainer_against_itself_scores_at_the_two_micro_batch_sizes(small_model_path, prompts):
     """The trainer-vs-itself figures come from two scorings of the same rows in micro-batches of each size."""
-    import pytest
     import torch
 
     from rlmm.probe import trainer_against_itself
@@ -135,7 +143,6 @@ def test_sampler_against_itself_counts_what_the_batch_changes(small_model_path, 
     """The sampler-vs-itself figures on an engine whose output is known to depend on the batch size:
     batches of 1, 4 (linspace(1, 8, 3) rounded) and 8 give 2 distinct completions; each target decoded
     alone vs in the batch of 8 first differs at token 2, and their log-probs differ by 0.007 before it."""
-    import pytest
     from omegaconf import OmegaConf
     from transformers import AutoTokenizer
 
@@ -187,8 +194,6 @@ def test_trainer_across_layouts_scores_each_layout(small_model_path, prompts):
     """Each layout's figures come from forwards laid out as it says (a token budget: micro-batches within it,
     rows longest first; padding-free: one packed row a micro-batch), and in bf16 packing changes the
     log-probs (nonzero |Δ|), while the reference scored twice does not."""
-    import pytest
-
     from rlmm.probe import check_layouts, trainer_across_layouts
 
     sampler, rollouts, trainer = bf16_rollouts_and_trainer(small_model_path, prompts)

@@ -20,7 +20,7 @@ DEFAULT_METRICS = {
 # Direction of "best", by glob on the metric name; the first match wins, and anything unmatched is
 # higher-is-better. Mismatch-type metrics are lower-is-better except correlation and ESS.
 BEST_DIRECTION = ("*/prob_pearson:max", "*/ess_*:max", "*/frac_identical_*:max", "perf/tokens_per_second:max",
-                  "mismatch/*:min", "trainer_vs_itself/*:min", "sampler_vs_itself/*:min", "loss/*:min",
+                  "mismatch/*:min", "trainer_vs_itself/*:min", "sampler_vs_itself/*:min", "position/*:min", "loss/*:min",
                   "perf/*:min", "summary/mismatch_*:min", "summary/*seconds*:min")
 
 
