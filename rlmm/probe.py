@@ -121,6 +121,7 @@ def check_options(cfg: DictConfig) -> dict[str, MicroBatching]:
     combination of a sweep with it); returns the trainer layouts to score."""
     check_micro_batch_sizes(cfg.probe.trainer_micro_batch_sizes)
     check_early_vs_late(cfg.probe.early_vs_late, cfg.sampling.max_new_tokens)
+    check_batch_invariance(cfg.probe.batch_invariance)
     return check_layouts(cfg.probe.trainer_layouts, cfg.trainer.micro_batch_size)
 
 
@@ -130,6 +131,16 @@ def check_micro_batch_sizes(sizes) -> tuple[int, int]:
     if len(sizes) != 2 or sizes[0] == sizes[1] or sizes[0] < 1:
         raise ValueError(f"probe.trainer_micro_batch_sizes: two different sizes >= 1, got {sizes}")
     return sizes[0], sizes[1]
+
+
+def check_batch_invariance(options) -> None:
+    """`probe.batch_invariance`: at least two batch sizes, and a largest batch that holds every target prompt."""
+    for key, least in (("num_prompts", 1), ("num_completions", 2), ("max_batch_size", 1)):
+        if options[key] < least:
+            raise ValueError(f"probe.batch_invariance.{key}={options[key]}: must be >= {least}")
+    if options.max_batch_size < options.num_prompts:
+        raise ValueError(f"probe.batch_invariance.max_batch_size={options.max_batch_size}: must be >= "
+                         f"probe.batch_invariance.num_prompts={options.num_prompts} (the largest batch holds every prompt)")
 
 
 def check_early_vs_late(options, max_new_tokens: int) -> None:
@@ -191,43 +202,57 @@ def trainer_against_itself(trainer, rollouts: Rollouts, micro_batch_sizes: list[
 
 
 def batch_invariance(sampler, task, tokenizer, options) -> dict:
-    """Greedy decoding of the same prompts alone and inside larger batches.
+    """Greedy decoding of the same prompts inside batches of different sizes, and alone.
 
-    - `unique_greedy_completions`: one prompt decoded `num_completions` times, each time inside a batch
-      of a different size (filled with other prompts); a batch-invariant engine gives 1.
-    - for `num_prompts` prompts, completion alone vs inside one batch of `max_batch_size`: fraction
-      identical, first diverging token index, and |delta| between the two runs' log-probs over the
-      common prefix (the sampler's disagreement with itself).
+    Batch sizes: `num_completions` sizes from 1 to `max_batch_size` (linspace, rounded). A batch of size s
+    holds the first min(s, num_prompts) target prompts, filled up with train prompts, so every target in a
+    batch is one more observation of its greedy completion at that size, for compute the batch costs anyway.
+
+    - `unique_greedy_completions`: distinct completions of the first target across the sizes (a
+      batch-invariant engine gives 1); `unique_greedy_completions_mean` the same averaged over targets,
+      and `frac_prompts_batch_invariant` the fraction of targets with one completion at every size.
+    - each target alone (a batch of 1) vs inside the largest batch: fraction identical, first diverging
+      token index, and |delta| between the two runs' log-probs over the common prefix (the sampler's
+      disagreement with itself).
     """
     settings = options.batch_invariance
     fillers = [tokenizer(e.prompt).input_ids for e in task.examples("train", settings.max_batch_size)]
     targets = [tokenizer(e.prompt).input_ids for e in task.examples(options.split, settings.num_prompts)]
 
     sizes = torch.linspace(1, settings.max_batch_size, settings.num_completions).round().int().tolist()
-    repeated = [tuple(sampler.generate([targets[0]] + fillers[:size - 1], greedy=True).response_ids[0]) for size in sizes]
+    completions = [[] for _ in targets]
+    for size in sizes:
+        present = min(size, len(targets))
+        batch = sampler.generate(targets[:present] + fillers[:size - present], greedy=True)
+        for i in range(present):
+            completions[i].append(tuple(batch.response_ids[i]))
+    largest = batch  # the sizes ascend: the last batch holds every target (check_batch_invariance)
 
     alone = Rollouts([], [], [], [])
     for prompt in targets:
         one = sampler.generate([prompt], greedy=True)
         alone.response_ids += one.response_ids
         alone.sampler_logprobs += one.sampler_logprobs
-    batched = sampler.generate(targets + fillers[:max(0, settings.max_batch_size - len(targets))], greedy=True)
 
     first_divergence, prefix_a, prefix_b = [], [], []
     for i in range(len(targets)):
-        a, b = alone.response_ids[i], batched.response_ids[i]
+        a, b = alone.response_ids[i], largest.response_ids[i]
         common = next((t for t, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
         if a != b:
             first_divergence.append(common)
         # Compare log-probs only where both runs saw the same prefix (and emitted the same token).
         prefix_a.append(alone.sampler_logprobs[i][:common])
-        prefix_b.append(batched.sampler_logprobs[i][:common])
+        prefix_b.append(largest.sampler_logprobs[i][:common])
     lp_a, mask = pad_right(prefix_a)
     lp_b, _ = pad_right(prefix_b)
     prefix_metrics = mismatch_metrics(lp_b, lp_a, mask)
+    unique = [len(set(c)) for c in completions]
     return {
-        "unique_greedy_completions": len(set(repeated)),
-        "num_greedy_completions": len(repeated),
+        "unique_greedy_completions": unique[0],
+        "num_greedy_completions": len(completions[0]),
+        "unique_greedy_completions_mean": sum(unique) / len(unique),
+        "frac_prompts_batch_invariant": sum(u == 1 for u in unique) / len(unique),
+        "num_observations": sum(map(len, completions)),
         "batch_sizes": sizes,
         "frac_identical_alone_vs_batched": 1 - len(first_divergence) / len(targets),
         "first_divergence_index": first_divergence,
@@ -275,7 +300,8 @@ def print_probe(record: dict) -> None:
     for line in precision["silent_casts"]:
         console.print(f"[bold red]precision mismatch:[/] {line}")
     console.print(f"sampler vs itself (greedy): {inv['unique_greedy_completions']} unique of "
-                  f"{inv['num_greedy_completions']} completions across batch sizes; alone vs batched identical for "
+                  f"{inv['num_greedy_completions']} completions across batch sizes (mean over prompts "
+                  f"{inv['unique_greedy_completions_mean']:.2f}); alone vs batched identical for "
                   f"{inv['frac_identical_alone_vs_batched']:.0%} of prompts; |delta| mean {format_number(inv['logprob_abs_diff_mean'])}")
     if early_late := record["early_vs_late"]:
         console.print(f"early vs late in the same {early_late['num_sequences']} responses of >= "

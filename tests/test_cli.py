@@ -23,6 +23,8 @@ CASES = [
     (["probe.trainer_micro_batch_sizes=[4,4]"], "probe.trainer_micro_batch_sizes: two different sizes >= 1, got [4, 4]"),
     (["probe.early_vs_late.response_tokens=64"],
      "probe.early_vs_late.response_tokens=64: responses are at most sampling.max_new_tokens=16 tokens long"),
+    (["probe.batch_invariance.num_prompts=16", "probe.batch_invariance.max_batch_size=8"],
+     "probe.batch_invariance.max_batch_size=8: must be >= probe.batch_invariance.num_prompts=16"),
     (["probe.early_vs_late.response_tokens=8", "probe.early_vs_late.window=5"],
      "probe.early_vs_late.window=5: must be between 1 and response_tokens/2 = 4"),
 ]

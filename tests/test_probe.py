@@ -44,6 +44,7 @@ def test_default_probe_vllm_deepspeed(tmp_path):
     assert all(0 <= i < 16 for i in inv["first_divergence_index"])
     assert 0 <= inv["logprob_abs_diff_mean"] <= inv["logprob_abs_diff_max"] < 1
     assert f"{inv['unique_greedy_completions']} unique of 3 completions" in record["stdout"]
+    assert 1 <= inv["unique_greedy_completions_mean"] <= 3 and inv["num_observations"] == 1 + 2 + 2  # sizes 1, 4, 8
     assert 0 <= record["rollouts"]["mean_reward"] <= 1
     assert "sampler vs trainer" in record["stdout"] and "kl_k3" in record["stdout"]
     assert list((tmp_path / "wandb").glob("offline-run-*")), "W&B offline run directory missing"
@@ -141,8 +142,9 @@ class BatchDependentSampler:
 
 def test_sampler_against_itself_counts_what_the_batch_changes(small_model_path, arithmetic_task):
     """The sampler-vs-itself figures on an engine whose output is known to depend on the batch size:
-    batches of 1, 4 (linspace(1, 8, 3) rounded) and 8 give 2 distinct completions; each target decoded
-    alone vs in the batch of 8 first differs at token 2, and their log-probs differ by 0.007 before it."""
+    batches of 1, 4 (linspace(1, 8, 3) rounded) and 8 give 2 distinct completions of each target; each
+    target decoded alone vs in the batch of 8 first differs at token 2, and their log-probs differ by
+    0.007 before it."""
     from omegaconf import OmegaConf
     from transformers import AutoTokenizer
 
@@ -154,6 +156,9 @@ def test_sampler_against_itself_counts_what_the_batch_changes(small_model_path, 
                               AutoTokenizer.from_pretrained(small_model_path), options)
     assert record["batch_sizes"] == [1, 4, 8]
     assert record["unique_greedy_completions"] == 2 and record["num_greedy_completions"] == 3
+    # The second target is in the batches of 4 and 8 (not 1): 2 completions, 2 observations.
+    assert record["unique_greedy_completions_mean"] == 2 and record["frac_prompts_batch_invariant"] == 0
+    assert record["num_observations"] == 5
     assert record["frac_identical_alone_vs_batched"] == 0
     assert record["first_divergence_index"] == [2, 2]
     assert record["logprob_abs_diff_mean"] == pytest.approx(0.007, abs=1e-6)
