@@ -1,7 +1,7 @@
 """How much of the mismatch's cost each correction recovers, per seed, from the experiment's sweep and
 its no-mismatch reference (`sampler.perturb=0 correction=none`, the same seeds):
 
-    .venv/bin/python experiments/tis_under_mismatch/analyze.py SWEEP REFERENCE_SWEEP
+    .venv/bin/python experiments/tis_under_mismatch/analyze.py SWEEP [SWEEP ...] --reference REFERENCE_SWEEP
 
 For held-out accuracy at the last step, by the trained weights (`eval_accuracy_trained_end`) and by the
 deployed sampler (`eval_accuracy_end`): each arm's paired difference from `correction=none` and from the
@@ -11,8 +11,8 @@ the second pairs runs that differ in two overrides (correction and sampler.pertu
 """
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -22,10 +22,10 @@ from scipy import stats
 METRICS = {"eval_accuracy_trained_end": "trained weights", "eval_accuracy_end": "deployed sampler"}
 
 
-def by_arm(sweep: Path) -> dict[str, dict[int, dict]]:
-    """correction -> seed -> summary.json of each finished job."""
+def by_arm(*sweeps: Path) -> dict[str, dict[int, dict]]:
+    """correction -> seed -> summary.json of each finished job of the sweeps."""
     arms: dict[str, dict[int, dict]] = {}
-    for summary in sorted(sweep.glob("*/summary.json")):
+    for summary in sorted(s for sweep in sweeps for s in sweep.glob("*/summary.json")):
         overrides = dict(o.split("=", 1) for o in OmegaConf.load(summary.parent / ".hydra" / "overrides.yaml")
                          if "=" in o)
         arms.setdefault(overrides["correction"], {})[int(overrides["seed"])] = json.loads(summary.read_text())
@@ -39,8 +39,8 @@ def paired(a: dict[int, dict], b: dict[int, dict], metric: str) -> tuple[float, 
     return d.mean(), low, high, len(seeds)
 
 
-def main(sweep: str, reference: str) -> None:
-    arms, ref = by_arm(Path(sweep)), by_arm(Path(reference))["none"]
+def main(sweeps: list[str], reference: str) -> None:
+    arms, ref = by_arm(*map(Path, sweeps)), by_arm(Path(reference))["none"]
     for metric, label in METRICS.items():
         print(f"\nheld-out accuracy at the last step, {label} ({metric}); reference (no mismatch) "
               f"{np.mean([r[metric] for r in ref.values()]):.4f}\n")
@@ -55,4 +55,8 @@ def main(sweep: str, reference: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:3])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("sweeps", nargs="+", help="the experiment's sweep directories (arms split over several is fine)")
+    parser.add_argument("--reference", required=True, help="the sweep of sampler.perturb=0 correction=none")
+    args = parser.parse_args()
+    main(args.sweeps, args.reference)
