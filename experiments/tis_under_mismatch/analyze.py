@@ -1,7 +1,7 @@
 """How much of the mismatch's cost each correction recovers, per seed, from the experiment's sweep and
 its no-mismatch reference (`sampler.perturb=0 correction=none`, the same seeds):
 
-    .venv/bin/python experiments/tis_under_mismatch/analyze.py SWEEP [SWEEP ...] --reference REFERENCE_SWEEP
+    .venv/bin/python experiments/tis_under_mismatch/analyze.py SWEEP [SWEEP ...] --reference REFERENCE_SWEEP [...]
 
 For held-out accuracy at the last step, by the trained weights (`eval_accuracy_trained_end`) and by the
 deployed sampler (`eval_accuracy_end`): each arm's paired difference from `correction=none` and from the
@@ -39,8 +39,8 @@ def paired(a: dict[int, dict], b: dict[int, dict], metric: str) -> tuple[float, 
     return d.mean(), low, high, len(seeds)
 
 
-def main(sweeps: list[str], reference: str) -> None:
-    arms, ref = by_arm(*map(Path, sweeps)), by_arm(Path(reference))["none"]
+def main(sweeps: list[str], references: list[str]) -> None:
+    arms, ref = by_arm(*map(Path, sweeps)), by_arm(*map(Path, references))["none"]
     for metric, label in METRICS.items():
         print(f"\nheld-out accuracy at the last step, {label} ({metric}); reference (no mismatch) "
               f"{np.mean([r[metric] for r in ref.values()]):.4f}\n")
@@ -57,6 +57,7 @@ def main(sweeps: list[str], reference: str) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("sweeps", nargs="+", help="the experiment's sweep directories (arms split over several is fine)")
-    parser.add_argument("--reference", required=True, help="the sweep of sampler.perturb=0 correction=none")
+    parser.add_argument("--reference", required=True, nargs="+",
+                        help="the sweep(s) of sampler.perturb=0 correction=none, the same seeds")
     args = parser.parse_args()
     main(args.sweeps, args.reference)
