@@ -200,6 +200,14 @@ def mismatch_metrics(
     return {"num_tokens": num_tokens, "num_sequences": num_sequences} | dict(zip(stats, values))
 
 
+def _positions(mask: torch.Tensor) -> torch.Tensor:
+    """[B, T] position of each column in its row's response, 0 at the row's first masked token (the
+    response may start after left padding); meaningful where `mask` is true."""
+    cols = torch.arange(mask.shape[1], device=mask.device)
+    first = torch.where(mask, cols, mask.shape[1]).min(dim=1, keepdim=True).values
+    return cols - first
+
+
 def position_profile(
     train_logprobs: torch.Tensor,
     sampler_logprobs: torch.Tensor,
@@ -226,9 +234,7 @@ def position_profile(
     which is what this profile makes visible.
     """
     lt, ls, m = _gather(train_logprobs, sampler_logprobs, mask)
-    cols = torch.arange(m.shape[1], device=m.device)
-    first = torch.where(m, cols, m.shape[1]).min(dim=1, keepdim=True).values
-    pos = (cols - first)[m]
+    pos = _positions(m)[m]
     length = int(pos.max()) + 1 if pos.numel() else 0
 
     if bucket_size is not None:
@@ -286,9 +292,7 @@ def early_vs_late(
         raise ValueError(f"early_vs_late: need 1 <= window and 2 * window <= response_tokens, got "
                          f"window={window}, response_tokens={response_tokens}")
     lt, ls, m = _gather(train_logprobs, sampler_logprobs, mask)
-    cols = torch.arange(m.shape[1], device=m.device)
-    first = torch.where(m, cols, m.shape[1]).min(dim=1, keepdim=True).values
-    pos = cols - first
+    pos = _positions(m)
     long = m & (m.sum(dim=1, keepdim=True) >= response_tokens)
     d = lt - ls
     out = {"num_sequences": int(long.any(dim=1).sum()), "response_tokens": response_tokens, "window": window}
