@@ -12,45 +12,49 @@ the second pairs runs that differ in two overrides (correction and sampler.pertu
 from __future__ import annotations
 
 import argparse
-import json
-from pathlib import Path
+import math
 
-import numpy as np
-from omegaconf import OmegaConf
+import pandas as pd
 from scipy import stats
 
-METRICS = {"eval_accuracy_trained_end": "trained weights", "eval_accuracy_end": "deployed sampler"}
+from rlmm.table.frames import load_runs
+
+# summary.json's numbers, as rlmm table reads them
+METRICS = {"summary/eval_accuracy_trained_end:final": "trained weights",
+           "summary/eval_accuracy_end:final": "deployed sampler"}
 
 
-def by_arm(*sweeps: Path) -> dict[str, dict[int, dict]]:
-    """correction -> seed -> summary.json of each finished job of the sweeps."""
-    arms: dict[str, dict[int, dict]] = {}
-    for summary in sorted(s for sweep in sweeps for s in sweep.glob("*/summary.json")):
-        overrides = dict(o.split("=", 1) for o in OmegaConf.load(summary.parent / ".hydra" / "overrides.yaml")
-                         if "=" in o)
-        arms.setdefault(overrides["correction"], {})[int(overrides["seed"])] = json.loads(summary.read_text())
-    return arms
+def by_seed(sweeps: list[str], metric: str) -> pd.DataFrame:
+    """seed x correction: the metric of every complete run of the sweeps (rlmm.table's reader)."""
+    runs = load_runs(sweeps)
+    runs = runs[runs.status == "complete"]
+    return runs.pivot(index="seed", columns="correction", values=metric)[list(dict.fromkeys(runs.correction))]
 
 
-def paired(a: dict[int, dict], b: dict[int, dict], metric: str) -> tuple[float, float, float, int]:
-    seeds = sorted(set(a) & set(b))
-    d = np.array([a[s][metric] - b[s][metric] for s in seeds])
+def mean(values: pd.Series) -> float:
+    """Exactly rounded (math.fsum), so the printed figures do not depend on the runs' order."""
+    values = values.dropna()
+    return math.fsum(values) / len(values)
+
+
+def paired(a: pd.Series, b: pd.Series) -> tuple[float, float, float, int]:
+    """Mean of the per-seed differences a - b, its 95% paired-t interval, and the number of pairs."""
+    d = (a - b).dropna()
     low, high = stats.ttest_1samp(d, 0).confidence_interval(0.95)
-    return d.mean(), low, high, len(seeds)
+    return mean(d), low, high, len(d)
 
 
 def main(sweeps: list[str], references: list[str]) -> None:
-    arms, ref = by_arm(*map(Path, sweeps)), by_arm(*map(Path, references))["none"]
     for metric, label in METRICS.items():
-        print(f"\nheld-out accuracy at the last step, {label} ({metric}); reference (no mismatch) "
-              f"{np.mean([r[metric] for r in ref.values()]):.4f}\n")
+        arms, ref = by_seed(sweeps, metric), by_seed(references, metric)["none"]
+        print(f"\nheld-out accuracy at the last step, {label} ({metric.removeprefix('summary/').removesuffix(':final')}); "
+              f"reference (no mismatch) {mean(ref):.4f}\n")
         print("| correction | n | mean | Δ vs none [95% CI] | Δ vs reference [95% CI] | gap closed |")
         print("| --- | --- | --- | --- | --- | --- |")
-        gap = paired(ref, arms["none"], metric)[0]
-        for arm, runs in arms.items():
-            mean = np.mean([r[metric] for r in runs.values()])
-            vs_none, vs_ref = paired(runs, arms["none"], metric), paired(runs, ref, metric)
-            print(f"| {arm} | {vs_ref[3]} | {mean:.4f} | {vs_none[0]:+.4f} [{vs_none[1]:+.4f}, {vs_none[2]:+.4f}] | "
+        gap = paired(ref, arms["none"])[0]
+        for arm in arms:
+            vs_none, vs_ref = paired(arms[arm], arms["none"]), paired(arms[arm], ref)
+            print(f"| {arm} | {vs_ref[3]} | {mean(arms[arm]):.4f} | {vs_none[0]:+.4f} [{vs_none[1]:+.4f}, {vs_none[2]:+.4f}] | "
                   f"{vs_ref[0]:+.4f} [{vs_ref[1]:+.4f}, {vs_ref[2]:+.4f}] | {vs_none[0] / gap:.0%} |")
 
 
