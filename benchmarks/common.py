@@ -69,6 +69,14 @@ WORKLOADS: dict[str, Workload] = {
     # steps than large so that five systems run in ~20 minutes on 2 cores
     "varlen": Workload("varlen", "large", prompts=2, group_size=8, max_new_tokens=512, micro_batch_size=8,
                        warmup=1, steps=2, response_lengths=VARLEN),
+    # benchmarks.layouts on a GPU (scripts/gpu_fsdp_check.sh): varlen's lengths on Qwen2.5-0.5B's architecture,
+    # 64 rows a minibatch (~11k tokens), micro-batch 16 rows as scale=gpu's trainer would hold
+    "varlen-gpu": Workload("varlen-gpu", "qwen2.5-0.5b", prompts=8, group_size=8, max_new_tokens=512,
+                           micro_batch_size=16, warmup=1, steps=3, response_lengths=VARLEN),
+    # its code path on CPU at a tiny size (tests/test_benchmarks.py, the GPU script's dry run)
+    "varlen-dry": Workload("varlen-dry", "smoke-qwen", prompts=2, group_size=4, max_new_tokens=64,
+                           micro_batch_size=4, warmup=1, steps=1,
+                           response_lengths={**VARLEN, "median": 24, "low": 4, "high": 64}),
     "smoke": Workload("smoke", "smoke", prompts=4, group_size=4, max_new_tokens=16, micro_batch_size=8,
                       warmup=1, steps=2),
     "gpu": Workload("gpu", "qwen2.5-0.5b", prompts=16, group_size=8, max_new_tokens=256, micro_batch_size=16),

@@ -1,19 +1,25 @@
 """The train phase alone under each micro-batch layout, interleaved in one process (the varlen rows).
 
     .venv/bin/python -m benchmarks.layouts [--budget 1024] [--repeats 2] [--out FILE.json]
+    python -m benchmarks.layouts --workload varlen-gpu --device cuda --precision bf16 --trainer fsdp \
+        --budget 4096,8192,16384          # on a GPU (scripts/gpu_fsdp_check.sh runs this)
 
 Why beside the suite: the suite runs each layout in its own process, minutes apart, and on a shared machine
 the load changes between them; here every layout trains on the same minibatches one after the other, in
 rotating order, so a change of load falls on all of them alike. What is timed: one optimizer step on a
-minibatch of the `varlen` workload's rows (its model, its prompts, its forced response lengths; response
-tokens drawn at random, which costs the same as sampled ones), `rlmm.trainers.scoring.minibatch_step` with a
+minibatch of the workload's rows (its model, its prompts, its forced response lengths; response tokens
+drawn at random, which costs the same as sampled ones), `rlmm.trainers.scoring.minibatch_step` with a
 policy-gradient loss normalised by the minibatch's tokens (rlmm/step.py's normalisation): every
-micro-batch's forward, backward, and the DeepSpeed step. The layout is swapped on the one trainer
-(`trainer.batching`), so every layout runs the same weights, engine and threads.
+micro-batch's forward, backward, and the optimizer step. The layout is swapped on the one trainer
+(`trainer.batching`), so every layout runs the same weights, engine and threads. Layouts: padded (the
+workload's micro-batch size), padding-free, and for each `--budget` a token budget with and without
+padding-free. A padding-free layout gets what the trainer would give it (`use_varlen_attention`:
+flash-attention 2's varlen kernel on CUDA in 16 bits when `flash_attn` is installed), a padded one sdpa.
 
 Per layout: median wall and CPU seconds (time.process_time: this process, all threads) of an update, the
-positions computed (padding included) and the micro-batch count, and the peak RSS above the RSS before the
-update (VmHWM reset through /proc/self/clear_refs before each update).
+positions computed (padding included), the micro-batch count, the attention implementation, and the peak
+memory above the update's start: RSS on CPU (VmHWM reset through /proc/self/clear_refs before each
+update), `torch.cuda.max_memory_allocated` on CUDA (reset before each update; the clock waits for the GPU).
 """
 from __future__ import annotations
 
@@ -34,14 +40,28 @@ def rss_kib(field: str) -> int:
     return 0
 
 
+def hf_model(trainer):
+    """The transformers model inside a trainer (DeepSpeed's engine wraps it; torch and FSDP hold it)."""
+    return trainer.engine.module if hasattr(trainer, "engine") else trainer.model
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.layouts", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--budget", type=int, default=1024, help="trainer.micro_batch_tokens of the budget layouts")
+    parser.add_argument("--workload", default="varlen", choices=["varlen", "varlen-gpu", "varlen-dry"])
+    parser.add_argument("--budget", default="1024",
+                        help="trainer.micro_batch_tokens of the budget layouts (comma-separated for several)")
     parser.add_argument("--repeats", type=int, default=2, help="passes over the minibatches (after one warm-up)")
-    parser.add_argument("--trainer", default="deepspeed")
+    parser.add_argument("--trainer", default="deepspeed", choices=["deepspeed", "fsdp", "torch"])
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"], help="the trainer's body")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
-    set_runtime_env("cpu")
+    try:
+        budgets = [int(b) for b in args.budget.split(",")]
+        assert budgets and all(b >= 1 for b in budgets)
+    except (ValueError, AssertionError):
+        parser.error(f"--budget: token counts >= 1, comma-separated (e.g. 1024 or 4096,8192), got {args.budget!r}")
+    set_runtime_env(args.device)
     import torch
     from transformers import AutoTokenizer
 
@@ -50,10 +70,12 @@ def main(argv=None) -> None:
     from rlmm.models.tiny import default_cache_dir
     from rlmm.precision import SidePrecision
     from rlmm.samplers.base import Rollouts, SamplingOptions
-    from rlmm.trainers.packing import MicroBatching
+    from rlmm.trainers.packing import MicroBatching, use_varlen_attention
     from rlmm.trainers.scoring import minibatch_step, row_tokens
 
-    w = WORKLOADS["varlen"]
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch sees no CUDA device here")
+    w = WORKLOADS[args.workload]
     import hashlib
 
     key = hashlib.sha256(json.dumps(SIZES[w.model], sort_keys=True).encode()).hexdigest()[:8]
@@ -73,12 +95,18 @@ def main(argv=None) -> None:
                                     [torch.zeros(len(r)) for r in responses], ["length"] * len(responses)))
     sampling = SamplingOptions(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=w.max_new_tokens,
                                logprobs="processed")
-    trainer = from_yaml("trainer", args.trainer, model_path=str(path), precision=SidePrecision("fp32", False),
+    precision = SidePrecision(args.precision, False)
+    trainer = from_yaml("trainer", args.trainer, model_path=str(path), precision=precision,
                         sampling=sampling, micro_batch_size=w.micro_batch_size, accumulation_steps=1)
+    model = hf_model(trainer)
+    device = next(model.parameters()).device
     layouts = {"padded": MicroBatching(w.micro_batch_size, None, False),
-               "budget": MicroBatching(w.micro_batch_size, args.budget, False),
-               "packed": MicroBatching(w.micro_batch_size, None, True),
-               "budget_packed": MicroBatching(w.micro_batch_size, args.budget, True)}
+               "packed": MicroBatching(w.micro_batch_size, None, True)}
+    for budget in budgets:
+        suffix = "" if len(budgets) == 1 else f"_{budget}"
+        layouts[f"budget{suffix}"] = MicroBatching(w.micro_batch_size, budget, False)
+        layouts[f"budget_packed{suffix}"] = MicroBatching(w.micro_batch_size, budget, True)
+    cuda = device.type == "cuda"
 
     def loss_fn_for(rollouts):
         total = sum(map(len, rollouts.response_ids))
@@ -88,21 +116,35 @@ def main(argv=None) -> None:
             mask = torch.zeros_like(logprobs, dtype=torch.bool)
             for i, row in enumerate(rows):
                 mask[i, :len(rollouts.response_ids[row])] = True
-            loss = -torch.where(mask, advantages[rows][:, None] * logprobs, 0.0).sum() / total
+            loss = -torch.where(mask, advantages[rows].to(logprobs.device)[:, None] * logprobs, 0.0).sum() / total
             return loss, {"loss": loss.item()}
         return loss_fn
 
     def update(name: str, rollouts) -> dict:
-        trainer.batching = layouts[name]
+        layout = trainer.batching = layouts[name]
+        if layout.padding_free:
+            attention = use_varlen_attention(model, device, precision.torch_dtype)
+        else:
+            model.set_attn_implementation("sdpa")
+            attention = "sdpa"
         rows = list(range(len(rollouts)))
-        micro = layouts[name].split(row_tokens(rollouts, rows), rows)
-        Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
-        before = rss_kib("VmRSS:")
+        micro = layout.split(row_tokens(rollouts, rows), rows)
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated()
+        else:
+            Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
+            before = rss_kib("VmRSS:") * 1024
         wall, cpu = time.perf_counter(), time.process_time()
         minibatch_step(trainer, rollouts, rows, loss_fn_for(rollouts))
-        return {"layout": name, "wall": time.perf_counter() - wall, "cpu": time.process_time() - cpu,
-                "peak_rss_above_mib": (rss_kib("VmHWM:") - before) / 1024, "micro_batches": len(micro),
-                "positions": sum(layouts[name].positions(row_tokens(rollouts, m)) for m in micro),
+        if cuda:
+            torch.cuda.synchronize()
+        wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+        peak = torch.cuda.max_memory_allocated() if cuda else rss_kib("VmHWM:") * 1024
+        return {"layout": name, "wall": wall, "cpu": cpu, "peak_above_mib": (peak - before) / 2 ** 20,
+                "micro_batches": len(micro), "attention": attention,
+                "positions": sum(layout.positions(row_tokens(rollouts, m)) for m in micro),
                 "tokens": sum(row_tokens(rollouts, rows))}
 
     names = list(layouts)
@@ -121,15 +163,18 @@ def main(argv=None) -> None:
         summary[name] = {"wall_median": statistics.median(r["wall"] for r in mine),
                          "cpu_median": statistics.median(r["cpu"] for r in mine),
                          "wall_sum": sum(r["wall"] for r in mine), "cpu_sum": sum(r["cpu"] for r in mine),
-                         "peak_rss_above_mib_max": max(r["peak_rss_above_mib"] for r in mine),
+                         "peak_above_mib_max": max(r["peak_above_mib"] for r in mine),
+                         "attention": mine[0]["attention"], "micro_batch_tokens": layouts[name].tokens,
                          "positions_per_minibatch": [r["positions"] for r in mine if r["repeat"] == 0],
                          "micro_batches": [r["micro_batches"] for r in mine if r["repeat"] == 0]}
     for name in names:
         summary[name]["cpu_speedup_vs_padded"] = summary["padded"]["cpu_sum"] / summary[name]["cpu_sum"]
         summary[name]["wall_speedup_vs_padded"] = summary["padded"]["wall_sum"] / summary[name]["wall_sum"]
-    record = {"machine": machine_info(), "budget": args.budget, "trainer": args.trainer, "workload": w.name,
+    record = {"machine": machine_info(), "budgets": budgets, "trainer": args.trainer, "workload": w.name,
+              "device": device.type, "precision": args.precision, "memory": "cuda allocated" if cuda else "rss",
               "tokens_per_minibatch": [r["tokens"] for r in runs if r["repeat"] == 0 and r["layout"] == "padded"],
-              "summary": summary, "runs": runs, "command": "python -m benchmarks.layouts " + " ".join(sys.argv[1:] if argv is None else argv)}
+              "summary": summary, "runs": runs,
+              "command": "python -m benchmarks.layouts " + " ".join(sys.argv[1:] if argv is None else argv)}
     print(json.dumps(summary, indent=1))
     out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / f"layouts_{time.strftime('%Y-%m-%d_%H-%M-%S')}.json"
     out.parent.mkdir(parents=True, exist_ok=True)

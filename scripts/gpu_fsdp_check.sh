@@ -3,9 +3,9 @@
 # transformers but no package index): rlmm probe with the transformers sampler against trainer=fsdp and
 # trainer=torch on a Qwen2.5-0.5B-architecture model (random init, 151,936-token vocabulary) in bf16,
 # fp16, fp32 and bf16 + fp32 head, each trainer against itself at micro-batch sizes 1 and 32; then 3
-# steps of rlmm train with trainer=fsdp and algo=ppo (its critic too), and the FSDP weight sync's peak memory
-# (benchmarks/weight_sync_memory.py, one rank). Writes gpu_fsdp_check.json (the
-# figures) and the runs' logs into $OUT (or ./gpu_fsdp_check).
+# steps of rlmm train with trainer=fsdp and algo=ppo (its critic too), the FSDP weight sync's peak memory
+# (benchmarks/weight_sync_memory.py, one rank), and the micro-batch layouts' train phase (benchmarks/layouts.py).
+# Writes gpu_fsdp_check.json and layouts.json (the figures) and the runs' logs into $OUT (or ./gpu_fsdp_check).
 #   Prepared here:   PY_SITE=.gpu_site (hydra, omegaconf, antlr4, submitit copied from .venv: pure Python),
 #                    MODEL_FILES=.gpu_model (the fullvocab model's config and tokenizer files)
 #   On the GPU:      bash scripts/gpu_fsdp_check.sh
@@ -41,7 +41,7 @@ run() {  # name, then the command's arguments
     echo "$name FAILED in $((SECONDS - started)) s"; tail -5 /tmp/runs/$name.log
   fi
 }
-if [ "${ONLY:-all}" != train ]; then  # ONLY=train: the training run alone
+if [ "${ONLY:-all}" = all ]; then  # ONLY=train: the training run alone; ONLY=layouts: benchmarks/layouts.py alone
   for trainer in fsdp torch; do
     for precision in bf16 fp16 fp32 bf16_fp32head; do
       run probe-$trainer-$precision probe "${common[@]}" "${probe[@]}" trainer=$trainer precision=$precision
@@ -49,13 +49,33 @@ if [ "${ONLY:-all}" != train ]; then  # ONLY=train: the training run alone
   done
 fi
 # The weight sync's extra peak GPU memory: full state dict vs one tensor at a time (benchmarks/README.md).
-started=$SECONDS
-if $python -m torch.distributed.run --standalone --nproc_per_node 1 benchmarks/weight_sync_memory.py /tmp/qwen \
-    "$out/weight_sync_memory_gpu.json" > /tmp/runs/weight_sync_memory.log 2>&1; then
-  echo "weight_sync_memory ok in $((SECONDS - started)) s"
-else
-  echo "weight_sync_memory FAILED"; tail -5 /tmp/runs/weight_sync_memory.log
+if [ "${ONLY:-all}" != layouts ]; then
+  started=$SECONDS
+  if $python -m torch.distributed.run --standalone --nproc_per_node 1 benchmarks/weight_sync_memory.py /tmp/qwen \
+      "$out/weight_sync_memory_gpu.json" > /tmp/runs/weight_sync_memory.log 2>&1; then
+    echo "weight_sync_memory ok in $((SECONDS - started)) s"
+  else
+    echo "weight_sync_memory FAILED"; tail -5 /tmp/runs/weight_sync_memory.log
+  fi
 fi
+# The micro-batch layouts' train phase (issue 16): padded vs token budgets vs padding-free (flash-attention 2's
+# varlen kernel when flash_attn is installed, else sdpa's block-diagonal mask), FSDP bf16, Qwen2.5-0.5B's
+# architecture on GSM8K-shaped lengths (benchmarks/layouts.py; on a machine without CUDA its tiny dry size).
+if [ "${ONLY:-all}" = all ] || [ "${ONLY:-all}" = layouts ]; then
+  if $python -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then
+    layouts=(--workload varlen-gpu --device cuda --precision bf16 --budget 4096,8192,16384 --repeats 3)
+  else
+    layouts=(--workload varlen-dry --device cpu --precision fp32 --budget 64,128 --repeats 1)
+  fi
+  started=$SECONDS
+  if $python -m benchmarks.layouts --trainer fsdp "${layouts[@]}" --out "$out/layouts.json" \
+      > /tmp/runs/layouts.log 2>&1; then
+    echo "layouts ok in $((SECONDS - started)) s"
+  else
+    echo "layouts FAILED in $((SECONDS - started)) s"; tail -5 /tmp/runs/layouts.log
+  fi
+fi
+[ "${ONLY:-all}" = layouts ] && exit 0
 run train-fsdp-ppo train "${common[@]}" trainer=fsdp algo=ppo precision=bf16 +debug=train train.steps=3 \
     sampling.max_new_tokens=64 algo.group_size=4 train.prompts_per_step=8
 $python - "$out" <<'EOF'
