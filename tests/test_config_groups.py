@@ -131,6 +131,11 @@ def test_every_scale_composes_and_validates_for_every_app(app, scale):
     else:
         assert (hydra.runtime.choices.model, hydra.runtime.choices.task) == ("hf", "gsm8k")
         assert cfg.model.path == "Qwen/Qwen2.5-0.5B-Instruct" and cfg.sampling.max_new_tokens == 512
+        # GSM8K's varied answer lengths train under a token budget that holds several of the longest rows
+        # (a row above it is a micro-batch of its own: slower, still correct), whichever trainer is chosen
+        for trainer in ("deepspeed", "fsdp", "torch"):
+            budget = composed(app, [f"scale={scale}", f"trainer={trainer}"])[0].trainer.micro_batch_tokens
+            assert budget >= 4 * cfg.sampling.max_new_tokens, (trainer, budget)
 
 
 @pytest.mark.parametrize("name", EXPERIMENTS)
