@@ -72,7 +72,7 @@ def test_gsm8k_task_with_longer_answers(tmp_path, small_model_path):
     profile = record["position_profile"]
     assert sum(profile["num_tokens"]) == record["sampler_vs_trainer"]["num_tokens"]  # every token in a bucket
     early_late = record["early_vs_late"]  # 4 rollouts (3-4-token answers); those of >= 2 tokens, positions 0 and 1
-    assert 1 <= early_late["num_sequences"] <= 4 and early_late["early_logprob_abs_diff_mean"] >= 0
+    assert 1 <= early_late["num_sequences"] <= 4 and early_late["early_logprob_abs_diff_mean"] > 0  # bf16 vs fp32
     assert f"early vs late in the same {early_late['num_sequences']} responses of >= 2 tokens" in record["stdout"]
     from rlmm.table.discovery import probe_values
 
@@ -110,7 +110,6 @@ def test_trainer_against_itself_scores_at_the_two_micro_batch_sizes(small_model_
     assert record["micro_batch_sizes"] == [2, 8]
     assert sorted(shapes) == [2, 2, 2, 2, 8]  # one pass in micro-batches of 2, one of all 8 rows
     assert record["num_tokens"] == sum(map(len, rollouts.response_ids))
-    assert record["logprob_abs_diff_max"] >= 0
     with torch.no_grad():  # the figures are those of the two scorings, larger size first
         from rlmm.metrics import mismatch_metrics
 
