@@ -56,8 +56,9 @@ def latest(run_dir: str | Path) -> Path | None:
     return path if (path / "state.json").exists() else None
 
 
-def save(run_dir: str | Path, step: int, trainer, sampler, critic=None, keep: int = 2) -> Path:
-    """Write a checkpoint of step `step` (every rank calls this together); keep the newest `keep`."""
+def save(run_dir: str | Path, step: int, trainer, sampler, critic=None, keep: int = 2, loop: dict | None = None) -> Path:
+    """Write a checkpoint of step `step` (every rank calls this together); keep the newest `keep`. `loop`: the
+    training loop's own state (JSON: bad-step counts, the monitor's detectors), back as state.json's "loop"."""
     from safetensors.torch import save_file
 
     rank, world = _rank_and_world()
@@ -85,7 +86,7 @@ def save(run_dir: str | Path, step: int, trainer, sampler, critic=None, keep: in
     torch.save(rank_state, path / f"rank{rank}.pt")
     _barrier()
     if rank == 0:
-        state = {"step": step, "world_size": world, "sampler_calls": sampler.calls}
+        state = {"step": step, "world_size": world, "sampler_calls": sampler.calls, "loop": loop or {}}
         (path / "state.json").write_text(json.dumps(state, indent=2))
         tmp = root / "latest.tmp"
         tmp.write_text(path.name)

@@ -88,6 +88,17 @@ class CUSUM:
     def alarm(self) -> bool:
         return self.score > self.threshold
 
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps (JSON: the baseline as None until the warm-up is complete)."""
+        finite = lambda v: v if math.isfinite(v) else None  # noqa: E731
+        return {"warmup": list(self.warmup), "median": finite(self.median), "scale": finite(self.scale),
+                "score": self.score}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.warmup = list(state["warmup"])
+        self.median, self.scale = (math.nan if v is None else v for v in (state["median"], state["scale"]))
+        self.score = state["score"]
+
 
 def _median(values: list[float]) -> float:
     ordered, n = sorted(values), len(values)
@@ -182,6 +193,23 @@ class Monitor:
             components.correction = from_yaml("correction", self.switch_to)
             log.warning("monitor: correction switched to %s from step %d on", self.switch_to, step + 1)
 
+    def state_dict(self) -> dict:
+        """The detectors and the run's alarms, for a checkpoint (state.json): a resumed run goes on with
+        the baselines, scores and first alarm of the interrupted one instead of a new warm-up."""
+        return {"detectors": {name: d.state_dict() for name, d in self.detectors.items()},
+                "alarms": [{"signal": a.signal, "step": a.step, "score": a.score} for a in self.alarms]}
+
+    def load_state_dict(self, state: dict, components) -> None:
+        """Restore `state_dict()`'s state (detectors of signals no longer watched are dropped, new ones
+        start their warm-up). An action already taken stays taken: a switched correction is switched again
+        (the components are built from the config), and a run stopped by its alarm does not stop again."""
+        for name, detector_state in state.get("detectors", {}).items():
+            if name in self.detectors:
+                self.detectors[name].load_state_dict(detector_state)
+        self.alarms = [Alarm(a["signal"], a["step"], a["score"], self.threshold) for a in state.get("alarms", [])]
+        if self.alarms and self.action == "switch_correction":
+            self.act(self.alarms[0], self.alarms[0].step, components)
+
     def record_entry(self) -> dict:
         """This step's new alarms, for the run record's row (not for the logger: not numbers)."""
         return {"monitor/alarms": [{"signal": a.signal, "score": a.score} for a in self.new_alarms]} \
@@ -201,6 +229,12 @@ class NoMonitor:
 
     def record_entry(self) -> dict:
         return {}
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict, components) -> None:
+        pass
 
 
 WATCHABLE = ("mismatch", "rollout", "correction", "loss")

@@ -50,7 +50,10 @@ def run_train(cfg: DictConfig, run_dir: Path, choices: dict[str, str], logger) -
     trainer, sampler, precision_report = components.trainer, components.sampler, components.precision_report
     rank, world = dist.get_rank(), dist.get_world_size()
     last = checkpoint.latest(run_dir) if options.resume else None
-    first_step = checkpoint.load(last, trainer, sampler, components.critic)["step"] + 1 if last else 1
+    resumed = checkpoint.load(last, trainer, sampler, components.critic) if last else {"step": 0}
+    first_step = resumed["step"] + 1
+    loop_state = resumed.get("loop", {})  # absent from checkpoints written before it was kept
+    monitor.load_state_dict(loop_state.get("monitor", {}), components)
     if last:
         log.info("resuming from %s at step %d", last, first_step)
     # On resume the record drops the steps after the checkpoint: they are about to be redone.
@@ -69,7 +72,8 @@ def run_train(cfg: DictConfig, run_dir: Path, choices: dict[str, str], logger) -
             accuracies = evaluate()
             record.log(accuracies, step=0)
             logger.log(accuracies, step=0)
-        bad_in_a_row, bad_total, shown_accuracy = 0, 0, float("nan")
+        bad_in_a_row, bad_total = loop_state.get("bad_steps_in_a_row", 0), loop_state.get("bad_steps", 0)
+        shown_accuracy = float("nan")
         bar = tqdm(range(first_step, options.steps + 1), desc="rlmm train", unit="step", initial=first_step - 1,
                    total=options.steps, disable=None if rank == 0 else True)
         for step in bar:
@@ -97,7 +101,8 @@ def run_train(cfg: DictConfig, run_dir: Path, choices: dict[str, str], logger) -
             if (stopping or too_many_bad or alarmed
                     or (options.checkpoint_every and step % options.checkpoint_every == 0)):
                 # Bad steps changed no weights: this checkpoint holds the last good state.
-                saved = checkpoint.save(run_dir, step, trainer, sampler, components.critic)
+                saved = checkpoint.save(run_dir, step, trainer, sampler, components.critic, loop={
+                    "bad_steps": bad_total, "bad_steps_in_a_row": bad_in_a_row, "monitor": monitor.state_dict()})
             if stopping or too_many_bad or alarmed:
                 record.close()
                 logger.finish()

@@ -238,3 +238,23 @@ def test_switch_correction_trains_with_the_new_correction_from_the_next_step(sma
     assert [r.get("monitor/alarm") for r in rows] == [None, 0.0, 0.0, 1.0, 1.0]
     assert ["correction/frac_tokens_truncated" in r for r in rows[1:]] == [False, False, False, True]
     assert "monitor: correction switched to tis from step 4 on" in result.stdout + result.stderr
+
+
+def test_a_resumed_run_keeps_the_detectors_and_the_switched_correction(small_model_path, tmp_path):
+    """A 5-step run switched to tis at step 3 writes a checkpoint there; run again in its directory it
+    resumes at step 4 and logs steps 4 and 5 exactly as the first time: the detectors' scores go on from
+    their baselines (not a new warm-up) and TIS is still the correction."""
+    run_dir = tmp_path / "run"
+    switch = ("train.steps=5", "correction=none", *MUST_FIRE, "train.monitor.action=switch_correction",
+              "train.monitor.switch_to=tis", "train.checkpoint_every=3")
+    first, first_rows = train(small_model_path, run_dir, *switch)
+    assert first.returncode == 0, first.stderr[-3000:]
+    loop = json.loads((run_dir / "checkpoints" / "step-000003" / "state.json").read_text())["loop"]
+    assert loop["monitor"]["alarms"][0]["step"] == 3 and loop["bad_steps"] == 0
+    again, again_rows = train(small_model_path, run_dir, *switch)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "resuming from" in again.stdout + again.stderr
+    assert [r["step"] for r in again_rows] == [0, 1, 2, 3, 4, 5]
+    assert without(again_rows, "perf/") == without(first_rows, "perf/")
+    assert all("correction/frac_tokens_truncated" in r for r in again_rows[4:])
+    assert again_rows[5]["monitor/alarm"] == 1.0

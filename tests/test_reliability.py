@@ -275,6 +275,9 @@ def test_run_stops_after_max_bad_steps_with_a_checkpoint(small_model_path, tmp_p
     # The checkpoints of the two bad steps hold the same weights: the skipped updates changed nothing.
     last = checkpoint.latest(tmp_path)
     assert last.name == "step-000003"
+    # the streak travels with the checkpoint: resumed, the run's next bad step is its third in a row
+    assert json.loads((last / "state.json").read_text())["loop"] == {"bad_steps": 2, "bad_steps_in_a_row": 2,
+                                                                     "monitor": {}}
     after_bad = load_file(last / "model.safetensors")
     before_bad = load_file(last.parent / "step-000002" / "model.safetensors")
     assert all(torch.equal(after_bad[k], before_bad[k]) for k in after_bad)
