@@ -217,3 +217,22 @@ def test_deepspeed_trains_a_bf16_body_with_an_fp32_head(small_model_path, arithm
     finally:
         trainer.close()
         c.sampler.close()
+
+
+@pytest.mark.parametrize("fp32_head", [False, True])
+def test_a_16_bit_body_is_transformers_own_and_keeps_rope_in_fp32(small_model_path, prompts, fp32_head):
+    """`load_causal_lm` (sampler=hf, trainer=torch) in bf16 computes the body's hidden states bit for bit as
+    transformers' `from_pretrained(dtype=bfloat16)` does: 16-bit parameters, RoPE's inverse frequencies
+    left in fp32 (as DeepSpeed, FSDP2 and vLLM keep them). Casting the whole module instead rounds the
+    frequencies, and the angles drift with the position."""
+    from transformers import AutoModelForCausalLM
+
+    from rlmm.models.loading import load_causal_lm
+
+    ours = load_causal_lm(small_model_path, SidePrecision("bf16", fp32_head))
+    theirs = AutoModelForCausalLM.from_pretrained(small_model_path, dtype=torch.bfloat16).eval()
+    assert {b.dtype for b in ours.buffers()} == {torch.float32}
+    assert {p.dtype for name, p in ours.named_parameters() if "lm_head" not in name} == {torch.bfloat16}
+    ids = torch.tensor([sum(prompts, [])[:120]])  # positions up to 119: where rounded frequencies show
+    with torch.no_grad():
+        assert torch.equal(ours.model(ids).last_hidden_state, theirs.model(ids).last_hidden_state)
