@@ -17,7 +17,8 @@ padding-free. A padding-free layout gets what the trainer would give it (`use_va
 flash-attention 2's varlen kernel on CUDA in 16 bits when `flash_attn` is installed), a padded one sdpa.
 
 Per layout: median wall and CPU seconds (time.process_time: this process, all threads) of an update, the
-positions computed (padding included), the micro-batch count, the attention implementation, and the peak
+positions computed (padding included), the micro-batch count, the attention implementation, whether
+gradient checkpointing was on (rlmm decides per update from the largest micro-batch), and the peak
 memory above the update's start: RSS on CPU (VmHWM reset through /proc/self/clear_refs before each
 update), `torch.cuda.max_memory_allocated` on CUDA (reset before each update; the clock waits for the GPU).
 """
@@ -144,6 +145,8 @@ def main(argv=None) -> None:
         peak = torch.cuda.max_memory_allocated() if cuda else rss_kib("VmHWM:") * 1024
         return {"layout": name, "wall": wall, "cpu": cpu, "peak_above_mib": (peak - before) / 2 ** 20,
                 "micro_batches": len(micro), "attention": attention,
+                # rlmm turns it on per update when the largest micro-batch would not fit (rlmm/trainers/memory.py)
+                "gradient_checkpointing": bool(getattr(model, "is_gradient_checkpointing", False)),
                 "positions": sum(layout.positions(row_tokens(rollouts, m)) for m in micro),
                 "tokens": sum(row_tokens(rollouts, rows))}
 
@@ -165,6 +168,7 @@ def main(argv=None) -> None:
                          "wall_sum": sum(r["wall"] for r in mine), "cpu_sum": sum(r["cpu"] for r in mine),
                          "peak_above_mib_max": max(r["peak_above_mib"] for r in mine),
                          "attention": mine[0]["attention"], "micro_batch_tokens": layouts[name].tokens,
+                         "gradient_checkpointing": sorted({r["gradient_checkpointing"] for r in mine}),
                          "positions_per_minibatch": [r["positions"] for r in mine if r["repeat"] == 0],
                          "micro_batches": [r["micro_batches"] for r in mine if r["repeat"] == 0]}
     for name in names:

@@ -31,6 +31,7 @@ def test_layouts_benchmark_counts_what_each_layout_computes(tmp_path):
         (positions,) = layout["positions_per_minibatch"]
         (micro_batches,) = layout["micro_batches"]
         assert layout["attention"] == "sdpa" and layout["wall_sum"] > 0
+        assert layout["gradient_checkpointing"] == [False]  # a tiny model fits
         if "packed" in name:  # no padding is computed
             assert positions == tokens, name
         else:
