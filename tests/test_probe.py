@@ -224,7 +224,9 @@ def test_trainer_across_layouts_scores_each_layout(small_model_path, prompts):
     assert sum(b.ids.size(1) for b in packed) == sum(lengths)  # no padding computed
     assert record["same/logprob_abs_diff_max"] == 0
     assert record["packed/logprob_abs_diff_max"] > 0  # bf16: packing changes the kernels' shapes
-    assert record["budget/logprob_abs_diff_max"] >= 0  # regrouped padded rows: 0 here (row-wise kernels)
+    # regrouped padded rows: the same rows' scores to bf16 rounding (0 on row-wise kernels); a row scored
+    # against another row's tokens would differ by nats
+    assert record["budget/logprob_abs_diff_max"] < 0.05, record["budget/logprob_abs_diff_max"]
     assert record["packed/num_tokens"] == sum(map(len, rollouts.response_ids))
     with pytest.raises(ValueError, match="probe.trainer_layouts.bad: trainer.micro_batch_tokens: must be null"):
         check_layouts(OmegaConf.create({"bad": {"micro_batch_tokens": 0, "padding_free": False}}), 2)
