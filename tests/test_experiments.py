@@ -74,8 +74,10 @@ def shortened(name: str, combinations: int, model_path: str, cache_dir: Path) ->
     experiment's sizes). A GPU variant runs on the small test checkpoint and data."""
     app = app_of(name)
     cfg = composed(app, [f"+experiment={name}", *on_this_machine(name)])
+    pinned = {override.split("=", 1)[0] for override in on_this_machine(name)}  # not swept here (e.g. trainer)
+    keys = [key for key in cfg.hydra.sweeper.params if key not in pinned]
     grid = [f"{key}={','.join(str(cfg.hydra.sweeper.params[key]).split(',')[:combinations if i == 0 else 1])}"
-            for i, key in enumerate(cfg.hydra.sweeper.params)]
+            for i, key in enumerate(keys)]
     choices = cfg.hydra.runtime.choices
     model = SMALL_TINY + [f"model.cache_dir={cache_dir}"] if choices.model == "tiny" else [f"model.path={model_path}"]
     task = [f"task.path={GSM8K_SAMPLE}"] if choices.task == "gsm8k" and not (REPO / cfg.task.path).is_file() else []
