@@ -37,6 +37,7 @@ def test_gpu_check_dry_run(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(7200)  # about 30 minutes: past the suite's 900 s default, within its subprocess's own limit
 def test_qwen_size_model_trains_on_cpu_within_16_gib(tmp_path):
     """A Qwen2.5-0.5B-architecture checkpoint (494M parameters, 151,936-token vocabulary, tied embeddings):
     `rlmm probe` and 2 steps of `rlmm train`, vLLM + DeepSpeed, bf16 and fp32, 8 prompts x 4 samples x 128
