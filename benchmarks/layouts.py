@@ -41,11 +41,6 @@ def rss_kib(field: str) -> int:
     return 0
 
 
-def hf_model(trainer):
-    """The transformers model inside a trainer (DeepSpeed's engine wraps it; torch and FSDP hold it)."""
-    return trainer.engine.module if hasattr(trainer, "engine") else trainer.model
-
-
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.layouts", description=__doc__.split("\n\n")[0])
     parser.add_argument("--workload", default="varlen", choices=["varlen", "varlen-gpu", "varlen-dry"])
@@ -99,7 +94,7 @@ def main(argv=None) -> None:
     precision = SidePrecision(args.precision, False)
     trainer = from_yaml("trainer", args.trainer, model_path=str(path), precision=precision,
                         sampling=sampling, micro_batch_size=w.micro_batch_size, accumulation_steps=1)
-    model = hf_model(trainer)
+    model = trainer.model  # the transformers model (inside DeepSpeed's engine, FSDP's shards)
     device = next(model.parameters()).device
     layouts = {"padded": MicroBatching(w.micro_batch_size, None, False),
                "packed": MicroBatching(w.micro_batch_size, None, True)}

@@ -249,6 +249,11 @@ class DeepSpeedTrainer:
     def begin_update(self, rollouts: Rollouts, rows: list[int]) -> DeepSpeedUpdate:
         return DeepSpeedUpdate(self, rollouts, rows)
 
+    @property
+    def model(self) -> torch.nn.Module:
+        """The transformers model inside the engine (`trainer.model`, as on the torch and FSDP trainers)."""
+        return self.engine.module
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Full Hugging Face-named weights on every rank (under ZeRO-3 they are gathered from the shards;
         a collective: all ranks must call it together)."""
