@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from rlmm.errors import ConfigError
 
@@ -197,7 +197,7 @@ class Monitor:
         """The detectors and the run's alarms, for a checkpoint (state.json): a resumed run goes on with
         the baselines, scores and first alarm of the interrupted one instead of a new warm-up."""
         return {"detectors": {name: d.state_dict() for name, d in self.detectors.items()},
-                "alarms": [{"signal": a.signal, "step": a.step, "score": a.score} for a in self.alarms]}
+                "alarms": [asdict(a) for a in self.alarms]}
 
     def load_state_dict(self, state: dict, components) -> None:
         """Restore `state_dict()`'s state (detectors of signals no longer watched are dropped, new ones
@@ -206,7 +206,7 @@ class Monitor:
         for name, detector_state in state.get("detectors", {}).items():
             if name in self.detectors:
                 self.detectors[name].load_state_dict(detector_state)
-        self.alarms = [Alarm(a["signal"], a["step"], a["score"], self.threshold) for a in state.get("alarms", [])]
+        self.alarms = [Alarm(**a) for a in state.get("alarms", [])]
         if self.alarms and self.action == "switch_correction":
             self.act(self.alarms[0], self.alarms[0].step, components)
 

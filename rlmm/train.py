@@ -52,8 +52,9 @@ def run_train(cfg: DictConfig, run_dir: Path, choices: dict[str, str], logger) -
     last = checkpoint.latest(run_dir) if options.resume else None
     resumed = checkpoint.load(last, trainer, sampler, components.critic) if last else {"step": 0}
     first_step = resumed["step"] + 1
-    loop_state = resumed.get("loop", {})  # absent from checkpoints written before it was kept
-    monitor.load_state_dict(loop_state.get("monitor", {}), components)
+    # The loop's own state as a fresh run starts it, then as the checkpoint left it (older ones lack it).
+    loop_state = {"bad_steps": 0, "bad_steps_in_a_row": 0, "monitor": {}} | resumed.get("loop", {})
+    monitor.load_state_dict(loop_state["monitor"], components)
     if last:
         log.info("resuming from %s at step %d", last, first_step)
     # On resume the record drops the steps after the checkpoint: they are about to be redone.
@@ -72,7 +73,7 @@ def run_train(cfg: DictConfig, run_dir: Path, choices: dict[str, str], logger) -
             accuracies = evaluate()
             record.log(accuracies, step=0)
             logger.log(accuracies, step=0)
-        bad_in_a_row, bad_total = loop_state.get("bad_steps_in_a_row", 0), loop_state.get("bad_steps", 0)
+        bad_in_a_row, bad_total = loop_state["bad_steps_in_a_row"], loop_state["bad_steps"]
         shown_accuracy = float("nan")
         bar = tqdm(range(first_step, options.steps + 1), desc="rlmm train", unit="step", initial=first_step - 1,
                    total=options.steps, disable=None if rank == 0 else True)
