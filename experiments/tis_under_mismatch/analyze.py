@@ -37,11 +37,13 @@ def mean(values: pd.Series) -> float:
     return math.fsum(values) / len(values)
 
 
-def paired(a: pd.Series, b: pd.Series) -> tuple[float, float, float, int]:
-    """Mean of the per-seed differences a - b, its 95% paired-t interval, and the number of pairs."""
+def paired(a: pd.Series, b: pd.Series) -> tuple[float, float, float, int, float]:
+    """Mean of the per-seed differences a - b, its 95% paired-t interval, the number of pairs, and the
+    two-sided paired t-test's p."""
     d = (a - b).dropna()
-    low, high = stats.ttest_1samp(d, 0).confidence_interval(0.95)
-    return mean(d), low, high, len(d)
+    test = stats.ttest_1samp(d, 0)
+    low, high = test.confidence_interval(0.95)
+    return mean(d), low, high, len(d), test.pvalue
 
 
 def main(sweeps: list[str], references: list[str]) -> None:

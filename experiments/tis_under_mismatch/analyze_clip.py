@@ -3,7 +3,7 @@
     .venv/bin/python experiments/tis_under_mismatch/analyze_clip.py SWEEP [SWEEP ...]
 
 The sweeps' PPO runs (`algo=ppo`) are grouped into arms by correction and clip range (`algo.clip_low`,
-`algo.clip_high`; '(default)' is 0.2 / 0.2). Per arm: mean over seeds of the run's mean share of tokens
+`algo.clip_high`; a run without them has conf/algo/ppo.yaml's). Per arm: mean over seeds of the run's mean share of tokens
 whose gradient the clip removed (`loss/clipfrac`), of the mean sampled reward, and of the trained weights'
 mean held-out accuracy; then each bypass arm's per-seed difference from `correction=none` and from
 `bypass` at the default clip, mean and 95% paired-t interval with its p (scipy), as in analyze.py.
@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import sys
 
-from scipy import stats
+import pandas as pd
+from omegaconf import OmegaConf
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from analyze import mean  # noqa: E402  (this folder's analyze.py: exactly rounded means)
+from analyze import mean, paired  # noqa: E402  (this folder's analyze.py)
 
+from rlmm.config import CONF_DIR  # noqa: E402
 from rlmm.table.frames import load_runs  # noqa: E402
 
 METRICS = {"loss/clipfrac:mean": "clipped", "rollout/reward_mean:mean": "reward",
@@ -26,11 +28,11 @@ METRICS = {"loss/clipfrac:mean": "clipped", "rollout/reward_mean:mean": "reward"
 def main(sweeps: list[str]) -> None:
     runs = load_runs(sweeps)
     runs = runs[(runs.status == "complete") & (runs.algo == "ppo")]
-    for key in ("algo.clip_low", "algo.clip_high"):
-        if key not in runs:
-            runs[key] = "(default)"
-    runs["arm"] = runs.correction + " clip " + runs["algo.clip_low"].str.replace("(default)", "0.2", regex=False) \
-        + "/" + runs["algo.clip_high"].str.replace("(default)", "0.2", regex=False)
+    ppo = OmegaConf.load(CONF_DIR / "algo" / "ppo.yaml")  # the clip a run without the override had
+    for key in ("clip_low", "clip_high"):
+        runs[key] = runs.get(f"algo.{key}", pd.Series("(default)", index=runs.index)).replace("(default)", str(ppo[key]))
+    runs["arm"] = runs.correction + " clip " + runs.clip_low + "/" + runs.clip_high
+    default_clip = f"clip {ppo.clip_low}/{ppo.clip_high}"
     arms = {arm: group.set_index("seed") for arm, group in runs.groupby("arm", sort=False)}
     print("| arm | n | " + " | ".join(METRICS.values()) + " |")
     print("| --- | --- | " + " | ".join("---" for _ in METRICS) + " |")
@@ -39,15 +41,12 @@ def main(sweeps: list[str]) -> None:
     print("\n| arm | against | metric | Δ mean [95% CI] | p |")
     print("| --- | --- | --- | --- | --- |")
     for arm, group in arms.items():
-        for against in ("none clip 0.2/0.2", "bypass clip 0.2/0.2"):
+        for against in (f"none {default_clip}", f"bypass {default_clip}"):
             if not arm.startswith("bypass") or arm == against or against not in arms:
                 continue
             for metric in list(METRICS)[1:]:
-                d = (group[metric] - arms[against][metric]).dropna()
-                test = stats.ttest_1samp(d, 0)
-                low, high = test.confidence_interval(0.95)
-                print(f"| {arm} | {against} | {METRICS[metric]} | {mean(d):+.4f} [{low:+.4f}, {high:+.4f}] | "
-                      f"{test.pvalue:.2g} |")
+                delta, low, high, _, p = paired(group[metric], arms[against][metric])
+                print(f"| {arm} | {against} | {METRICS[metric]} | {delta:+.4f} [{low:+.4f}, {high:+.4f}] | {p:.2g} |")
 
 
 if __name__ == "__main__":
