@@ -50,9 +50,19 @@ class MinibatchUpdate(Protocol):
 
 @runtime_checkable
 class Trainer(Protocol):
-    """What every trainer backend provides. `actual_precision` records what it really runs in."""
+    """What every trainer backend provides. `actual_precision` records what it really runs in; `model` is the
+    transformers model it trains (inside DeepSpeed's engine, or FSDP2-wrapped)."""
 
     actual_precision: dict[str, str]
+    model: torch.nn.Module
+
+    @property
+    def generates_in_place(self) -> bool:
+        """Whether `model` can generate the trained policy as it is, on this rank alone: it holds the full
+        weights (not ZeRO-3's or several FSDP ranks' shards) and computes as a fresh load of the checkpoint in
+        the trainer's precision would (no padding-free attention installed). The evaluation then generates
+        with it instead of a copy (rlmm/train.py's `Evaluation`)."""
+        ...
 
     def logprobs(self, rollouts: Rollouts, micro_batch_size: int | None = None, *,
                  layout: MicroBatching | None = None) -> torch.Tensor:

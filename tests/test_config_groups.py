@@ -134,8 +134,16 @@ def test_every_scale_composes_and_validates_for_every_app(app, scale):
         # GSM8K's varied answer lengths train under a token budget that holds several of the longest rows
         # (a row above it is a micro-batch of its own: slower, still correct), whichever trainer is chosen
         for trainer in ("deepspeed", "fsdp", "torch"):
-            budget = composed(app, [f"scale={scale}", f"trainer={trainer}"])[0].trainer.micro_batch_tokens
+            at_scale, choices = composed(app, [f"scale={scale}", f"trainer={trainer}"])
+            validate(at_scale, dict(choices.runtime.choices))
+            budget = at_scale.trainer.micro_batch_tokens
             assert budget >= 4 * cfg.sampling.max_new_tokens, (trainer, budget)
+            # those micro-batches' gradients are summed and averaged over ranks in fp32 on every trainer
+            # (conf/scale/trainer/gpu_<trainer>.yaml where the trainer's default is not fp32; docs/precision.md)
+            sums = {"deepspeed": ("zero_stage", "grad_accum_dtype", "reduce_dtype"), "torch": ("grad_accum_dtype",),
+                    "fsdp": ("reduce_dtype",)}[trainer]
+            expected = {"zero_stage": 1, "grad_accum_dtype": "fp32", "reduce_dtype": "fp32"}
+            assert {k: at_scale.trainer[k] for k in sums} == {k: expected[k] for k in sums}, trainer
 
 
 @pytest.mark.parametrize("name", EXPERIMENTS)

@@ -114,7 +114,8 @@ def test_deepspeed_fp32_scoring_equals_plain_torch(small_model_path, prompts):
     rollouts = build_sampler("hf", small_model_path, FP32, sampling(), seed=0).generate(prompts, n=2)
     torch_lp = build_trainer("torch", small_model_path, FP32, sampling(), micro_batch_size=4).logprobs(rollouts)
     ds = build_trainer("deepspeed", small_model_path, FP32, sampling(), micro_batch_size=4, zero_stage=0)
-    assert ds.actual_precision == {"dtype": "fp32", "head_dtype": "fp32"}
+    assert ds.actual_precision == {"dtype": "fp32", "head_dtype": "fp32", "grad_accum_dtype": "fp32",
+                                   "reduce_dtype": "fp32"}
     _, mask = rollouts.padded_sampler_logprobs()
     assert (ds.logprobs(rollouts) - torch_lp)[mask].abs().max().item() < 1e-5
 
@@ -123,7 +124,8 @@ def test_deepspeed_bf16_with_fp32_head_keeps_the_checkpoint_head(small_model_pat
     from safetensors.torch import load_file
 
     ds = build_trainer("deepspeed", small_model_path, SidePrecision("bf16", True), sampling(), micro_batch_size=4)
-    assert ds.actual_precision == {"dtype": "bf16", "head_dtype": "fp32"}
+    assert ds.actual_precision == {"dtype": "bf16", "head_dtype": "fp32", "grad_accum_dtype": "bf16",
+                                   "reduce_dtype": "bf16"}
     checkpoint = load_file(f"{small_model_path}/model.safetensors")
     assert torch.equal(ds.engine.module.lm_head.weight, checkpoint["lm_head.weight"])
 
@@ -178,11 +180,14 @@ def test_user_deepspeed_json_is_merged_over_rlmms(tmp_path):
         merge_user_config(base, "/nope.json")
 
 
-@pytest.mark.parametrize("zero_stage", [0, 2])
-def test_deepspeed_trains_a_bf16_body_with_an_fp32_head(small_model_path, arithmetic_task, tmp_path, zero_stage):
+@pytest.mark.parametrize("zero_stage,values",
+                         [(0, {}), (2, {}), (1, {"grad_accum_dtype": "fp32", "reduce_dtype": "fp32"})],
+                         ids=["zero0", "zero2", "zero1-fp32-sums"])
+def test_deepspeed_trains_a_bf16_body_with_an_fp32_head(small_model_path, arithmetic_task, tmp_path, zero_stage,
+                                                        values):
     """MiniMax's recipe on the default backend: after one step the head's weight is still fp32 and has moved,
     the body is bf16 and has moved, the head's AdamW state is fp32, and a checkpoint brings both back exactly.
-    ZeRO-3 is refused with its reason."""
+    ZeRO-3 is refused with its reason. ZeRO-1 with fp32 sums (scale=gpu's: DeepSpeed's BF16_Optimizer) too."""
     from rlmm import checkpoint
     from rlmm.corrections.tis import TokenTIS
     from rlmm.step import rl_step
@@ -192,7 +197,7 @@ def test_deepspeed_trains_a_bf16_body_with_an_fp32_head(small_model_path, arithm
     with pytest.raises(ValueError, match="needs zero_stage 0, 1 or 2 .ZeRO-3 partitions every parameter"):
         build_trainer("deepspeed", small_model_path, precision, sampling(), micro_batch_size=8, zero_stage=3)
     trainer = build_trainer("deepspeed", small_model_path, precision, sampling(max_new_tokens=6), micro_batch_size=8,
-                            zero_stage=zero_stage, lr=1e-3, accumulation_steps=2)
+                            zero_stage=zero_stage, lr=1e-3, accumulation_steps=2, **values)
     c = components(small_model_path, arithmetic_task, trainer, TokenTIS(cap=2.0))
     try:
         head = trainer.engine.module.get_output_embeddings().weight
@@ -201,7 +206,9 @@ def test_deepspeed_trains_a_bf16_body_with_an_fp32_head(small_model_path, arithm
         metrics = rl_step(c, arithmetic_task.examples("train", 4), ratio_cap=2.0, reuse_training_forward=True)
         assert metrics["train/skipped"] == 0 and metrics["loss/grad_norm"] > 0
         assert head.dtype == torch.float32 and body.dtype == torch.bfloat16
-        assert trainer.actual_precision == {"dtype": "bf16", "head_dtype": "fp32"}
+        sums = values.get("grad_accum_dtype", "bf16")
+        assert trainer.actual_precision == {"dtype": "bf16", "head_dtype": "fp32", "grad_accum_dtype": sums,
+                                            "reduce_dtype": values.get("reduce_dtype", "bf16")}
         assert (head - head_before).abs().max() > 0 and (body.float() - body_before.float()).abs().max() > 0
         moments = trainer.head_optimizer.optimizer.state[head]
         assert moments["exp_avg"].dtype == torch.float32 and moments["exp_avg"].abs().max() > 0

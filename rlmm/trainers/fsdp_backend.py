@@ -11,10 +11,14 @@ reduced over ranks in `reduce_dtype` (fp32 by default) and land on the fp32 shar
 compute with an fp32 optimizer, as DeepSpeed's and `trainer=torch`'s mixed precision. An fp32 LM head
 (`precision=*_fp32head`) is an FSDP unit of its own whose policy keeps fp32 (its input is cast up; a
 head tied to the input embedding is untied by the fp32 copy, as on every backend). fp16 scales the loss
-(`torch.amp.GradScaler`: an overflow skips the step and halves the scale).
+(`torch.amp.GradScaler`: an overflow skips the step and halves the scale, never below `MIN_LOSS_SCALE`,
+where an overflow is a fault: rlmm/trainers/loss_scale.py).
 
 Gradient accumulation: the gradient is reduced over ranks only after the minibatch's last micro-batch
-(`set_requires_gradient_sync`), as DDP's `no_sync`.
+(`set_requires_gradient_sync`), as DDP's `no_sync`. Until then FSDP2 sums each unit's unsharded
+micro-batch gradients in `reduce_dtype` (`FSDPParam.to_accumulated_grad_if_needed` upcasts the first one
+when it differs from the compute dtype; checked against torch 2.13), so with the default fp32 a bf16
+body's gradients are summed in fp32 (`actual_precision["grad_accum_dtype"]`).
 """
 from __future__ import annotations
 
@@ -27,6 +31,7 @@ from rlmm.models.head import install_output_head
 from rlmm.models.loading import load_value_model, padding_id
 from rlmm.precision import SidePrecision, dtype_name
 from rlmm.samplers.base import Rollouts, SamplingOptions
+from rlmm.trainers.loss_scale import MIN_LOSS_SCALE, skip_metrics
 from rlmm.trainers.memory import ActivationBudget, optimizer_state_bytes, prepare_for_training
 from rlmm.trainers.optim import linear_warmup
 from rlmm.trainers.packing import Batch, MicroBatching, use_varlen_attention
@@ -128,7 +133,7 @@ class FSDPTrainer:
         head_dtype = torch.float32 if self.head is not None and self.head.fp32 else compute
         self.actual_precision = {"dtype": dtype_name(compute), "head_dtype": dtype_name(head_dtype),
                                  "master_dtype": "/".join(sorted(dtype_name(d) for d in body)),
-                                 "reduce_dtype": reduce_dtype}
+                                 "grad_accum_dtype": reduce_dtype, "reduce_dtype": reduce_dtype}
 
     @staticmethod
     def unsupported(precision: SidePrecision) -> str | None:
@@ -146,6 +151,16 @@ class FSDPTrainer:
 
     def begin_update(self, rollouts: Rollouts, rows: list[int]) -> FSDPUpdate:
         return FSDPUpdate(self, rollouts, rows)
+
+    @property
+    def generates_in_place(self) -> bool:
+        """Whether `model` can generate the trained policy as it is (the evaluation then needs no copy of it,
+        rlmm/train.py's `Evaluation`): over one rank, where each unit's "shard" is the whole parameter and its
+        all-gather a local cast to the compute dtype; not over several (a forward on rank 0 alone would wait
+        for the others' shards), not a value model, nor with padding-free attention installed."""
+        import torch.distributed as dist
+
+        return dist.get_world_size() == 1 and self.head is not None and not self.batching.padding_free
 
     def state_dict(self) -> GatheredWeights:
         """Full Hugging Face-named fp32 weights, each gathered from its shards as it is read (a collective:
@@ -189,8 +204,10 @@ class FSDPTrainer:
 
 class FSDPUpdate(MinibatchUpdate):
     """One optimizer step of `FSDPTrainer` (see `MinibatchUpdate`). The gradient is reduced over ranks
-    with the last micro-batch's backward; a non-finite gradient norm skips the step (metrics["skipped"] =
-    1: weights, optimizer state and schedule unchanged; fp16 halves its loss scale)."""
+    with the last micro-batch's backward; a non-finite gradient norm skips the step (weights, optimizer
+    state and schedule unchanged; fp16 halves its loss scale): metrics["loss_scale_skipped"] = 1 for an
+    fp16 overflow at a scale above `MIN_LOSS_SCALE`, else metrics["skipped"] = 1, a fault
+    (rlmm/trainers/loss_scale.py)."""
 
     def __init__(self, trainer: FSDPTrainer, rollouts: Rollouts, rows: list[int]):
         trainer.optimizer.zero_grad(set_to_none=True)
@@ -208,17 +225,21 @@ class FSDPUpdate(MinibatchUpdate):
         trainer, metrics = self.trainer, {}
         scaler = trainer.grad_scaler
         self._settled()
-        if scaler.is_enabled():
-            metrics["loss_scale"] = scaler.get_scale()
+        loss_scale = scaler.get_scale() if scaler.is_enabled() else None  # the scale this step's backward used
+        if loss_scale is not None:
+            metrics["loss_scale"] = loss_scale
         scaler.unscale_(trainer.optimizer)
         max_norm = trainer.grad_clip if trainer.grad_clip > 0 else float("inf")
         norm = torch.nn.utils.clip_grad_norm_(trainer.model.parameters(), max_norm)
         metrics["grad_norm"] = (norm.full_tensor() if hasattr(norm, "full_tensor") else norm).item()
         metrics["lr"] = trainer.lr_schedule.get_last_lr()[0]
-        metrics["skipped"] = float(not math.isfinite(metrics["grad_norm"]))
-        if not metrics["skipped"]:
+        nonfinite = not math.isfinite(metrics["grad_norm"])
+        metrics.update(skip_metrics(nonfinite, loss_scale, MIN_LOSS_SCALE))
+        if not nonfinite:
             scaler.step(trainer.optimizer) if scaler.is_enabled() else trainer.optimizer.step()
             trainer.lr_schedule.step()
         scaler.update()
+        if loss_scale is not None and scaler.get_scale() < MIN_LOSS_SCALE:
+            scaler.update(MIN_LOSS_SCALE)  # DeepSpeed's floor: an overflow there is a fault, not a lower scale
         trainer.optimizer.zero_grad(set_to_none=True)
         return metrics

@@ -138,7 +138,10 @@ class MinibatchUpdate:
 
     def step(self) -> dict[str, float]:
         """Step the optimizer once (or skip a non-finite step); metrics: grad_norm, lr, skipped (1.0 when
-        the step was skipped), loss_scale (fp16)."""
+        the step was skipped for a fault: a non-finite gradient that is no normal loss-scale overflow),
+        and with fp16 loss scaling loss_scale (the scale this step's backward used) and loss_scale_skipped
+        (1.0 when the loss scaler skipped the step on an overflow it lowers its scale for; at most one of
+        the two is 1; rlmm/trainers/loss_scale.py)."""
         raise NotImplementedError
 
     def _settled(self) -> None:

@@ -7,7 +7,14 @@ Why the master copy: an AdamW step of lr 3e-5 on a weight of 0.05 is a relative 
 below bf16's unit roundoff (3.9e-3), so 16-bit weights would round most updates away.
 fp16 also needs loss scaling (its smallest normal is 6.1e-5, so small gradients flush to zero):
 `torch.amp.GradScaler` scales the loss, unscales the master gradients, and on an overflow skips the
-step and halves the scale (doubling it after `loss_scale_growth_interval` clean steps).
+step and halves the scale (doubling it after `loss_scale_growth_interval` clean steps; never below
+`MIN_LOSS_SCALE`, where an overflow is a fault: rlmm/trainers/loss_scale.py).
+
+Gradient accumulation: autograd sums a minibatch's micro-batch gradients in each parameter's `.grad`,
+in the parameter's dtype: in bf16 a micro-batch's contribution below half a unit in the last place of
+the running sum (2^-9 of it) is lost. `grad_accum_dtype: fp32` adds each micro-batch's 16-bit gradient
+to the fp32 master gradient instead (4 bytes a parameter held through the backward passes, not only at
+the step), and the ranks average the fp32 sums.
 """
 from __future__ import annotations
 
@@ -19,10 +26,14 @@ from rlmm.devices import average_over_ranks, select_device
 from rlmm.models.loading import load_causal_lm, load_value_model, model_precision, padding_id
 from rlmm.precision import SidePrecision
 from rlmm.samplers.base import Rollouts, SamplingOptions
+from rlmm.trainers.loss_scale import MIN_LOSS_SCALE, skip_metrics
 from rlmm.trainers.optim import linear_warmup
 from rlmm.trainers.memory import ActivationBudget, optimizer_state_bytes, prepare_for_training
 from rlmm.trainers.packing import Batch, MicroBatching, use_varlen_attention
 from rlmm.trainers.scoring import MinibatchUpdate, model_scores, score_rollouts
+
+
+GRAD_ACCUM_DTYPES = (None, "fp32")
 
 
 class TorchTrainer:
@@ -39,6 +50,8 @@ class TorchTrainer:
         gradient_checkpointing: recompute each decoder layer in the backward pass instead of keeping its
             activations (null: for an update whose largest micro-batch would not fit otherwise).
         initial_loss_scale, loss_scale_growth_interval: fp16 dynamic loss scaling (ignored otherwise).
+        grad_accum_dtype: what a minibatch's micro-batch gradients are summed in: null, the parameters'
+            dtype (autograd's `.grad`); fp32, the fp32 master copy's (16-bit bodies; fp32 is already fp32).
         accumulation_steps: micro-batches per optimizer step (set by the app from the minibatch size).
         value_head: a value model instead of the policy (PPO's critic, rlmm/critic.py; set by the app).
 
@@ -49,13 +62,15 @@ class TorchTrainer:
     def __init__(self, model_path: str, precision: SidePrecision, sampling: SamplingOptions, micro_batch_size: int,
                  lr: float, weight_decay: float, warmup_steps: int, grad_clip: float, logits_chunk_size: int,
                  gradient_checkpointing: bool | None, initial_loss_scale: float, loss_scale_growth_interval: int,
-                 micro_batch_tokens: int | None, padding_free: bool, accumulation_steps: int,
-                 value_head: bool = False):
+                 grad_accum_dtype: str | None, micro_batch_tokens: int | None, padding_free: bool,
+                 accumulation_steps: int, value_head: bool = False):
         from transformers import AutoTokenizer
 
         self.batching = MicroBatching(micro_batch_size, micro_batch_tokens, padding_free)
         if not lr > 0:
             raise ValueError(f"trainer.lr: must be > 0, got {lr}")
+        if grad_accum_dtype not in GRAD_ACCUM_DTYPES:
+            raise ValueError(f"trainer.grad_accum_dtype: unknown dtype '{grad_accum_dtype}' (allowed: null, fp32)")
         self.sampling = sampling
         self.grad_clip = grad_clip
         self.device = select_device()
@@ -73,6 +88,8 @@ class TorchTrainer:
         self.master_params = None if all(p.dtype == torch.float32 for p in params) else [
             p.detach().float().clone().requires_grad_(True) for p in params]
         self.optimized_params = self.master_params or params
+        # fp32 accumulation: each micro-batch's 16-bit gradients move to the master copy as they are made.
+        self.accumulate_in_master = grad_accum_dtype == "fp32" and self.master_params is not None
         self.optimizer = torch.optim.AdamW(self.optimized_params, lr=lr, weight_decay=weight_decay)
         if precision.dtype == "fp16" and not (initial_loss_scale > 0 and loss_scale_growth_interval >= 1):
             raise ValueError(f"trainer.initial_loss_scale must be > 0 and trainer.loss_scale_growth_interval >= 1, "
@@ -85,7 +102,11 @@ class TorchTrainer:
                                        optimizer_state_bytes(sum(p.numel() for p in params), precision.torch_dtype))
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.pad_id = padding_id(tokenizer, model_path)
-        self.actual_precision = model_precision(self.model)
+        body = model_precision(self.model)
+        summed = "fp32" if self.accumulate_in_master else body["dtype"]
+        # grad_accum_dtype: the dtype a minibatch's micro-batch gradients are summed in (an fp32 head's: fp32);
+        # reduce_dtype: the dtype the ranks average them in (`average_over_ranks`, before the step).
+        self.actual_precision = {**body, "grad_accum_dtype": summed, "reduce_dtype": summed}
 
     def _forward(self, batch: Batch) -> torch.Tensor:
         return model_scores(self.model, batch, self.device, value_model=self.head is None)
@@ -98,6 +119,13 @@ class TorchTrainer:
 
     def begin_update(self, rollouts: Rollouts, rows: list[int]) -> TorchUpdate:
         return TorchUpdate(self, rollouts, rows)
+
+    @property
+    def generates_in_place(self) -> bool:
+        """Whether `model` can generate the trained policy as it is (the evaluation then needs no copy of it,
+        rlmm/train.py's `Evaluation`): every rank holds the full weights; not a value model, nor with
+        padding-free attention installed."""
+        return self.head is not None and not self.batching.padding_free
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {k: v.detach() for k, v in self.model.state_dict().items()}
@@ -134,8 +162,10 @@ class TorchTrainer:
 
 class TorchUpdate(MinibatchUpdate):
     """One optimizer step of `TorchTrainer` (see `MinibatchUpdate`). A non-finite gradient norm (an fp16
-    overflow, a NaN) skips the step (metrics["skipped"] = 1): weights, optimizer state and the LR schedule
-    stay as they were; in fp16 the loss scale halves."""
+    overflow, a NaN) skips the step: weights, optimizer state and the LR schedule stay as they were; in
+    fp16 the loss scale halves, and an overflow at a scale above `MIN_LOSS_SCALE` is the scaler's normal
+    business (metrics["loss_scale_skipped"] = 1), any other a fault (metrics["skipped"] = 1;
+    rlmm/trainers/loss_scale.py)."""
 
     def __init__(self, trainer: TorchTrainer, rollouts: Rollouts, rows: list[int]):
         trainer.optimizer.zero_grad(set_to_none=True)
@@ -145,24 +175,40 @@ class TorchUpdate(MinibatchUpdate):
 
     def backward(self, loss: torch.Tensor) -> None:
         self.trainer.grad_scaler.scale(loss).backward()
+        if self.trainer.accumulate_in_master:
+            self._to_master(accumulate=True)
+
+    def _to_master(self, accumulate: bool) -> None:
+        """Move the model's 16-bit gradients to the fp32 master copy: added to its sum (fp32 accumulation),
+        or as the whole minibatch's (accumulated in 16 bits)."""
+        for master, param in zip(self.trainer.master_params, self.trainer.model.parameters()):
+            if param.grad is not None:
+                if accumulate and master.grad is not None:
+                    master.grad.add_(param.grad)
+                else:
+                    master.grad = param.grad.float()
+                param.grad = None
 
     def step(self) -> dict[str, float]:
         trainer, metrics = self.trainer, {}
         scaler = trainer.grad_scaler
         self._settled()
-        average_over_ranks([p.grad for p in trainer.model.parameters() if p.grad is not None])
-        if trainer.master_params is not None:  # the 16-bit gradients move to the fp32 master copy
-            for master, param in zip(trainer.master_params, trainer.model.parameters()):
-                master.grad = None if param.grad is None else param.grad.float()
-                param.grad = None
-        if scaler.is_enabled():
-            metrics["loss_scale"] = scaler.get_scale()  # the scale this step's backward used
+        if trainer.accumulate_in_master:
+            average_over_ranks([p.grad for p in trainer.master_params if p.grad is not None])
+        else:
+            average_over_ranks([p.grad for p in trainer.model.parameters() if p.grad is not None])
+            if trainer.master_params is not None:  # the 16-bit gradients move to the fp32 master copy
+                self._to_master(accumulate=False)
+        loss_scale = scaler.get_scale() if scaler.is_enabled() else None  # the scale this step's backward used
+        if loss_scale is not None:
+            metrics["loss_scale"] = loss_scale
         scaler.unscale_(trainer.optimizer)
         max_norm = trainer.grad_clip if trainer.grad_clip > 0 else float("inf")
         metrics["grad_norm"] = torch.nn.utils.clip_grad_norm_(trainer.optimized_params, max_norm).item()
         metrics["lr"] = trainer.lr_schedule.get_last_lr()[0]
-        metrics["skipped"] = float(not math.isfinite(metrics["grad_norm"]))
-        if not metrics["skipped"]:  # a NaN/Inf gradient never reaches the weights or AdamW's moments
+        nonfinite = not math.isfinite(metrics["grad_norm"])
+        metrics.update(skip_metrics(nonfinite, loss_scale, MIN_LOSS_SCALE))
+        if not nonfinite:  # a NaN/Inf gradient never reaches the weights or AdamW's moments
             trainer.optimizer.step()
             trainer.lr_schedule.step()
             if trainer.master_params is not None:
@@ -170,5 +216,7 @@ class TorchUpdate(MinibatchUpdate):
                     for master, param in zip(trainer.master_params, trainer.model.parameters()):
                         param.copy_(master)
         scaler.update()  # fp16: halve the scale after an overflow, double it after growth_interval clean steps
+        if loss_scale is not None and scaler.get_scale() < MIN_LOSS_SCALE:
+            scaler.update(MIN_LOSS_SCALE)  # DeepSpeed's floor: an overflow there is a fault, not a lower scale
         trainer.optimizer.zero_grad(set_to_none=True)
         return metrics

@@ -1,7 +1,8 @@
 """Sending the trainer's weights to the sampler: the NaN guard and the one-tensor-at-a-time gather.
 
-A sharded trainer (`trainer=fsdp`) hands out `GatheredWeights`: its parameters stay sharded until the
-sampler reads them, and each read gathers one full tensor. So the sync's extra peak is the largest
+A sharded trainer hands out weights gathered as they are read (`trainer=fsdp`: `GatheredWeights`;
+`trainer=deepspeed` at ZeRO-3: `ZeRO3Weights`): its parameters stay sharded until the sampler reads them,
+and each read gathers one full tensor. So the sync's extra peak is the largest
 tensor (the embedding or LM head), not a full copy of the model as a gathered state dict would be
 (`benchmarks/weight_sync_memory.py` measures both). The guard checks the local shards and agrees over
 the ranks, so a NaN stops the run before anything is gathered or sent.
@@ -50,9 +51,10 @@ def all_finite(tensors: list[torch.Tensor]) -> bool:
 
 
 def weights_finite(weights: Mapping[str, torch.Tensor]) -> bool:
-    """Whether every weight is finite on every rank (for `GatheredWeights`: its local shards, agreed over
-    the ranks with one all-reduce, nothing gathered)."""
-    if not isinstance(weights, GatheredWeights):
+    """Whether every weight is finite on every rank (for weights gathered as they are read, FSDP's
+    `GatheredWeights` and DeepSpeed's `ZeRO3Weights`: their `local_shards()`, agreed over the ranks with one
+    all-reduce, nothing gathered)."""
+    if not hasattr(weights, "local_shards"):
         return all_finite(list(weights.values()))
     import torch.distributed as dist
 

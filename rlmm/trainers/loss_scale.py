@@ -1,0 +1,31 @@
+"""fp16 dynamic loss scaling: which skipped steps are the scaler's normal business, and which are faults.
+
+fp16's smallest normal is 6.1e-5, so the loss is multiplied by a scale S before the backward pass and the
+gradient divided by S before the step (Micikevicius et al. 2018, "Mixed Precision Training"). S starts
+large (2^16: `trainer.initial_loss_scale`); a gradient that overflows fp16 at that scale makes the scaler
+skip the step and halve S, and after `trainer.loss_scale_growth_interval` clean steps S doubles. So the
+first steps of an fp16 run, and an occasional step later, are skipped by design: they are not faults.
+
+The rule every backend applies (torch and FSDP: `torch.amp.GradScaler`; DeepSpeed: its fp16 optimizers):
+a non-finite gradient at a scale S_used is a normal overflow when S_used > S_min, and a fault when
+S_used <= S_min. S_min is DeepSpeed's `fp16.min_loss_scale` (default 1, `MIN_LOSS_SCALE`): at S = 1 the
+scaled gradient is the gradient itself, so lowering S no further helps fp16 represent it, and an
+overflow there is a real non-finite gradient (DeepSpeed's ZeRO loss scaler raises at that point; rlmm
+turns that off and reports a fault instead, so every backend ends the run through `train.max_bad_steps`).
+A real NaN at a scale with headroom is taken for an overflow until S reaches S_min: at most
+log2(S_0 / S_min) steps (16 from 2^16), then it is a fault. Without loss scaling (fp32, bf16) every
+non-finite gradient is a fault.
+"""
+from __future__ import annotations
+
+# DeepSpeed's default `fp16.min_loss_scale`; the torch and FSDP trainers keep GradScaler's scale at it too.
+MIN_LOSS_SCALE = 1.0
+
+
+def skip_metrics(skipped: bool, loss_scale: float | None, min_loss_scale: float) -> dict[str, float]:
+    """A step's `skipped` (a fault) and, with loss scaling, `loss_scale_skipped` (a normal overflow), from
+    whether it was skipped and the scale its backward used (None: no loss scaling)."""
+    if loss_scale is None:
+        return {"skipped": float(skipped)}
+    normal = skipped and loss_scale > min_loss_scale
+    return {"skipped": float(skipped and not normal), "loss_scale_skipped": float(normal)}
