@@ -143,7 +143,8 @@ def main() -> None:
     torch.manual_seed(cfg.seed)
     c = build_components(cfg, lambda task: (task.examples("train", (w.warmup + w.steps) * w.prompts)
                                             + (task.examples("test", job["eval_prompts"]) if job.get("eval_prompts")
-                                               else [])))
+                                               else [])),
+                         max_rows=max(w.prompts * cfg.algo.group_size, job.get("eval_prompts") or 0))
     precision_report = c.precision_report
     setup_seconds = time.perf_counter() - started
     record = RunRecord(run_dir, {"choices": choices, **to_container(cfg)})

@@ -44,11 +44,12 @@ class Components:
         self.sampler.close()
 
 
-def build_components(cfg: DictConfig, prompts: Callable[[object], list],
+def build_components(cfg: DictConfig, prompts: Callable[[object], list], max_rows: int,
                      seconds: dict[str, float] | None = None) -> Components:
     """Build the app's components from `cfg`. `prompts(task)`: every example the app will sample from (its
-    longest prompt sizes the sampler's context). `seconds`: when given, the model, sampler and trainer
-    build times are added to it."""
+    longest prompt sizes the sampler's context); `max_rows`: the most sequences one of its generate calls
+    asks for (with the context, the sampler's KV cache). `seconds`: when given, the model, sampler and
+    trainer build times are added to it."""
     from transformers import AutoTokenizer
 
     seconds = {} if seconds is None else seconds
@@ -64,8 +65,10 @@ def build_components(cfg: DictConfig, prompts: Callable[[object], list],
     correction = instantiate(cfg.correction) if "correction" in cfg else None
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     with timed(seconds, "sampler_init"):
+        # A trainer with an fp32 head trains it apart from a tied input embedding: the sampler must hold both.
         sampler = build(cfg.sampler, model_path=model_path, precision=precision.sampler, sampling=sampling,
-                        seed=cfg.seed, prompt_tokens=longest_prompt(tokenizer, prompts(task)))
+                        seed=cfg.seed, prompt_tokens=longest_prompt(tokenizer, prompts(task)), max_rows=max_rows,
+                        untie_head=precision.trainer.fp32_head)
     with timed(seconds, "trainer_init"):
         try:
             trainer = build(cfg.trainer, model_path=model_path, precision=precision.trainer, sampling=sampling,

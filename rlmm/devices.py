@@ -26,6 +26,15 @@ def world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def global_rank() -> int:
+    """This process's rank in the world (torch.distributed's when it runs, else the launcher's RANK)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return int(os.environ.get("RANK", "0"))
+
+
 def rank_device(local_rank: int, cuda_devices: int) -> torch.device:
     """The device of the rank with this LOCAL_RANK on a node with `cuda_devices` visible GPUs: its own
     GPU, or the CPU where there is none. A node with fewer GPUs than ranks is refused, not shared."""

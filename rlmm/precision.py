@@ -86,11 +86,19 @@ class PrecisionPolicy:
 
 
 def check_precision(policy, sampler_actual: dict, trainer_actual: dict) -> dict:
-    """Compare what each engine runs in with what was asked; warn loudly about silent casts."""
+    """Compare what each engine runs in with what was asked; warn loudly about silent casts.
+
+    Batch-invariant kernels: vLLM installs its (`sampler.batch_invariant`) for the whole process, as aten
+    overrides of mean, softmax, log_softmax and bmm (and matmuls on some GPUs), cuBLAS workspace and NCCL
+    channel settings, so the trainer in the same process runs them too: `actual.trainer.batch_invariant`
+    follows the sampler's, and a `batch_invariant` arm of an experiment changes both sides."""
+    trainer_actual = {**trainer_actual, "batch_invariant": sampler_actual.get("batch_invariant", "false")}
     report = {"requested": {"sampler": str(policy.sampler), "trainer": str(policy.trainer),
                             "fp32_matmul": policy.fp32_matmul},
               "actual": {"sampler": sampler_actual, "trainer": trainer_actual,
                          "fp32_matmul": torch.get_float32_matmul_precision()}, "silent_casts": []}
+    if trainer_actual["batch_invariant"] == "true":
+        log.warning("vLLM's batch-invariant kernels are installed process-wide: the trainer runs them too")
     if report["actual"]["fp32_matmul"] != policy.fp32_matmul:  # an engine changed it after apply()
         report["silent_casts"].append(f"fp32 matmul precision: asked for {policy.fp32_matmul}, "
                                       f"in force {report['actual']['fp32_matmul']}")

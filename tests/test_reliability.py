@@ -166,8 +166,10 @@ def test_nan_gradient_step_is_skipped_and_never_synced(small_model_path, arithme
 
 def test_fp16_overflow_skips_the_step_and_halves_the_loss_scale(small_model_path, arithmetic_task):
     """trainer=torch in fp16 with a loss scale far too large (2^24: this model's fp16 gradients overflow
-    from 2^17 on): each step overflows, is skipped without touching the weights or the sampler, and
-    halves the scale, until the scale fits and a step goes through and is synced."""
+    from 2^17 on): each step overflows, its optimizer step is skipped without touching the weights or the
+    sampler, and halves the scale, until the scale fits and a step goes through and is synced. The skips
+    are the loss scaler's normal business: logged as train/loss_scale_skipped, not as bad steps (before,
+    each counted as one, and train.max_bad_steps=3 ended an fp16 run before its scale settled)."""
     from transformers import AutoTokenizer
 
     from rlmm.algos import GRPO
@@ -196,9 +198,10 @@ def test_fp16_overflow_skips_the_step_and_halves_the_loss_scale(small_model_path
             before = {k: v.clone() for k, v in trainer.state_dict().items()}
             master_before = [p.clone() for p in trainer.master_params]
             metrics = rl_step(c, prompts, ratio_cap=2.0, reuse_training_forward=False)
-            scales.append(metrics["loss/loss_scale"])
-            skipped.append(metrics["train/skipped"])
-            if metrics["train/skipped"]:
+            scales.append(metrics["train/loss_scale"])
+            skipped.append(metrics["train/loss_scale_skipped"])
+            assert metrics["train/skipped"] == 0  # not a bad step
+            if metrics["train/loss_scale_skipped"]:
                 assert len(synced) == 0  # nothing was sent to the sampler
                 assert all(torch.equal(v, before[k]) for k, v in trainer.state_dict().items())
                 assert all(torch.equal(p, q) for p, q in zip(trainer.master_params, master_before))
@@ -304,3 +307,40 @@ def test_nonfinite_logprobs_say_which_side_how_many_and_the_fp16_cause():
         "or fp32")
     engines.trainer.actual_precision["dtype"] = "fp32"
     assert nonfinite_hint({"trainer": 0.5, "sampler": 0.0}, engines) == " (50.0% of the trainer's)"
+
+
+def test_a_sampler_that_dropped_its_weights_gets_them_back_after_a_skipped_step(small_model_path, arithmetic_task):
+    """vLLM's sleep level 2 (the GPU default) discards the sampler's weights while the trainer updates. A skipped
+    step changed no weights, but the sampler no longer holds them: the step must re-send the trainer's unchanged
+    weights, or the next generation runs on whatever the freed memory holds. The sampler here drops its weights
+    as level 2 does (its `sleep` sets `needs_weights`, its `generate` refuses until a sync)."""
+    from rlmm.step import rl_step
+    from tests.test_train import ParityTask
+
+    c = make_faulty_components(small_model_path, ParityTask(arithmetic_task), "torch", "fp32")
+    sampler, synced = c.sampler, []
+    load_weights, generate = sampler.load_weights, sampler.generate
+
+    def sleep():
+        sampler.needs_weights = True
+
+    def reload(weights):
+        synced.append({k: v.clone() for k, v in weights.items()})
+        load_weights(weights)
+        sampler.needs_weights = False
+
+    def generate_with_weights(*args, **kwargs):
+        assert not sampler.needs_weights, "generate after the weights were dropped and not sent again"
+        return generate(*args, **kwargs)
+
+    sampler.sleep, sampler.load_weights, sampler.generate = sleep, reload, generate_with_weights
+    prompts = arithmetic_task.examples("train", 4)
+    try:
+        assert rl_step(c, prompts, ratio_cap=2.0, reuse_training_forward=True)["train/skipped"] == 0
+        assert rl_step(c, prompts, ratio_cap=2.0, reuse_training_forward=True)["train/skipped"] == 1  # NaN update
+        assert len(synced) == 2 and all(torch.equal(synced[0][k], synced[1][k]) for k in synced[0])  # unchanged, re-sent
+        rl_step(c, prompts, ratio_cap=2.0, reuse_training_forward=True)  # generates (NaN again from update 2 on)
+        assert len(synced) == 3
+    finally:
+        c.trainer.close()
+        c.sampler.close()

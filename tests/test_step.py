@@ -21,7 +21,7 @@ class ScriptedSampler:
     def __init__(self):
         self.calls = []
 
-    def generate(self, prompt_ids, *, n=1, greedy=False):
+    def generate(self, prompt_ids, *, n=1, greedy=False, request_ids=None):
         self.calls.append(len(prompt_ids))
         responses = [[int(ch)] for ids in prompt_ids for ch in ids[-1][-n:]]
         return Rollouts(prompt_ids=[ids for ids in prompt_ids for _ in range(n)], response_ids=responses,

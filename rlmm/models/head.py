@@ -101,9 +101,11 @@ class OutputHead(nn.Module):
 
 
 def install_output_head(model: nn.Module, fp32: bool = False, chunk_size: int = 512,
-                        fp32_weight: torch.Tensor | None = None) -> OutputHead:
+                        fp32_weight: torch.Tensor | None = None, untie: bool = False) -> OutputHead:
     """Make `model`'s LM head an OutputHead (same weight Parameter; with `fp32`, an fp32 copy made from
-    `fp32_weight` when given: the checkpoint's own fp32 values, not a 16-bit copy cast back up)."""
+    `fp32_weight` when given: the checkpoint's own fp32 values, not a 16-bit copy cast back up; with
+    `untie`, a copy of its own in the body's dtype, so that a head trained apart from the input embedding
+    can be loaded into it)."""
     head = model.get_output_embeddings()
     if getattr(head, "bias", None) is not None:
         raise ValueError("model: LM heads with a bias are not supported")
@@ -112,8 +114,10 @@ def install_output_head(model: nn.Module, fp32: bool = False, chunk_size: int = 
     weight = head.weight
     if fp32 and fp32_weight is not None:
         weight = nn.Parameter(fp32_weight, requires_grad=weight.requires_grad)
+    elif untie and not fp32 and weight is model.get_input_embeddings().weight:
+        weight = nn.Parameter(weight.detach().clone(), requires_grad=weight.requires_grad)
     new = OutputHead(weight, fp32=fp32, chunk_size=chunk_size)
     model.set_output_embeddings(new)
-    if fp32:
+    if fp32 or untie:
         model.config.tie_word_embeddings = False
     return new

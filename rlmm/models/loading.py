@@ -9,16 +9,18 @@ from rlmm.precision import SidePrecision, dtype_name
 
 
 def load_causal_lm(path: str, side: SidePrecision, *, trainable: bool = False, logits_chunk_size: int = 512,
-                   device: torch.device | str = "cpu") -> nn.Module:
+                   device: torch.device | str = "cpu", untie_head: bool = False) -> nn.Module:
     """The checkpoint at `path` in `side`'s precision on `device`, its head an `OutputHead` (fp32 when
-    the side asks for it: the checkpoint's own fp32 values, not a 16-bit copy cast back up)."""
+    the side asks for it: the checkpoint's own fp32 values, not a 16-bit copy cast back up; a parameter of
+    its own, untied from the input embedding, with `untie_head` or an fp32 head)."""
     from transformers import AutoModelForCausalLM
 
     dtype = side.torch_dtype
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32 if side.fp32_head else dtype)
     fp32_head = model.get_output_embeddings().weight.detach().clone() if side.fp32_head else None
     cast_parameters(model, dtype)
-    install_output_head(model, fp32=side.fp32_head, chunk_size=logits_chunk_size, fp32_weight=fp32_head)
+    install_output_head(model, fp32=side.fp32_head, chunk_size=logits_chunk_size, fp32_weight=fp32_head,
+                        untie=untie_head)
     model.to(device)
     model.train(trainable)
     model.requires_grad_(trainable)

@@ -12,6 +12,8 @@ with like; mixing them biases every ratio when T != 1 or a truncation is active.
 """
 from __future__ import annotations
 
+import hashlib
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -91,13 +93,21 @@ def pad_right(rows: list[torch.Tensor], value: float = 0.0) -> tuple[torch.Tenso
 
 class Sampler(Protocol):
     """What every engine provides. `actual_precision` records what the engine really runs in; `calls`
-    counts generate calls (their seeds derive from it; a checkpoint saves and restores it)."""
+    counts sampling (non-greedy) generate calls (their seeds derive from it; a checkpoint saves and
+    restores it; greedy calls draw nothing and are not counted, so ranks that evaluate and ranks that do
+    not stay in step); `needs_weights`: the engine dropped its weights (vLLM's sleep level 2) and the
+    next generate needs a weight sync even when the trainer's weights did not change."""
 
     actual_precision: dict[str, str]
     calls: int
+    needs_weights: bool
 
-    def generate(self, prompt_ids: list[list[int]], *, n: int = 1, greedy: bool = False) -> Rollouts:
-        """n samples per prompt (grouped: all samples of prompt 0 first). Greedy ignores temperature."""
+    def generate(self, prompt_ids: list[list[int]], *, n: int = 1, greedy: bool = False,
+                 request_ids: list[int] | None = None) -> Rollouts:
+        """n samples per prompt (grouped: all samples of prompt 0 first). Greedy ignores temperature.
+        `request_ids`: each prompt's place in the step (its index before the step's prompts were split over
+        the ranks; default 0, 1, ...): an engine that seeds each request draws from (seed, call, place), so
+        no two requests of a step share their random numbers and the split over ranks changes nothing."""
         ...
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
@@ -126,3 +136,59 @@ def truncate_at_eos(token_ids: list[int], eos_ids: set[int]) -> tuple[list[int],
         if tok in eos_ids:
             return token_ids[:i + 1], "stop"
     return token_ids, "length"
+
+
+def request_seed(seed: int, call: int, request: int) -> int:
+    """The seed of one request: a 56-bit hash of (run seed, sampling call, the request's place in the step),
+    so requests of one step, of two steps or of two ranks never share a stream (an engine seeds the n
+    samples of a request with seed, seed + 1, ..., which stays below 2^63)."""
+    digest = hashlib.blake2b(f"rlmm/{seed}/{call}/{request}".encode(), digest_size=7).digest()
+    return int.from_bytes(digest, "big")
+
+
+def engine_seed(seed: int, rank: int) -> int:
+    """An engine's own seed on `rank` (its generator for unseeded requests; vLLM also reseeds the
+    process's torch, numpy and random generators with it): the run's seed on rank 0, another on every
+    other rank, so ranks never draw the same engine-wide stream."""
+    return seed if rank == 0 else request_seed(seed, -1, rank) % 2**31
+
+
+def checkpoint_ties_head(model_path: str) -> bool:
+    """Whether the checkpoint's config ties its LM head to the input embedding (Qwen2.5-0.5B's does)."""
+    from transformers import AutoConfig
+
+    return bool(getattr(AutoConfig.from_pretrained(model_path).get_text_config(), "tie_word_embeddings", False))
+
+
+def tied_aliases(model: torch.nn.Module) -> dict[str, str]:
+    """{alias: canonical} for every parameter name of `model` that shares its Parameter with an earlier name
+    (a tied LM head: {"lm_head.weight": "model.embed_tokens.weight"})."""
+    first: dict[int, str] = {}
+    aliases = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        canonical = first.setdefault(id(param), name)
+        if canonical != name:
+            aliases[name] = canonical
+    return aliases
+
+
+def refuse_dropped_ties(named: Iterable[tuple[str, torch.Tensor]], aliases: dict[str, str],
+                        engine: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """The weights as they come, checking that each pair of names the engine ties (`aliases`) arrives
+    with equal values: an engine holds one tensor for both, so a trainer that trains them apart (an fp32
+    head unties a tied one) would see one of them dropped, silently (vLLM skips a tied alias at debug log
+    level). Holds the first of a pair until its twin arrives (one extra tensor, the size of the embedding)."""
+    partner = {**aliases, **{canonical: alias for alias, canonical in aliases.items()}}
+    waiting: dict[str, torch.Tensor] = {}
+    for name, tensor in named:
+        twin = partner.get(name)
+        if twin is not None:
+            if twin in waiting:
+                first = waiting.pop(twin)
+                if first is not tensor and not torch.equal(first, tensor.to(first.device)):
+                    raise ValueError(f"{engine}: the trainer sent '{name}' and '{twin}' with different values, "
+                                     f"but the engine ties them and would keep only one (an fp32 LM head unties a "
+                                     f"tied one: build the sampler with untie_head)")
+            else:
+                waiting[name] = tensor
+        yield name, tensor

@@ -7,7 +7,8 @@ from rlmm.devices import select_device
 from rlmm.logprobs import token_logprobs
 from rlmm.models.loading import load_causal_lm, model_precision, padding_id
 from rlmm.precision import SidePrecision
-from rlmm.samplers.base import Rollouts, SamplingOptions, truncate_at_eos
+from rlmm.samplers.base import (Rollouts, SamplingOptions, refuse_dropped_ties, request_seed, tied_aliases,
+                                truncate_at_eos)
 from rlmm.samplers.perturb import WeightNoise
 
 
@@ -23,20 +24,31 @@ class HFSampler:
         batch_size: prompts per `generate` call (0: all at once). Batch shape changes the numerics.
         perturb: mismatch injection: relative std ε of the Gaussian noise added to every weight the
             sampler loads, at start and at each weight sync (0: off; rlmm/samplers/perturb.py).
-        prompt_tokens: (set by the app) the longest prompt of the run; unused here.
+        prompt_tokens, max_rows: (set by the app) the run's longest prompt and largest call; unused here.
+        untie_head: (set by the app) the trainer trains an LM head of its own apart from the input embedding
+            (an fp32 head unties a tied one): the model's head is then a parameter of its own here too.
+
+    Random numbers: one stream per sampling call, from (seed, call, the first request's place in the step),
+    so ranks draw different streams; a row's draws depend on the batch it is in (transformers samples the
+    whole batch at once), so unlike vLLM's seeded requests a 2-rank run does not sample what a 1-rank run
+    samples.
     """
 
+    needs_weights = False  # it never drops its weights
+
     def __init__(self, model_path: str, precision: SidePrecision, sampling: SamplingOptions, seed: int,
-                 batch_size: int, perturb: float, prompt_tokens: int | None = None):
+                 batch_size: int, perturb: float, prompt_tokens: int | None = None, max_rows: int | None = None,
+                 untie_head: bool = False):
         from transformers import AutoTokenizer
 
         self.noise = WeightNoise(perturb, seed)
         self.sampling = sampling
         self.batch_size = batch_size
         self.seed = seed
-        self.calls = 0
+        self.calls = 0  # sampling calls (greedy ones draw nothing and are not counted)
         self.device = select_device()
-        self.model = load_causal_lm(model_path, precision, device=self.device)
+        self.model = load_causal_lm(model_path, precision, device=self.device, untie_head=untie_head)
+        self.aliases = tied_aliases(self.model)
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.pad_id = padding_id(tokenizer, model_path)
         eos = self.model.generation_config.eos_token_id
@@ -46,7 +58,8 @@ class HFSampler:
             self.load_weights({name: p.detach() for name, p in self.model.named_parameters()})
 
     @torch.no_grad()
-    def generate(self, prompt_ids: list[list[int]], *, n: int = 1, greedy: bool = False) -> Rollouts:
+    def generate(self, prompt_ids: list[list[int]], *, n: int = 1, greedy: bool = False,
+                 request_ids: list[int] | None = None) -> Rollouts:
         from transformers import GenerationConfig
 
         config = GenerationConfig(
@@ -56,9 +69,10 @@ class HFSampler:
             max_new_tokens=self.sampling.max_new_tokens, num_return_sequences=n,
             output_logits=True, return_dict_in_generate=True,
             pad_token_id=self.pad_id, eos_token_id=sorted(self.eos_ids))
-        # Each call draws from its own seeded stream, so a run is reproducible call by call.
-        torch.manual_seed(self.seed + self.calls)
-        self.calls += 1
+        # Each sampling call draws from its own seeded stream, so a run is reproducible call by call.
+        if not greedy:
+            torch.manual_seed(request_seed(self.seed, self.calls, request_ids[0] if request_ids else 0))
+            self.calls += 1
         step = self.batch_size or len(prompt_ids)
         out = Rollouts([], [], [], [])
         for start in range(0, len(prompt_ids), step):
@@ -94,7 +108,7 @@ class HFSampler:
         # Every name of a tied weight (a tied LM head is also the input embedding): trainers send both.
         params = dict(self.model.named_parameters(remove_duplicate=False))
         with torch.no_grad():
-            for name, tensor in self.noise(state_dict.items()):
+            for name, tensor in self.noise(refuse_dropped_ties(state_dict.items(), self.aliases, "sampler=hf")):
                 if name not in params:
                     raise KeyError(f"sampler=hf: weight '{name}' is not a parameter of the model")
                 params[name].copy_(tensor)
@@ -109,3 +123,24 @@ class HFSampler:
 
     def close(self) -> None:
         del self.model
+
+    @classmethod
+    def on_model(cls, model: torch.nn.Module, model_path: str, sampling: SamplingOptions, seed: int,
+                 batch_size: int) -> HFSampler:
+        """A sampler that generates with `model` as it is: nothing loaded, copied or perturbed. For the
+        trainer's own module (`eval/accuracy_trained`, rlmm/train.py's `TrainerModuleEngine`), which stays
+        its owner's: `close` drops this reference only. `model_path` gives the tokenizer's padding id."""
+        from transformers import AutoTokenizer
+
+        sampler = cls.__new__(cls)  # every attribute `__init__` sets but the model it would load
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        sampler.noise = WeightNoise(0.0, seed)
+        sampler.sampling, sampler.batch_size, sampler.seed, sampler.calls = sampling, batch_size, seed, 0
+        sampler.device = select_device()
+        sampler.model = model
+        sampler.aliases = tied_aliases(model)
+        sampler.pad_id = padding_id(tokenizer, model_path)
+        eos = model.generation_config.eos_token_id
+        sampler.eos_ids = set(eos if isinstance(eos, list) else [eos if eos is not None else tokenizer.eos_token_id])
+        sampler.actual_precision = model_precision(model)
+        return sampler

