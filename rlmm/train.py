@@ -12,19 +12,21 @@ from __future__ import annotations
 
 import logging
 import time
+from functools import partial
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from rlmm.components import Components, build_components
-from rlmm.config import to_container
+from rlmm.config import CONF_DIR, to_container
 from rlmm.errors import TrainingStopped
 from rlmm.formatting import format_number
 from rlmm.monitor import build_monitor
 from rlmm.records import NullRecord, RunRecord, read_steps
 from rlmm.samplers.base import Rollouts
-from rlmm.step import mean_over_ranks, rank_share, reward, rl_step
+from rlmm.step import mean_over_ranks, reward, rl_step
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +48,9 @@ def run_train(cfg: DictConfig, run_dir: Path, choices: dict[str, str], logger) -
     monitor = build_monitor(options.monitor)  # its values checked before anything is built
     torch.manual_seed(cfg.seed)
     components = build_components(cfg, lambda task: (task.examples("train", options.steps * options.prompts_per_step)
-                                                     + task.examples("test", options.eval_prompts)))
+                                                     + task.examples("test", options.eval_prompts)),
+                                  max_rows=max(options.prompts_per_step // world_size() * cfg.algo.group_size,
+                                               options.eval_prompts))
     trainer, sampler, precision_report = components.trainer, components.sampler, components.precision_report
     rank, world = dist.get_rank(), dist.get_world_size()
     last = checkpoint.latest(run_dir) if options.resume else None
@@ -79,11 +83,9 @@ def run_train(cfg: DictConfig, run_dir: Path, choices: dict[str, str], logger) -
                    total=options.steps, disable=None if rank == 0 else True)
         for step in bar:
             step_prompts = train_examples[(step - 1) * options.prompts_per_step: step * options.prompts_per_step]
-            def refill(sampling_round: int, step: int = step) -> list:  # DAPO's dynamic sampling
-                return rank_share(refill_prompts(train_examples, cfg.seed, step, sampling_round,
-                                                 options.prompts_per_step), rank, world)
-
-            metrics = mean_over_ranks(rl_step(components, rank_share(step_prompts, rank, world), options.ratio_cap,
+            # DAPO's dynamic sampling: refill(round) draws the step's refill prompts (every rank's)
+            refill = partial(refill_prompts, train_examples, cfg.seed, step, count=options.prompts_per_step)
+            metrics = mean_over_ranks(rl_step(components, step_prompts, options.ratio_cap,
                                               options.reuse_training_forward, refill))
             bad_in_a_row = bad_in_a_row + 1 if metrics["train/skipped"] else 0
             bad_total += bool(metrics["train/skipped"])
@@ -149,38 +151,139 @@ class Evaluation:
     - `eval/accuracy`: the deployed policy, i.e. the sampler (its kernels and precision, and the noise of
       `sampler.perturb`): what the run's rollouts come from;
     - `eval/accuracy_trained` (with `train.eval_trained_weights`): the trainer's weights as they are, with
-      no perturbation, greedy in the trainer side's precision through transformers (`sampler=hf` with
-      `perturb: 0`, built on rank 0 at the first call and loaded with the trainer's weights at each).
+      no perturbation, greedy in the trainer side's precision through transformers (`sampler=hf`'s
+      `generate`, batch size as its YAML): on the trainer's own module where it holds the full weights and
+      generates as a fresh load of the checkpoint would (`trainer.generates_in_place`: one rank of ZeRO-0/1/2
+      or FSDP, any rank count of `trainer=torch`; `TrainerModuleEngine`), else on a copy built on rank 0 at
+      the first call and loaded with the trainer's weights at each (ZeRO-3, FSDP over several ranks,
+      padding-free attention; `TrainedCopyEngine`). Both give the same tokens and log-probs, bit for bit: the
+      same weights in the same dtypes (the copy is loaded in `Components.trainer_precision`, fp32 head
+      included) through the same kernels
+      (tests/test_train.py::test_trained_accuracy_is_the_same_on_the_trainers_module_as_on_a_copy).
+
+    Memory of `eval/accuracy_trained` on rank 0, beyond the generation's own (the KV cache, and the fp32
+    logits of every generated position, [prompts, new tokens, vocabulary], twice while they are stacked: 1.2 GB
+    for 8 x 128 tokens at a 152k vocabulary; the same on both paths): in place, nothing; the copy, a second
+    model in the trainer side's precision for the rest of the run (parameters x 4 bytes in fp32, x 2 in 16
+    bits, plus vocabulary x hidden x 4 for an fp32 head: 2.0 GB, or 1.0 + 0.5 GB, at 494M parameters), plus
+    what reading sharded weights takes while it loads (`trainer.state_dict()`'s gathers, on every rank).
 
     A correction that trains better but deploys through a bad sampler shows in the second, not the first.
-    Every rank calls it (reading the trainer's weights is a collective when they are sharded)."""
+    Every rank calls it (reading the trainer's weights for the copy is a collective when they are sharded)."""
 
     def __init__(self, c: Components, examples: list, trained_weights: bool, rank: int):
-        self.c, self.examples, self.trained_weights, self.rank = c, examples, trained_weights, rank
-        self.trained_engine = None
+        self.c, self.examples, self.rank = c, examples, rank
+        self.trained = None
+        if trained_weights:  # the trainer's own module where it can generate as it is, else a copy
+            self.trained = (TrainerModuleEngine if c.trainer.generates_in_place else TrainedCopyEngine)(c)
 
     def __call__(self) -> dict[str, float]:
         nan = float("nan")
-        weights = self.c.trainer.state_dict() if self.trained_weights else None
+        if self.trained is not None:
+            self.trained.sync(self.rank)
         if self.rank != 0:
-            for _ in (weights or {}).values():  # take part in each tensor's gather
-                pass
-            return {"eval/accuracy": nan, **({"eval/accuracy_trained": nan} if weights is not None else {})}
+            return {"eval/accuracy": nan, **({"eval/accuracy_trained": nan} if self.trained is not None else {})}
         accuracies = {"eval/accuracy": accuracy(self.c, self.c.sampler, self.examples)}
-        if weights is not None:
-            if self.trained_engine is None:
-                from rlmm.config import from_yaml
-
-                self.trained_engine = from_yaml("sampler", "hf", model_path=self.c.model_path, perturb=0.0,
-                                                precision=self.c.trainer_precision, sampling=self.c.sampling, seed=0)
-            self.trained_engine.load_weights(weights)
-            accuracies["eval/accuracy_trained"] = accuracy(self.c, self.trained_engine, self.examples)
+        if self.trained is not None:
+            accuracies["eval/accuracy_trained"] = accuracy(self.c, self.trained, self.examples)
         return accuracies
 
     def close(self) -> None:
-        if self.trained_engine is not None:
-            self.trained_engine.close()
-            self.trained_engine = None
+        if self.trained is not None:
+            self.trained.close()
+            self.trained = None
+
+
+class TrainerModuleEngine:
+    """Greedy generation with the trainer's own module (`trainer.model`), for a trainer whose module holds the
+    full weights and generates as loaded (`trainer.generates_in_place`): no second copy of the model. Only
+    rank 0 generates, and with no collective: the module is rank-local.
+
+    Generating leaves training as it was (`generating`): each submodule's train/eval mode and each
+    parameter's `requires_grad` come back, gradient checkpointing's flag is not touched, no gradient is made;
+    the `OutputHead` returns logits, as it does whenever it is not `aimed_at` (scoring); the KV cache is the
+    generate call's own and goes with it
+    (tests/test_train.py::test_evaluating_on_the_trainers_module_leaves_training_as_it_was)."""
+
+    def __init__(self, c: Components):
+        from rlmm.samplers.hf import HFSampler
+
+        self.trainer = c.trainer
+        # sampler=hf's own batch size (its YAML): the copy's, so both paths generate the same batches
+        batch_size = OmegaConf.load(CONF_DIR / "sampler" / "hf.yaml").batch_size
+        self.sampler = HFSampler.on_model(c.trainer.model, c.model_path, c.sampling, seed=0, batch_size=batch_size)
+
+    def sync(self, rank: int) -> None:
+        """Nothing to load: the module is the trained weights."""
+
+    def generate(self, prompt_ids: list[list[int]], *, n: int = 1, greedy: bool = False) -> Rollouts:
+        with generating(self.trainer.model):
+            return self.sampler.generate(prompt_ids, n=n, greedy=greedy)
+
+    def close(self) -> None:
+        self.sampler.close()  # drops its reference; the model is the trainer's
+
+
+@contextmanager
+def generating(model: torch.nn.Module):
+    """`model` in eval mode, its parameters not requiring grad and autograd off, for the inside; then each
+    submodule's train/eval mode and each parameter's `requires_grad` as they were. Gradient checkpointing's
+    flag is left on or off: transformers reads it only in train mode (where it would also drop the KV cache).
+
+    Why `requires_grad` too, when autograd is off anyway: torch's matmul lays out a non-contiguous input by
+    whether an operand requires grad (aten's `should_fold`: folded into one matrix for a backward that will
+    not come), and generate's first step projects such an input (the last position, sliced), so in fp32 the
+    first token's log-probs would round differently from the copy's (1e-7 on the default's fp32 trainer).
+    It comes back by name, on the parameters registered before and on those registered after: FSDP2 swaps
+    in gathered copies for a forward and leaves its root unit's registered after it (resharded after a
+    backward), so a flag restored on the sharded parameters alone would leave the embeddings and the head
+    frozen in the next step
+    (tests/test_train.py::test_evaluating_on_the_trainers_module_leaves_training_as_it_was)."""
+    modes = [(module, module.training) for module in model.modules()]
+    before = list(model.named_parameters())
+    trainable = {name: parameter.requires_grad for name, parameter in before}
+    model.eval()
+    model.requires_grad_(False)
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        for module, training in modes:
+            module.training = training
+        for name, parameter in [*before, *model.named_parameters()]:
+            parameter.requires_grad_(trainable[name])
+
+
+class TrainedCopyEngine:
+    """Greedy generation with a copy of the trainer's weights (`sampler=hf` with `perturb: 0` in the trainer
+    side's precision), for a trainer whose module cannot generate as it is: its weights sharded over ranks
+    (ZeRO-3, FSDP over several ranks) or its attention set for packed rows (`padding_free`). The copy is built
+    on rank 0 at the first evaluation and loaded at each; every rank reads the weights (a collective when they
+    are gathered from shards)."""
+
+    def __init__(self, c: Components):
+        self.c, self.sampler = c, None
+
+    def sync(self, rank: int) -> None:
+        weights = self.c.trainer.state_dict()
+        if rank != 0:
+            for _ in weights.values():  # take part in each tensor's gather
+                pass
+            return
+        if self.sampler is None:
+            from rlmm.config import from_yaml
+
+            self.sampler = from_yaml("sampler", "hf", model_path=self.c.model_path, perturb=0.0,
+                                     precision=self.c.trainer_precision, sampling=self.c.sampling, seed=0)
+        self.sampler.load_weights(weights)
+
+    def generate(self, prompt_ids: list[list[int]], *, n: int = 1, greedy: bool = False) -> Rollouts:
+        return self.sampler.generate(prompt_ids, n=n, greedy=greedy)
+
+    def close(self) -> None:
+        if self.sampler is not None:
+            self.sampler.close()
+            self.sampler = None
 
 
 def accuracy(c: Components, sampler, examples: list) -> float:

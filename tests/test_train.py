@@ -263,8 +263,8 @@ class FingerprintTask(ParityTask):
 
 
 def test_evaluation_reads_the_deployed_sampler_and_the_trainers_own_weights(small_model_path, arithmetic_task):
-    """eval/accuracy is the sampler's greedy accuracy, eval/accuracy_trained the trainer's weights' (an
-    unperturbed transformers engine loaded from the trainer): equal while both hold the same fp32 weights;
+    """eval/accuracy is the sampler's greedy accuracy, eval/accuracy_trained the trainer's weights' (unperturbed,
+    through transformers: trainer=torch's own module): equal while both hold the same fp32 weights;
     noise in the sampler moves only the first, noise in the trainer only the second."""
     import torch
 
@@ -297,3 +297,125 @@ def test_evaluation_reads_the_deployed_sampler_and_the_trainers_own_weights(smal
         evaluate.close()
         c.trainer.close()
         c.sampler.close()
+
+
+def evaluated_components(model_path, task, trainer_name, precision_name, **trainer_values):
+    """An hf sampler and `trainer_name` in `precision_name`, as the app builds them for the evaluation (the
+    model path and the trainer side's precision set), the trainer's values as its YAML's but `trainer_values`."""
+    from transformers import AutoTokenizer
+
+    from rlmm.algos import GRPO
+
+    policy = instantiate(OmegaConf.load(CONF_DIR / "precision" / f"{precision_name}.yaml"))
+    options = sampling(max_new_tokens=6)
+    sampler = from_yaml("sampler", "hf", model_path=model_path, precision=policy.sampler, sampling=options, seed=0)
+    trainer = build_trainer(trainer_name, model_path, policy.trainer, options, micro_batch_size=8, lr=1e-3,
+                            **trainer_values)
+    return Components(task=task, tokenizer=AutoTokenizer.from_pretrained(model_path), sampler=sampler,
+                      trainer=trainer, correction=from_yaml("correction", "tis"), algo=GRPO(**ALGO), sampling=options,
+                      model_path=model_path, trainer_precision=policy.trainer)
+
+
+@pytest.mark.parametrize("trainer_name,precision_name,trainer_values", [
+    ("torch", "bf16", {}), ("deepspeed", "bf16_sampler_fp32_trainer", {}),  # the default's trainer side
+    ("deepspeed", "bf16_sampler_fp32_trainer", {"gradient_checkpointing": True}),  # the scale check's: train mode
+    ("deepspeed", "bf16", {}), ("deepspeed", "bf16_fp32head", {"zero_stage": 2}),
+    pytest.param("torch", "bf16_fp32head", {}, marks=pytest.mark.slow),
+    pytest.param("deepspeed", "bf16", {"zero_stage": 1}, marks=pytest.mark.slow),
+    pytest.param("fsdp", "bf16", {}, marks=pytest.mark.slow),
+    pytest.param("fsdp", "bf16_sampler_fp32_trainer", {}, marks=pytest.mark.slow)])
+def test_trained_accuracy_is_the_same_on_the_trainers_module_as_on_a_copy(small_model_path, arithmetic_task,
+                                                                          trainer_name, precision_name,
+                                                                          trainer_values):
+    """After a step, greedy generation with the trainer's own module (what the evaluation now uses where it
+    holds the full weights) gives the copy's tokens and log-probs bit for bit, so eval/accuracy_trained is
+    the number the copy gave: the same weights in the same dtypes (an fp32 head too) through the same kernels."""
+    from rlmm.train import Evaluation, TrainedCopyEngine, TrainerModuleEngine, accuracy
+
+    task = FingerprintTask(arithmetic_task)
+    c = evaluated_components(small_model_path, task, trainer_name, precision_name, **trainer_values)
+    examples = arithmetic_task.examples("test", 64)
+    evaluate, copy = Evaluation(c, examples, trained_weights=True, rank=0), TrainedCopyEngine(c)
+    in_place = evaluate.trained
+    try:
+        assert c.trainer.generates_in_place and isinstance(in_place, TrainerModuleEngine)
+        before = {k: v.clone() for k, v in c.trainer.state_dict().items()}
+        rl_step(c, arithmetic_task.examples("train", 4), ratio_cap=2.0, reuse_training_forward=True)
+        assert any(not torch.equal(before[k], v) for k, v in c.trainer.state_dict().items())  # trained weights
+        for engine in (in_place, copy):
+            engine.sync(0)
+        prompt_ids = [c.tokenizer(e.prompt).input_ids for e in examples]
+        ours, theirs = in_place.generate(prompt_ids, greedy=True), copy.generate(prompt_ids, greedy=True)
+        assert ours.response_ids == theirs.response_ids
+        for own, copied in zip(ours.sampler_logprobs, theirs.sampler_logprobs, strict=True):
+            assert torch.equal(own, copied)
+        assert accuracy(c, in_place, examples) == accuracy(c, copy, examples)
+    finally:
+        evaluate.close()
+        copy.close()
+        c.close()
+
+
+@pytest.mark.parametrize("trainer_name,trainer_values,copies", [
+    ("deepspeed", {"zero_stage": 3}, True), ("torch", {"padding_free": True}, True), ("deepspeed", {}, False)])
+def test_evaluation_copies_the_weights_only_where_the_trainers_module_cannot_generate(
+        small_model_path, arithmetic_task, trainer_name, trainer_values, copies):
+    """ZeRO-3 (each rank holds a partition) and padding-free attention need the copy; ZeRO-0 on one rank
+    does not. (FSDP over several ranks: tests/test_update.py's two-rank runs are its place; one rank is here
+    in the slow grid above.)"""
+    from rlmm.train import Evaluation, TrainedCopyEngine, TrainerModuleEngine
+
+    c = evaluated_components(small_model_path, FingerprintTask(arithmetic_task), trainer_name, "fp32",
+                             **trainer_values)
+    evaluate = Evaluation(c, arithmetic_task.examples("test", 8), trained_weights=True, rank=0)
+    try:
+        assert c.trainer.generates_in_place is not copies
+        assert isinstance(evaluate.trained, TrainedCopyEngine if copies else TrainerModuleEngine)
+        assert 0 <= evaluate()["eval/accuracy_trained"] <= 1
+    finally:
+        evaluate.close()
+        c.close()
+
+
+@pytest.mark.parametrize("trainer_name", ["torch", "deepspeed", "fsdp"])
+def test_evaluating_on_the_trainers_module_leaves_training_as_it_was(small_model_path, arithmetic_task,
+                                                                     trainer_name):
+    """An evaluation on the trainer's module (gradient checkpointing on, so the model is in train mode)
+    leaves every submodule's mode, `requires_grad` (of the parameters registered after it too: FSDP2 keeps
+    its root unit's gathered copies), the checkpointing flag, the OutputHead and each module's attributes (no
+    KV cache kept) as they were and makes no gradient; the next step's new weights are those of a run
+    without the evaluation, bit for bit. (The trained-weights half of an evaluation: the
+    deployed sampler's greedy half is the sampler's business.)"""
+    from rlmm.train import Evaluation, accuracy
+
+    def state(model):  # no state_dict(): FSDP2's would reshard the root unit and hide a frozen flag
+        return {"training": [m.training for m in model.modules()],
+                "requires_grad": [p.requires_grad for p in model.parameters()],
+                "grads": [p.grad is not None for p in model.parameters()],
+                "checkpointing": model.is_gradient_checkpointing,
+                "head_aim": model.get_output_embeddings()._aim,
+                "attributes": [sorted(vars(m)) for m in model.modules()]}
+
+    prompts = arithmetic_task.examples("train", 4)
+    updated = {}
+    for evaluated in (True, False):
+        torch.manual_seed(0)
+        c = evaluated_components(small_model_path, ParityTask(arithmetic_task), trainer_name, "fp32",
+                                 gradient_checkpointing=True)
+        examples = arithmetic_task.examples("test", 16)
+        evaluate = Evaluation(c, examples, trained_weights=True, rank=0)
+        try:
+            model = c.trainer.model
+            if evaluated:
+                before = state(model)
+                assert before["training"] == [True] * len(before["training"]) and before["checkpointing"]
+                evaluate.trained.sync(0)
+                accuracy(c, evaluate.trained, examples)
+                assert state(model) == before
+            rl_step(c, prompts, ratio_cap=2.0, reuse_training_forward=True)  # weights changed by it would show
+            updated[evaluated] = {k: v.clone() for k, v in c.trainer.state_dict().items()}
+        finally:
+            evaluate.close()
+            c.close()
+    for key, value in updated[False].items():
+        assert torch.equal(updated[True][key], value), key
