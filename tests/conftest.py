@@ -64,3 +64,18 @@ def subprocess_env(**extra: str) -> dict[str, str]:
     (a child would otherwise try to join, or bind, this process's rendezvous port)."""
     drop = {"MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"}
     return {**{k: v for k, v in os.environ.items() if k not in drop}, **extra}
+
+
+def torchrun(args: list[str], *, ranks: int = 2, timeout: float = 900, **env: str):
+    """`torchrun --standalone --nproc_per_node <ranks> <args...>` from the repository root (one thread a rank,
+    the repository importable), its output captured; asserts it exits 0, showing the end of its output."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).parent.parent
+    result = subprocess.run([str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc_per_node",
+                             str(ranks), *args], capture_output=True, text=True, timeout=timeout, cwd=root,
+                            env=subprocess_env(OMP_NUM_THREADS="1", PYTHONPATH=str(root), **env))
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    return result

@@ -115,18 +115,10 @@ def test_two_fsdp_ranks_resume_from_their_own_shards(small_model_path, tmp_path)
     """torchrun, 2 gloo ranks, bf16 compute on fp32 shards: the run restored from a checkpoint takes the
     same steps as the one that wrote it, and each rank's file holds only its half of AdamW's moments."""
     import json
-    import subprocess
-    import sys
-    from pathlib import Path
 
-    from tests.conftest import subprocess_env
+    from tests.conftest import torchrun
 
-    root = Path(__file__).parent.parent
-    torchrun = Path(sys.executable).parent / "torchrun"
-    result = subprocess.run([str(torchrun), "--standalone", "--nproc_per_node", "2", "tests/fsdp_resume.py",
-                             small_model_path, str(tmp_path)], capture_output=True, text=True, timeout=600, cwd=root,
-                            env=subprocess_env(OMP_NUM_THREADS="1", PYTHONPATH=str(root)))
-    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    torchrun(["tests/fsdp_resume.py", small_model_path, str(tmp_path)], timeout=600)
     outcome = json.loads((tmp_path / "result.json").read_text())
     assert outcome["keys"] > 0 and outcome["differing"] == []
     saved = checkpoint.latest(tmp_path)

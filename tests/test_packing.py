@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import json
 import random
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,7 +20,7 @@ from rlmm.precision import SidePrecision
 from rlmm.samplers.base import Rollouts
 from rlmm.trainers.packing import MicroBatching, packed_batch, resized_groups, token_budget_groups
 from rlmm.trainers.scoring import minibatch_step, padded_rows
-from tests.conftest import build_trainer, subprocess_env
+from tests.conftest import build_trainer, torchrun
 from tests.test_update import GROUP, OPTIONS, relative_error, sgd_trainer, weights_of
 
 FP32 = SidePrecision("fp32", False)
@@ -248,13 +246,7 @@ def test_two_ranks_agree_on_the_micro_batch_count(small_model_path, arithmetic_t
     budget = {"micro_batch_tokens": tokens}
     replay = tmp_path / "rollouts.json"
     replay.write_text(json.dumps(recorded))
-    root = Path(__file__).parent.parent
-    torchrun = Path(sys.executable).parent / "torchrun"
-    result = subprocess.run([str(torchrun), "--standalone", "--nproc_per_node", "2", "tests/ranks_step.py",
-                             small_model_path, str(replay), str(tmp_path), json.dumps(budget)],
-                            capture_output=True, text=True, timeout=200, cwd=root,
-                            env=subprocess_env(OMP_NUM_THREADS="1", PYTHONPATH=str(root)))
-    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    torchrun(["tests/ranks_step.py", small_model_path, str(replay), str(tmp_path), json.dumps(budget)], timeout=200)
     initial = load_file(Path(small_model_path) / "model.safetensors")
     for backend in BACKENDS:
         one = {k: v - initial[k] for k, v in step_on_share(small_model_path, recorded, backend, tmp_path,
