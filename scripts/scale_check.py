@@ -4,20 +4,23 @@ embeddings; random init, built here with a tokenizer that fills every row), run 
     .venv/bin/python scripts/scale_check.py cpu               # the real-scale CPU run (about 30 min on 2 cores)
     .venv/bin/python scripts/scale_check.py gpu               # the GPU check (scripts/gpu_check.sh), one GPU
     .venv/bin/python scripts/scale_check.py gpu --dry-run     # the GPU check's code path on CPU, tiny model
+    .venv/bin/python scripts/scale_check.py gpu --part probe  # one part of it (probe, train, sweep): see below
 
 `cpu`: `rlmm probe` and 2 steps of `rlmm train` (vLLM sampler + DeepSpeed trainer, 8 prompts x 4 samples x
 128 new tokens) in bf16 and in fp32, each in its own process under a memory watchdog that samples the
 process tree's RSS every 0.2 s and stops it past `--limit-gib` (16): peak RSS, time and the run's own
 figures per row.
 
-`gpu`: `rlmm probe` in bf16, fp16, fp32 and bf16_fp32head; 3 steps of `rlmm train` (DeepSpeed, bf16);
-a 2-job sweep through the per-job process launcher; standalone vLLM on the same prompts. Figures:
-mismatch per precision, step time by stage, peak GPU memory (nvidia-smi, sampled), peak RSS, rlmm's
-generation tokens/s against standalone vLLM's. `--dry-run` runs all of it on the CPU with a tiny model
-of the same shape family (tied embeddings, a padded vocabulary), in a few minutes.
+`gpu`: three parts, all of them unless `--part` names one: `probe`, `rlmm probe` in bf16, fp16, fp32 and
+bf16_fp32head; `train`, 3 steps of `rlmm train` (DeepSpeed, bf16) and standalone vLLM on the same prompts;
+`sweep`, a 2-job sweep through the per-job process launcher. Figures: mismatch per precision, step time
+by stage, peak GPU memory (nvidia-smi, sampled), peak RSS, rlmm's generation tokens/s against standalone
+vLLM's. `--dry-run` runs them on the CPU with a tiny model of the same shape family (tied embeddings, a
+padded vocabulary), in a few minutes.
 
-Writes `scale_check.json` into `--out` (default: a new folder under benchmarks/results/) and prints
-a table. A row that fails keeps its one-line reason; the script exits 1 if any row failed.
+Writes `scale_check.json` (`scale_check_<part>.json` for one part) into `--out` (default: a new folder
+under benchmarks/results/) and prints a table. A row that fails keeps its one-line reason; the script
+exits 1 if any row failed.
 """
 from __future__ import annotations
 
@@ -206,10 +209,14 @@ def cpu_check(args, out: Path) -> dict:
     return {"model": model, "rows": rows, "limit_gib": args.limit_gib}
 
 
+GPU_PARTS = ("probe", "train", "sweep")
+
+
 def gpu_check(args, out: Path) -> dict:
-    """The GPU check (or its dry run on CPU): probes per precision, train steps, a process-launcher sweep,
-    standalone vLLM."""
+    """The GPU check (or its dry run on CPU), all parts or `args.part`: probes per precision (probe), train
+    steps and standalone vLLM (train), a process-launcher sweep (sweep)."""
     dry = args.dry_run
+    parts = GPU_PARTS if args.part == "all" else (args.part,)
     model = build_model(TINY if dry else QWEN_05B, Path(args.cache))
     prompts, samples, tokens = (4, 2, 16) if dry else (64, 8, 256)
     work = ["model=hf", f"model.path={model}", "sampler=vllm", "trainer=deepspeed", "logger=none",
@@ -220,14 +227,27 @@ def gpu_check(args, out: Path) -> dict:
              "sampler.enforce_eager=true"]  # the mismatch needs no CUDA graphs; saves a compile per precision
     gpu = not dry
     rows = []
-    for precision in args.precisions:
+    for precision in args.precisions if "probe" in parts else ():
         run_dir = out / "runs" / f"probe-{precision}"
         row = run(f"probe-{precision}", rlmm("probe", *work, f"precision={precision}", *probe,
                                              f"hydra.run.dir={run_dir}"), out / "logs", None, gpu, args.timeout)
         if "failed" not in row:
             row.update(probe_figures(run_dir))
         rows.append(row)
-    steps = 2 if dry else 3
+    if "train" in parts:
+        rows += train_and_standalone(args, out, model, work, prompts, samples, tokens, gpu)
+    if "sweep" in parts:
+        rows.append(sweep(args, out, work, probe, gpu))
+    return {"model": model, "dry_run": dry, "part": args.part,
+            "workload": {"prompts": prompts, "samples": samples, "tokens": tokens}, "rows": rows}
+
+
+def train_and_standalone(args, out: Path, model: str, work: list[str], prompts: int, samples: int, tokens: int,
+                         gpu: bool) -> list[dict]:
+    """The train part: 3 steps of rlmm train (2 in the dry run), then standalone vLLM on the same prompts
+    (its tokens/s against rlmm's generation)."""
+    rows = []
+    steps = 2 if args.dry_run else 3
     run_dir = out / "runs" / "train-bf16"
     row = run("train-bf16", rlmm("train", *work, "precision=bf16", f"train.steps={steps}",
                                  f"train.prompts_per_step={prompts}", f"algo.group_size={samples}",
@@ -237,6 +257,21 @@ def gpu_check(args, out: Path) -> dict:
     if "failed" not in row:
         row.update(train_figures(run_dir, prompts * samples))
     rows.append(row)
+    python = str(ROOT / ".venv" / "bin" / "python")
+    row = run("standalone-vllm", [python, "-c", STANDALONE_VLLM, model, str(prompts), str(samples), str(tokens),
+                                  "bfloat16"], out / "logs", None, gpu, args.timeout)
+    if "failed" not in row:
+        lines = Path(row["log"]).read_text().strip().splitlines()
+        row.update(json.loads(next(line for line in reversed(lines) if line.startswith("{"))))
+        trained = rows[0]
+        if "generate_tokens_per_second" in trained:
+            row["rlmm_over_standalone"] = trained["generate_tokens_per_second"] / row["tokens_per_second"]
+    rows.append(row)
+    return rows
+
+
+def sweep(args, out: Path, work: list[str], probe: list[str], gpu: bool) -> dict:
+    """The sweep part: a 2-job `-m` sweep (bf16, fp32) through hydra/launcher=process."""
     sweep_dir = out / "runs" / "sweep"
     row = run("sweep-process-launcher", rlmm("probe", "-m", "hydra/launcher=process", "precision=bf16,fp32", *work,
                                              *probe, f"hydra.sweep.dir={sweep_dir}"), out / "logs", None, gpu,
@@ -246,19 +281,7 @@ def gpu_check(args, out: Path) -> dict:
     # per job, "sampler dtype/trainer dtype": each job measured its own precision
     row["logprob_abs_diff_mean"] = {"{sampler}/{trainer}".format(**job["precision"]["requested"]):
                                     job["sampler_vs_trainer"]["logprob_abs_diff_mean"] for job in jobs}
-    rows.append(row)
-    python = str(ROOT / ".venv" / "bin" / "python")
-    row = run("standalone-vllm", [python, "-c", STANDALONE_VLLM, model, str(prompts), str(samples), str(tokens),
-                                  "bfloat16"], out / "logs", None, gpu, args.timeout)
-    if "failed" not in row:
-        lines = Path(row["log"]).read_text().strip().splitlines()
-        row.update(json.loads(next(line for line in reversed(lines) if line.startswith("{"))))
-        trained = next(r for r in rows if r["name"] == "train-bf16")
-        if "generate_tokens_per_second" in trained:
-            row["rlmm_over_standalone"] = trained["generate_tokens_per_second"] / row["tokens_per_second"]
-    rows.append(row)
-    return {"model": model, "dry_run": dry, "workload": {"prompts": prompts, "samples": samples, "tokens": tokens},
-            "rows": rows}
+    return row
 
 
 def print_table(record: dict) -> None:
@@ -286,6 +309,8 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("check", choices=["cpu", "gpu"])
     parser.add_argument("--dry-run", action="store_true", help="gpu: the same code path on CPU with a tiny model")
+    parser.add_argument("--part", default="all", choices=["all", *GPU_PARTS],
+                        help="gpu: one part alone (each fits a machine lent for 8 minutes; default all)")
     parser.add_argument("--precisions", nargs="+", help="precision options (default: cpu bf16 fp32; gpu bf16 fp16 "
                                                         "fp32 bf16_fp32head)")
     parser.add_argument("--limit-gib", type=float, default=16.0, help="cpu: stop a run whose RSS passes this")
@@ -299,6 +324,8 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if args.dry_run and args.check != "gpu":
         parser.error("--dry-run goes with the gpu check")
+    if args.part != "all" and args.check != "gpu":
+        parser.error("--part goes with the gpu check")
     global RLMM_ROOT
     RLMM_ROOT = args.rlmm_root.resolve()
     args.precisions = args.precisions or (["bf16", "fp32"] if args.check == "cpu"
@@ -313,9 +340,10 @@ def main(argv=None) -> None:
               "overrides": args.overrides}
     record.update(cpu_check(args, out) if args.check == "cpu" else gpu_check(args, out))
     record["seconds"] = round(time.perf_counter() - started, 1)
-    (out / "scale_check.json").write_text(json.dumps(record, indent=2, default=str))
+    path = out / ("scale_check.json" if args.part == "all" else f"scale_check_{args.part}.json")
+    path.write_text(json.dumps(record, indent=2, default=str))
     print_table(record)
-    print(f"wrote {out / 'scale_check.json'} ({record['seconds']} s)")
+    print(f"wrote {path} ({record['seconds']} s)")
     if any("failed" in row for row in record["rows"]):
         raise SystemExit(1)
 

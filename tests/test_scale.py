@@ -13,16 +13,21 @@ ROOT = Path(__file__).parent.parent
 
 
 def test_gpu_check_dry_run(tmp_path):
-    """`bash scripts/gpu_check.sh --dry-run`: every stage of the prepared GPU check runs on this CPU with a
-    tiny model of the same family, and its JSON holds the figures the GPU run would report."""
+    """`bash scripts/gpu_check.sh --dry-run --part P` for each part (probe, train, sweep: each fits a machine
+    lent for 8 minutes): every stage of the prepared GPU check runs on this CPU with a tiny model of the same
+    family, and the parts' JSONs hold the figures the GPU run would report."""
     env = subprocess_env(OUT=str(tmp_path), RLMM_CACHE=str(tmp_path / "cache"), OMP_NUM_THREADS="2")
     # Two of the four probes (fp16 is refused on CPUs without AVX512-FP16, and the sweep below probes fp32):
     # every probe runs the same code, and each costs a vLLM start (~20 s) of CI's time.
-    result = subprocess.run(["bash", "scripts/gpu_check.sh", "--dry-run", "--precisions", "bf16", "bf16_fp32head"],
-                            cwd=ROOT, capture_output=True, text=True, timeout=1500, env=env)
-    record = json.loads((tmp_path / "scale_check" / "scale_check.json").read_text())
-    rows = {row["name"]: row for row in record["rows"]}
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows, outputs = {}, ""
+    for part, extra in (("probe", ["--precisions", "bf16", "bf16_fp32head"]), ("train", []), ("sweep", [])):
+        result = subprocess.run(["bash", "scripts/gpu_check.sh", "--dry-run", "--part", part, *extra], cwd=ROOT,
+                                capture_output=True, text=True, timeout=1500, env=env)
+        record = json.loads((tmp_path / "scale_check" / f"scale_check_{part}.json").read_text())
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        assert record["part"] == part
+        rows.update({row["name"]: row for row in record["rows"]})
+        outputs += result.stdout
     assert set(rows) == {"probe-bf16", "probe-bf16_fp32head", "train-bf16", "sweep-process-launcher",
                          "standalone-vllm"}
     swept = rows["sweep-process-launcher"]["logprob_abs_diff_mean"]
@@ -33,7 +38,8 @@ def test_gpu_check_dry_run(tmp_path):
     assert rows["sweep-process-launcher"]["jobs_with_record"] == 2
     assert rows["standalone-vllm"]["tokens"] > 0 and rows["standalone-vllm"]["rlmm_over_standalone"] > 0
     assert all(row["peak_rss_gib"] > 0 for row in rows.values())
-    assert "scale check" in result.stdout
+    assert outputs.count("scale check") == 3
+    assert not (tmp_path / "scale_check" / "scale_check.json").exists()  # one part writes only its own file
 
 
 @pytest.mark.slow
