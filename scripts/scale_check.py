@@ -2,6 +2,7 @@
 embeddings; random init, built here with a tokenizer that fills every row), run through the real CLI.
 
     .venv/bin/python scripts/scale_check.py cpu               # the real-scale CPU run (about 30 min on 2 cores)
+    .venv/bin/python scripts/scale_check.py cpu --apps train --precisions fp32   # one row of it
     .venv/bin/python scripts/scale_check.py gpu               # the GPU check (scripts/gpu_check.sh), one GPU
     .venv/bin/python scripts/scale_check.py gpu --dry-run     # the GPU check's code path on CPU, tiny model
     .venv/bin/python scripts/scale_check.py gpu --part probe  # one part of it (probe, train, sweep): see below
@@ -148,7 +149,7 @@ STANDALONE_VLLM = r"""
 import json, os, sys, time
 from rlmm.runtime_env import set_runtime_env
 set_runtime_env()
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # as rlmm's sampler.kv_cache_gb: the same engine budget
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # 1 GiB: what rlmm's KV sizing gives these rows on CPU (its minimum)
 import torch
 from transformers import AutoTokenizer
 from vllm import LLM, SamplingParams
@@ -199,6 +200,8 @@ def cpu_check(args, out: Path) -> dict:
     rows = []
     for precision in args.precisions:
         for app, extra in (("probe", probe), ("train", train)):
+            if app not in args.apps:
+                continue
             run_dir = out / "runs" / f"{app}-{precision}"
             row = run(f"{app}-{precision}", rlmm(app, *work, f"precision={precision}", *extra,
                                                 f"hydra.run.dir={run_dir}"),
@@ -311,6 +314,8 @@ def main(argv=None) -> None:
     parser.add_argument("--dry-run", action="store_true", help="gpu: the same code path on CPU with a tiny model")
     parser.add_argument("--part", default="all", choices=["all", *GPU_PARTS],
                         help="gpu: one part alone (each fits a machine lent for 8 minutes; default all)")
+    parser.add_argument("--apps", nargs="+", default=["probe", "train"], choices=["probe", "train"],
+                        help="cpu: the apps run per precision (default both)")
     parser.add_argument("--precisions", nargs="+", help="precision options (default: cpu bf16 fp32; gpu bf16 fp16 "
                                                         "fp32 bf16_fp32head)")
     parser.add_argument("--limit-gib", type=float, default=16.0, help="cpu: stop a run whose RSS passes this")
