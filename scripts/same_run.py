@@ -51,8 +51,8 @@ def main() -> int:
         return 1
     found = differences(before, after)
     if not found:
-        keys = len([k for k in before[0] if not is_timing(k)])
-        print(f"same: {len(before)} steps x {keys} non-timing metrics equal")
+        compared = sum(len([k for k in row if not is_timing(k)]) for row in before)
+        print(f"same: {len(before)} steps, {compared} non-timing values equal")
         return 0
     print(f"{len(found)} differences:")
     for line in found[: args.show]:
