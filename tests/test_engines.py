@@ -163,7 +163,7 @@ def test_silent_cast_is_caught_and_reported():
 def test_user_deepspeed_json_is_merged_over_rlmms(tmp_path):
     import json
 
-    from rlmm.trainers.deepspeed_backend import merge_user_config
+    from rlmm.trainers.deepspeed_config import merge_user_config
 
     base = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2, "gradient_clipping": 1.0,
             "zero_optimization": {"stage": 0}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}}
