@@ -197,7 +197,7 @@ def test_deepspeed_trains_a_bf16_body_with_an_fp32_head(small_model_path, arithm
     with pytest.raises(ValueError, match="needs zero_stage 0, 1 or 2 .ZeRO-3 partitions every parameter"):
         build_trainer("deepspeed", small_model_path, precision, sampling(), micro_batch_size=8, zero_stage=3)
     trainer = build_trainer("deepspeed", small_model_path, precision, sampling(max_new_tokens=6), micro_batch_size=8,
-                            zero_stage=zero_stage, lr=1e-3, accumulation_steps=2, **values)
+                            zero_stage=zero_stage, lr=1e-3, **values)
     c = components(small_model_path, arithmetic_task, trainer, TokenTIS(cap=2.0))
     try:
         head = trainer.engine.module.get_output_embeddings().weight

@@ -61,9 +61,6 @@ class DeepSpeedTrainer:
             minibatch's end, so bf16 there rounds an fp32 sum to bf16 again (FSDP2 reduces in fp32 by default).
         config_file: a DeepSpeed JSON of your own, merged over the config rlmm derives from the values
             above and the precision (yours wins key by key; batch sizes stay rlmm's, they follow the run).
-        accumulation_steps: micro-batches per optimizer step (set by the app from the minibatch size; DeepSpeed's
-            `gradient_accumulation_steps`, though the optimizer steps at each minibatch's last micro-batch,
-            whatever their count: `DeepSpeedUpdate` sets the boundary itself).
         value_head: a value model instead of the policy (PPO's critic, rlmm/critic.py; set by the app).
 
     An fp32 LM head under a 16-bit body (precision `*_fp32head`) trains as a parameter group of its own:
@@ -79,7 +76,7 @@ class DeepSpeedTrainer:
                  logits_chunk_size: int, gradient_checkpointing: bool | None, initial_loss_scale: float,
                  loss_scale_growth_interval: int, grad_accum_dtype: str | None, reduce_dtype: str | None,
                  config_file: str | None, micro_batch_tokens: int | None, padding_free: bool,
-                 accumulation_steps: int, value_head: bool = False):
+                 value_head: bool = False):
         import deepspeed
         import torch.distributed as dist
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -93,7 +90,7 @@ class DeepSpeedTrainer:
         problem = self.unsupported(precision)
         if problem:
             raise ValueError(problem)
-        config = engine_config(precision, micro_batch_size, accumulation_steps, zero_stage, lr, weight_decay,
+        config = engine_config(precision, micro_batch_size, zero_stage, lr, weight_decay,
                                grad_clip, initial_loss_scale, loss_scale_growth_interval, grad_accum_dtype,
                                reduce_dtype)
         check_dtypes(precision, zero_stage, grad_accum_dtype, reduce_dtype)
@@ -215,8 +212,9 @@ class DeepSpeedTrainer:
 class DeepSpeedUpdate(MinibatchUpdate):
     """One optimizer step of `DeepSpeedTrainer` (see `MinibatchUpdate`). DeepSpeed steps its optimizer at
     the accumulation boundary, inside the last micro-batch's `backward`; `step()` then reports. The boundary
-    is set here (`set_gradient_accumulation_boundary`) at the minibatch's last micro-batch, not counted by
-    the engine from `accumulation_steps`, since a token budget makes the count vary per minibatch. A
+    is set here (`set_gradient_accumulation_boundary`) at the minibatch's last micro-batch, as
+    `MicroBatching.split` cut it (a token budget makes the count vary per minibatch), not counted by the
+    engine (its `gradient_accumulation_steps` is 1: rlmm/trainers/deepspeed_config.py). A
     non-finite gradient skips the step: rlmm/trainers/deepspeed_skip.py."""
 
     def __init__(self, trainer: DeepSpeedTrainer, rollouts: Rollouts, rows: list[int]):
@@ -237,7 +235,7 @@ class DeepSpeedUpdate(MinibatchUpdate):
         engine.set_gradient_accumulation_boundary(self.backwards == len(self.micro_batches))
         if self.trainer.scales_loss:  # ZeRO-0 fp16: the optimizer unscales a loss the engine did not scale
             loss = loss * self.loss_scale
-        # The loss is already normalised by the whole minibatch: no extra 1/accumulation_steps.
+        # The loss is already normalised by the whole minibatch: no extra 1/(micro-batch count).
         engine.backward(loss, scale_wrt_gas=False)
         if not engine.is_gradient_accumulation_boundary():
             engine.step()  # DeepSpeed only steps the optimizer at the accumulation boundary

@@ -19,15 +19,21 @@ REDUCE_DTYPES = (None, "fp32", "bf16", "fp16")
 BATCH_KEYS = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 
 
-def engine_config(precision: SidePrecision, micro_batch_size: int, accumulation_steps: int, zero_stage: int, lr: float, weight_decay: float,
+def engine_config(precision: SidePrecision, micro_batch_size: int, zero_stage: int, lr: float, weight_decay: float,
                   grad_clip: float, initial_loss_scale: float, loss_scale_growth_interval: int,
                   grad_accum_dtype: str | None, reduce_dtype: str | None) -> dict:
-    """rlmm's DeepSpeed config, before a user's JSON. `gradient_accumulation_steps`: the app's count
-    (rlmm/components.py); `DeepSpeedUpdate` sets the boundary itself and passes `scale_wrt_gas=False`."""
+    """rlmm's DeepSpeed config, before a user's JSON.
+
+    `gradient_accumulation_steps` is 1: the number of micro-batches per optimizer step is decided by
+    `MicroBatching.split` per minibatch (a token budget makes it vary), and `DeepSpeedUpdate` sets the
+    boundary (`set_gradient_accumulation_boundary`) and passes `scale_wrt_gas=False`, so DeepSpeed's count
+    reaches only its bookkeeping (`train_batch_size`, `global_samples`) and the 1/count its output hooks
+    apply to a backward that bypasses `engine.backward` (none here). `train_micro_batch_size_per_gpu`
+    likewise only sizes that bookkeeping (a token budget cuts micro-batches of any row count)."""
     fp16 = fp16_config(precision, initial_loss_scale, loss_scale_growth_interval)
     return {
         "train_micro_batch_size_per_gpu": micro_batch_size,
-        "gradient_accumulation_steps": accumulation_steps,
+        "gradient_accumulation_steps": 1,
         "gradient_clipping": grad_clip,
         "optimizer": {"type": "AdamW", "params": {"lr": lr, "weight_decay": weight_decay, "torch_adam": True}},
         "bf16": {"enabled": precision.dtype == "bf16"},
