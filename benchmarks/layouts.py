@@ -93,7 +93,7 @@ def main(argv=None) -> None:
                                logprobs="processed")
     precision = SidePrecision(args.precision, False)
     trainer = from_yaml("trainer", args.trainer, model_path=str(path), precision=precision,
-                        sampling=sampling, micro_batch_size=w.micro_batch_size, accumulation_steps=1)
+                        sampling=sampling, micro_batch_size=w.micro_batch_size)
     model = trainer.model  # the transformers model (inside DeepSpeed's engine, FSDP's shards)
     device = next(model.parameters()).device
     layouts = {"padded": MicroBatching(w.micro_batch_size, None, False),

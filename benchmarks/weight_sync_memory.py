@@ -86,7 +86,7 @@ def main() -> None:
     cuda = torch.cuda.is_available()
     options = SamplingOptions(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=4, logprobs="processed")
     trainer = from_yaml("trainer", "fsdp", model_path=model_dir, precision=SidePrecision("bf16", False),
-                        sampling=options, accumulation_steps=1)
+                        sampling=options)
     sampler = from_yaml("sampler", "hf", model_path=model_dir, precision=SidePrecision("bf16", False),
                         sampling=options, seed=0)
     ways = {"full_state_dict": lambda: send_weights(full_state_dict(trainer), sampler),

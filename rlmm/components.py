@@ -7,7 +7,6 @@ that fails to build closes the sampler (one engine per process).
 """
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -16,7 +15,7 @@ from omegaconf import DictConfig
 
 from rlmm.config import build, to_container
 from rlmm.critic import Critic
-from rlmm.devices import init_process_group, select_device, world_size
+from rlmm.devices import init_process_group, select_device
 from rlmm.interfaces import Algorithm, Correction, Sampler, Trainer
 from rlmm.precision import SidePrecision, check_precision
 from rlmm.samplers.base import SamplingOptions
@@ -71,8 +70,7 @@ def build_components(cfg: DictConfig, prompts: Callable[[object], list], max_row
                         untie_head=precision.trainer.fp32_head)
     with timed(seconds, "trainer_init"):
         try:
-            trainer = build(cfg.trainer, model_path=model_path, precision=precision.trainer, sampling=sampling,
-                            accumulation_steps=accumulation_steps(cfg, algo))
+            trainer = build(cfg.trainer, model_path=model_path, precision=precision.trainer, sampling=sampling)
         except BaseException:
             sampler.close()  # one engine per process: never leave one behind
             raise
@@ -82,7 +80,7 @@ def build_components(cfg: DictConfig, prompts: Callable[[object], list], max_row
             try:  # the trainer side's body dtype; its head is a new scalar one
                 critic = Critic(build(cfg.trainer, model_path=model_path, sampling=sampling, value_head=True,
                                       precision=SidePrecision(precision.trainer.dtype, False),
-                                      accumulation_steps=accumulation_steps(cfg, algo), lr=algo.critic["lr"]),
+                                      lr=algo.critic["lr"]),
                                 algo.critic["warmup_steps"])
             except BaseException:
                 trainer.close()
@@ -92,15 +90,6 @@ def build_components(cfg: DictConfig, prompts: Callable[[object], list], max_row
                       algo=algo, sampling=sampling, model_path=model_path, critic=critic,
                       trainer_precision=precision.trainer,
                       precision_report=check_precision(precision, sampler.actual_precision, trainer.actual_precision))
-
-
-def accumulation_steps(cfg: DictConfig, algo: Algorithm | None) -> int:
-    """Micro-batches per optimizer step: one rank's share of a minibatch over the micro-batch size (1 for
-    an app that only scores)."""
-    if algo is None:
-        return 1
-    rows_per_minibatch = cfg.train.prompts_per_step // world_size() * algo.group_size // algo.minibatches
-    return math.ceil(rows_per_minibatch / cfg.trainer.micro_batch_size)
 
 
 def longest_prompt(tokenizer, examples: list) -> int:

@@ -32,7 +32,7 @@ BUILD_TIME_ARGS: dict[str, set[str]] = {
     "task": set(),
     "precision": set(),
     "sampler": {"model_path", "precision", "sampling", "seed", "prompt_tokens", "max_rows", "untie_head"},
-    "trainer": {"model_path", "precision", "sampling", "accumulation_steps", "value_head"},
+    "trainer": {"model_path", "precision", "sampling", "value_head"},
     "logger": {"run_config", "run_dir", "sweep"},
     "correction": set(),
     "algo": set(),

@@ -91,7 +91,7 @@ MUTANTS = [
              "args = (flat_hidden[start + 1:start + 1 + self.chunk_size], flat_tokens[start + 1:start + 1 + self.chunk_size])")],
            tests=("tests/test_head.py",)),
     Mutant("fp32_head_never_steps", "trainer=deepspeed's fp32 head is left out of every update",
-           [("rlmm/trainers/deepspeed_backend.py", "        if not skip and self.param.grad is not None:",
+           [("rlmm/trainers/deepspeed_head.py", "        if not skip and self.param.grad is not None:",
              "        if False:")], tests=("tests/test_engines.py",)),
     Mutant("gspo_token_ratio", "algo=gspo clips each token's ratio (GRPO's) instead of the sequence's",
            [("rlmm/algos/gspo.py", "return (sequence.detach() + logratio - logratio.detach()).exp()",

@@ -23,9 +23,8 @@ def sampling(**overrides) -> SamplingOptions:
 
 
 def build_trainer(backend: str, model_path: str, precision, options: SamplingOptions, **values):
-    """`trainer=<backend>` with its YAML's values, except `values`; one micro-batch per step unless told."""
-    return from_yaml("trainer", backend, model_path=model_path, precision=precision, sampling=options,
-                     **{"accumulation_steps": 1, **values})
+    """`trainer=<backend>` with its YAML's values, except `values`."""
+    return from_yaml("trainer", backend, model_path=model_path, precision=precision, sampling=options, **values)
 
 
 def build_sampler(option: str, model_path: str, precision, options: SamplingOptions, seed: int, **values):

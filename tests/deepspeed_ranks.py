@@ -87,7 +87,7 @@ def head_step(model_path: str, layout: str) -> dict:
     and the head's local (this rank's, summed over its micro-batches) and reduced gradients."""
     rank, world = rank_and_world()
     trainer = from_yaml("trainer", "deepspeed", model_path=model_path, precision=SidePrecision("bf16", True),
-                        sampling=_options(), micro_batch_size=2, accumulation_steps=2, lr=1e-3, **HEAD_LAYOUTS[layout])
+                        sampling=_options(), micro_batch_size=2, lr=1e-3, **HEAD_LAYOUTS[layout])
     try:
         param = trainer.head_optimizer.param
         local = {}
@@ -116,7 +116,7 @@ def zero3_weights(model_path: str) -> dict:
 
     rank, _ = rank_and_world()
     trainer = from_yaml("trainer", "deepspeed", model_path=model_path, precision=SidePrecision("fp32", False),
-                        sampling=_options(), micro_batch_size=2, accumulation_steps=2, zero_stage=3, lr=1e-3)
+                        sampling=_options(), micro_batch_size=2, zero_stage=3, lr=1e-3)
     try:
         from rlmm.trainers.scoring import minibatch_step
 

@@ -51,10 +51,10 @@ class NaNTorchTrainer(_NaNUpdates, TorchTrainer):
                  lr: float, weight_decay: float, warmup_steps: int, grad_clip: float, logits_chunk_size: int,
                  gradient_checkpointing: bool | None, initial_loss_scale: float, loss_scale_growth_interval: int,
                  grad_accum_dtype: str | None, micro_batch_tokens: int | None, padding_free: bool,
-                 accumulation_steps: int, nan_from_update: int = 1):
+                 nan_from_update: int = 1):
         TorchTrainer.__init__(self, model_path, precision, sampling, micro_batch_size, lr=lr, weight_decay=weight_decay,
                               warmup_steps=warmup_steps, grad_clip=grad_clip, logits_chunk_size=logits_chunk_size,
-                              gradient_checkpointing=gradient_checkpointing, accumulation_steps=accumulation_steps,
+                              gradient_checkpointing=gradient_checkpointing,
                               micro_batch_tokens=micro_batch_tokens, padding_free=padding_free,
                               initial_loss_scale=initial_loss_scale,
                               loss_scale_growth_interval=loss_scale_growth_interval, grad_accum_dtype=grad_accum_dtype)
@@ -66,7 +66,7 @@ class NaNDeepSpeedTrainer(_NaNUpdates, DeepSpeedTrainer):
                  zero_stage: int, lr: float, weight_decay: float, warmup_steps: int, grad_clip: float,
                  logits_chunk_size: int, gradient_checkpointing: bool | None, initial_loss_scale: float,
                  loss_scale_growth_interval: int, grad_accum_dtype: str | None, reduce_dtype: str | None,
-                 config_file: str | None, micro_batch_tokens: int | None, padding_free: bool, accumulation_steps: int,
+                 config_file: str | None, micro_batch_tokens: int | None, padding_free: bool,
                  nan_from_update: int = 1):
         DeepSpeedTrainer.__init__(self, model_path, precision, sampling, micro_batch_size, zero_stage=zero_stage, lr=lr,
                                   weight_decay=weight_decay, warmup_steps=warmup_steps, grad_clip=grad_clip,
@@ -75,5 +75,5 @@ class NaNDeepSpeedTrainer(_NaNUpdates, DeepSpeedTrainer):
                                   loss_scale_growth_interval=loss_scale_growth_interval,
                                   grad_accum_dtype=grad_accum_dtype, reduce_dtype=reduce_dtype,
                                   config_file=config_file, micro_batch_tokens=micro_batch_tokens,
-                                  padding_free=padding_free, accumulation_steps=accumulation_steps)
+                                  padding_free=padding_free)
         self.nan_from_update = nan_from_update

@@ -29,8 +29,7 @@ from tests.test_checkpoint import RecordingSampler, fixed_rollouts, loss_fn  # n
 
 def trainer(model_path: str):
     return from_yaml("trainer", "fsdp", model_path=model_path, precision=SidePrecision("bf16", False),
-                     sampling=sampling(max_new_tokens=6), micro_batch_size=2, lr=1e-3, warmup_steps=3,
-                     accumulation_steps=2)
+                     sampling=sampling(max_new_tokens=6), micro_batch_size=2, lr=1e-3, warmup_steps=3)
 
 
 def main() -> None:

@@ -43,9 +43,9 @@ def make_trainer(backend, model_path, dtype, stage):
     precision = SidePrecision(dtype, False)
     if backend in ("torch", "fsdp"):
         return from_yaml("trainer", backend, model_path=model_path, precision=precision, sampling=options,
-                         micro_batch_size=4, lr=1e-3, warmup_steps=3, accumulation_steps=2)
+                         micro_batch_size=4, lr=1e-3, warmup_steps=3)
     return from_yaml("trainer", "deepspeed", model_path=model_path, precision=precision, sampling=options,
-                     micro_batch_size=4, zero_stage=stage, lr=1e-3, warmup_steps=3, accumulation_steps=2)
+                     micro_batch_size=4, zero_stage=stage, lr=1e-3, warmup_steps=3)
 
 
 @pytest.mark.parametrize("backend,dtype,stage", [("deepspeed", "fp32", 0), ("deepspeed", "bf16", 0),

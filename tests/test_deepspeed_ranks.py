@@ -61,7 +61,7 @@ def test_zero3_weights_are_gathered_one_at_a_time_as_they_are_read(small_model_p
         path = tied_model(tmp_path / "tied")
         AutoTokenizer.from_pretrained(small_model_path).save_pretrained(path)
     trainer = from_yaml("trainer", "deepspeed", model_path=path, precision=SidePrecision("fp32", False),
-                        sampling=sampling(max_new_tokens=6), micro_batch_size=4, accumulation_steps=2,
+                        sampling=sampling(max_new_tokens=6), micro_batch_size=4,
                         zero_stage=3, lr=1e-3)
     try:
         minibatch_step(trainer, fixed_rollouts(small_model_path, arithmetic_task), list(range(8)), loss_fn)

@@ -163,7 +163,7 @@ def test_silent_cast_is_caught_and_reported():
 def test_user_deepspeed_json_is_merged_over_rlmms(tmp_path):
     import json
 
-    from rlmm.trainers.deepspeed_backend import merge_user_config
+    from rlmm.trainers.deepspeed_config import merge_user_config
 
     base = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2, "gradient_clipping": 1.0,
             "zero_optimization": {"stage": 0}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}}
@@ -197,7 +197,7 @@ def test_deepspeed_trains_a_bf16_body_with_an_fp32_head(small_model_path, arithm
     with pytest.raises(ValueError, match="needs zero_stage 0, 1 or 2 .ZeRO-3 partitions every parameter"):
         build_trainer("deepspeed", small_model_path, precision, sampling(), micro_batch_size=8, zero_stage=3)
     trainer = build_trainer("deepspeed", small_model_path, precision, sampling(max_new_tokens=6), micro_batch_size=8,
-                            zero_stage=zero_stage, lr=1e-3, accumulation_steps=2, **values)
+                            zero_stage=zero_stage, lr=1e-3, **values)
     c = components(small_model_path, arithmetic_task, trainer, TokenTIS(cap=2.0))
     try:
         head = trainer.engine.module.get_output_embeddings().weight

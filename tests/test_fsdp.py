@@ -28,7 +28,7 @@ def test_fp16_loss_scaling_skips_and_halves_as_the_torch_trainer_does(small_mode
     runs = {}
     for backend in ("torch", "fsdp"):
         trainer = build_trainer(backend, small_model_path, SidePrecision("fp16", False), sampling(),
-                                micro_batch_size=4, accumulation_steps=2, lr=1e-3, initial_loss_scale=2.0 ** 20)
+                                micro_batch_size=4, lr=1e-3, initial_loss_scale=2.0 ** 20)
         try:
             runs[backend] = [minibatch_step(trainer, rollouts, list(range(8)), loss_fn) for _ in range(6)]
         finally:
@@ -45,7 +45,7 @@ def test_fp16_loss_scaling_skips_and_halves_as_the_torch_trainer_does(small_mode
 def test_an_unknown_reduce_dtype_is_one_line(small_model_path):
     with pytest.raises(ValueError, match=r"trainer.reduce_dtype: unknown dtype 'fp8' \(allowed: fp32, bf16, fp16\)"):
         from_yaml("trainer", "fsdp", model_path=small_model_path, precision=SidePrecision("fp32", False),
-                  sampling=sampling(), accumulation_steps=1, reduce_dtype="fp8")
+                  sampling=sampling(), reduce_dtype="fp8")
 
 
 def test_weights_are_gathered_one_tensor_at_a_time_with_the_names_and_values_of_the_full_state_dict(

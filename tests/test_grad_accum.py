@@ -58,7 +58,7 @@ def accumulation_ratio(trainer) -> float:
                               for b, vs, _, _ in CASES])
 def test_the_reported_accumulation_dtype_is_the_one_the_sums_show(small_model_path, backend, values, accum, reduce):
     trainer = from_yaml("trainer", backend, model_path=small_model_path, precision=SidePrecision("bf16", False),
-                        sampling=sampling(), micro_batch_size=2, accumulation_steps=K + 1, lr=1e-30, grad_clip=0.0,
+                        sampling=sampling(), micro_batch_size=2, lr=1e-30, grad_clip=0.0,
                         **values)
     try:
         report = trainer.actual_precision
@@ -77,7 +77,7 @@ def test_deepspeed_zero1_rounds_an_fp32_sum_to_bf16_when_it_reduces_in_bf16(smal
     bf16 body unless `reduce_dtype: fp32`), even on one rank: the fp32 sum keeps most of the 2^-10 parts (a
     bf16 sum keeps none) but not exactly (conf/scale/trainer/gpu_deepspeed.yaml sets both to fp32)."""
     trainer = from_yaml("trainer", "deepspeed", model_path=small_model_path, precision=SidePrecision("bf16", False),
-                        sampling=sampling(), micro_batch_size=2, accumulation_steps=K + 1, lr=1e-30, grad_clip=0.0,
+                        sampling=sampling(), micro_batch_size=2, lr=1e-30, grad_clip=0.0,
                         zero_stage=1, grad_accum_dtype="fp32")
     try:
         assert (trainer.actual_precision["grad_accum_dtype"], trainer.actual_precision["reduce_dtype"]) == ("fp32",
@@ -90,7 +90,7 @@ def test_deepspeed_zero1_rounds_an_fp32_sum_to_bf16_when_it_reduces_in_bf16(smal
 
 def test_fp32_accumulation_options_are_one_line_errors(small_model_path):
     bf16 = SidePrecision("bf16", False)
-    build = dict(model_path=small_model_path, sampling=sampling(), accumulation_steps=1)
+    build = dict(model_path=small_model_path, sampling=sampling())
     with pytest.raises(ValueError, match=r"^trainer.grad_accum_dtype: unknown dtype 'fp64' \(allowed: null, fp32\)$"):
         from_yaml("trainer", "deepspeed", precision=bf16, grad_accum_dtype="fp64", **build)
     with pytest.raises(ValueError, match=r"^trainer.grad_accum_dtype: fp32 with a bf16 body needs zero_stage 1, 2 or "

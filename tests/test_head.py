@@ -145,7 +145,7 @@ def rss(field):
 path, chunk = sys.argv[1], int(sys.argv[2])
 options = SamplingOptions(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=64, logprobs="processed")
 trainer = from_yaml("trainer", "torch", model_path=path, precision=SidePrecision("fp32", False), sampling=options,
-                    micro_batch_size=32, logits_chunk_size=chunk, accumulation_steps=1)
+                    micro_batch_size=32, logits_chunk_size=chunk)
 vocab = trainer.model.config.vocab_size
 g = torch.Generator().manual_seed(0)
 rows = 32

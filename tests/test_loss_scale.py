@@ -36,7 +36,7 @@ def fp16_trainer(backend: str, model_path: str, **values):
     name, _, stage = backend.partition("-zero")
     stage_value = {"zero_stage": int(stage)} if stage else {}
     return from_yaml("trainer", name, model_path=model_path, precision=FP16, sampling=sampling(max_new_tokens=6),
-                     micro_batch_size=4, accumulation_steps=2, lr=1e-3, **stage_value, **values)
+                     micro_batch_size=4, lr=1e-3, **stage_value, **values)
 
 
 def test_overflows_while_the_scale_has_room_are_normal_and_skip_at_the_same_steps_on_every_backend(
@@ -153,7 +153,7 @@ def test_a_non_finite_fp32_head_after_a_normal_overflow_is_one_fault_and_holds_t
     and by rlmm, so skipped_steps was 3 and the schedule went one step back."""
     rollouts = fixed_rollouts(small_model_path, arithmetic_task)
     trainer = from_yaml("trainer", "deepspeed", model_path=small_model_path, precision=SidePrecision("fp16", True),
-                        sampling=sampling(max_new_tokens=6), micro_batch_size=4, accumulation_steps=2, lr=1e-3,
+                        sampling=sampling(max_new_tokens=6), micro_batch_size=4, lr=1e-3,
                         warmup_steps=10, zero_stage=stage, initial_loss_scale=2.0 ** 20)
     poisoned = [False]
     try:

@@ -92,7 +92,7 @@ def bf16_rollouts_and_trainer(model_path, prompts):
     sampler = from_yaml("sampler", "hf", model_path=model_path, precision=bf16, sampling=options, seed=0)
     rollouts = sampler.generate(prompts[:4], n=2)  # 8 rows
     trainer = from_yaml("trainer", "torch", model_path=model_path, precision=bf16, sampling=options,
-                        micro_batch_size=3, accumulation_steps=1)
+                        micro_batch_size=3)
     return sampler, rollouts, trainer
 
 

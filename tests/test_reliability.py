@@ -129,7 +129,7 @@ def make_faulty_components(model_path, task, trainer_name, dtype):
     precision = SidePrecision(dtype, False)
     faulty = "tests.faults." + ("NaNTorchTrainer" if trainer_name == "torch" else "NaNDeepSpeedTrainer")
     trainer = from_yaml("trainer", trainer_name, _target_=faulty, model_path=model_path, precision=precision,
-                        sampling=options, micro_batch_size=8, lr=1e-3, accumulation_steps=2, nan_from_update=2)
+                        sampling=options, micro_batch_size=8, lr=1e-3, nan_from_update=2)
     return Components(task=task, tokenizer=AutoTokenizer.from_pretrained(model_path),
                       sampler=from_yaml("sampler", "hf", model_path=model_path, precision=SidePrecision("fp32", False),
                                         sampling=options, seed=0), trainer=trainer,
@@ -180,7 +180,7 @@ def test_fp16_overflow_skips_the_step_and_halves_the_loss_scale(small_model_path
 
     options = sampling(max_new_tokens=6)
     trainer = from_yaml("trainer", "torch", model_path=small_model_path, precision=SidePrecision("fp16", False),
-                        sampling=options, micro_batch_size=8, lr=1e-3, accumulation_steps=2,
+                        sampling=options, micro_batch_size=8, lr=1e-3,
                         initial_loss_scale=2.0 ** 24)
     sampler = from_yaml("sampler", "hf", model_path=small_model_path, precision=SidePrecision("fp16", False),
                         sampling=options, seed=0)

@@ -136,7 +136,7 @@ def test_tied_and_untied_twins_train_identically_with_an_fp32_head(small_model_p
         sampler = from_yaml("sampler", "vllm", model_path=path, precision=policy.sampler, sampling=options, seed=0,
                             untie_head=policy.trainer.fp32_head)
         trainer = from_yaml("trainer", "deepspeed", model_path=path, precision=policy.trainer, sampling=options,
-                            micro_batch_size=16, lr=1e-3, accumulation_steps=1)
+                            micro_batch_size=16, lr=1e-3)
         c = Components(task=arithmetic_task, tokenizer=AutoTokenizer.from_pretrained(path), sampler=sampler,
                        trainer=trainer, correction=from_yaml("correction", "none"), algo=GRPO(**algo), sampling=options)
         try:

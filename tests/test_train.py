@@ -20,7 +20,7 @@ ALGO = dict(group_size=4, normalize_std=True, clip_low=0.2, clip_high=0.28, loss
             kl_estimator="k3", entropy_coef=0.0, epochs=1, minibatches=1)
 
 
-def make_components(model_path, task, sampler_name, trainer_name, precision_name, accumulation_steps=2):
+def make_components(model_path, task, sampler_name, trainer_name, precision_name):
     from transformers import AutoTokenizer
 
     from rlmm.algos import GRPO
@@ -31,7 +31,7 @@ def make_components(model_path, task, sampler_name, trainer_name, precision_name
                         seed=0)
     try:
         trainer = from_yaml("trainer", trainer_name, model_path=model_path, precision=policy.trainer, sampling=options,
-                            micro_batch_size=8, lr=1e-4, accumulation_steps=accumulation_steps)
+                            micro_batch_size=8, lr=1e-4)
     except BaseException:
         sampler.close()  # one engine per process at a time: never leave a vLLM engine behind
         raise
@@ -144,7 +144,7 @@ def test_fp32_none_and_tis_give_identical_updates(small_model_path, arithmetic_t
     for name, correction in (("none", NoCorrection()), ("tis", TokenTIS(cap=2.0))):
         torch.manual_seed(0)
         trainer = from_yaml("trainer", "torch", model_path=small_model_path, precision=fp32, sampling=options,
-                            micro_batch_size=8, lr=1e-3, grad_clip=0.0, accumulation_steps=1)
+                            micro_batch_size=8, lr=1e-3, grad_clip=0.0)
         # SGD with lr 1 makes the update exactly minus the gradient (Adam's 1/sqrt(v) would magnify
         # rounding-level differences wherever a gradient is ~0).
         trainer.optimizer = torch.optim.SGD(trainer.model.parameters(), lr=1.0)

@@ -86,11 +86,10 @@ class RecordingSampler:
         return getattr(self.inner, name)
 
 
-def sgd_trainer(backend: str, model_path: str, tmp_path: Path, rows_per_minibatch: int, micro_batch_size: int = 8,
+def sgd_trainer(backend: str, model_path: str, tmp_path: Path, micro_batch_size: int = 8,
                 lr: float = 1.0, **values):
     """A trainer whose optimizer is plain SGD (no clipping), so an update is -lr x the gradient.
     `deepspeed-zero3`: DeepSpeed with its parameters partitioned (ZeRO-3). `values`: other YAML values."""
-    accumulation_steps = math.ceil(rows_per_minibatch / micro_batch_size)
     if backend.startswith("deepspeed"):
         config = tmp_path / "sgd.json"
         config.write_text(json.dumps({"optimizer": {"type": "SGD", "params": {"lr": lr}},
@@ -98,16 +97,16 @@ def sgd_trainer(backend: str, model_path: str, tmp_path: Path, rows_per_minibatc
         return from_yaml("trainer", "deepspeed", model_path=model_path, precision=FP32, sampling=OPTIONS,
                          micro_batch_size=micro_batch_size, grad_clip=0.0,
                          zero_stage=int(backend[-1]) if backend.startswith("deepspeed-zero") else 0,
-                         config_file=str(config), accumulation_steps=accumulation_steps, **values)
+                         config_file=str(config), **values)
 
     if backend == "fsdp":
         trainer = from_yaml("trainer", "fsdp", model_path=model_path, precision=FP32, sampling=OPTIONS,
-                            micro_batch_size=micro_batch_size, grad_clip=0.0, accumulation_steps=accumulation_steps,
+                            micro_batch_size=micro_batch_size, grad_clip=0.0,
                             **values)
         trainer.optimizer = torch.optim.SGD(trainer.model.parameters(), lr=lr)  # the fp32 shards
         return trainer
     trainer = from_yaml("trainer", "torch", model_path=model_path, precision=FP32, sampling=OPTIONS,
-                        micro_batch_size=micro_batch_size, grad_clip=0.0, accumulation_steps=accumulation_steps,
+                        micro_batch_size=micro_batch_size, grad_clip=0.0,
                         **values)
     trainer.optimizer = torch.optim.SGD(trainer.optimized_params, lr=lr)
     return trainer
@@ -189,7 +188,7 @@ def relative_error(actual: dict[str, torch.Tensor], expected: dict[str, torch.Te
 
 def check_step(model_path, arithmetic_task, tmp_path, backend, fix, reuse_training_forward, prompts=4):
     """Run one `rl_step` with an SGD trainer; return its metrics, the weight change it made, and the reference."""
-    trainer = sgd_trainer(backend, model_path, tmp_path, rows_per_minibatch=prompts * GROUP)
+    trainer = sgd_trainer(backend, model_path, tmp_path)
     c = components(model_path, arithmetic_task, trainer, fix)
     examples = arithmetic_task.examples("train", prompts)
     try:
@@ -291,10 +290,10 @@ def test_one_update_raises_the_better_responses_and_lowers_the_worse(small_model
 
     if backend == "deepspeed":
         trainer = from_yaml("trainer", "deepspeed", model_path=small_model_path, precision=FP32, sampling=OPTIONS,
-                            micro_batch_size=8, lr=1e-3, accumulation_steps=2)
+                            micro_batch_size=8, lr=1e-3)
     else:
         trainer = from_yaml("trainer", "torch", model_path=small_model_path, precision=FP32, sampling=OPTIONS,
-                            micro_batch_size=8, lr=1e-3, accumulation_steps=2)
+                            micro_batch_size=8, lr=1e-3)
     c = components(small_model_path, arithmetic_task, trainer, NoCorrection(), perturb=0.0)
     examples = arithmetic_task.examples("train", 4)
     try:
@@ -319,7 +318,7 @@ def test_epochs_and_minibatches_take_the_hand_computed_steps(small_model_path, a
     from rlmm.corrections.tis import TokenTIS
 
     grpo = algo(epochs=2, minibatches=2, clip_low=0.02, clip_high=0.02)
-    trainer = sgd_trainer("torch", small_model_path, tmp_path, rows_per_minibatch=8, lr=2.0)
+    trainer = sgd_trainer("torch", small_model_path, tmp_path, lr=2.0)
     fix = TokenTIS(cap=2.0)
     c = components(small_model_path, arithmetic_task, trainer, fix, grpo=grpo)
     minibatches = []
@@ -413,7 +412,7 @@ def test_reward_rises_beyond_binomial_noise(small_model_path, arithmetic_task):
     sampler = from_yaml("sampler", "vllm", model_path=small_model_path, precision=bf16, sampling=options, seed=0)
     try:
         trainer = from_yaml("trainer", "deepspeed", model_path=small_model_path, precision=FP32, sampling=options,
-                            micro_batch_size=32, lr=1e-3, accumulation_steps=1)
+                            micro_batch_size=32, lr=1e-3)
     except BaseException:
         sampler.close()
         raise
@@ -444,7 +443,7 @@ def test_vllm_bf16_sampler_follows_the_trainer_after_a_sync(small_model_path, ar
     sampler = from_yaml("sampler", "vllm", model_path=small_model_path, precision=SidePrecision("bf16", False),
                         sampling=options, seed=0)
     trainer = from_yaml("trainer", "torch", model_path=small_model_path, precision=FP32, sampling=options,
-                        micro_batch_size=16, lr=1e-2, accumulation_steps=1)
+                        micro_batch_size=16, lr=1e-2)
     c = Components(task=OddLengthReward(arithmetic_task), tokenizer=AutoTokenizer.from_pretrained(small_model_path),
                    sampler=sampler, trainer=trainer, correction=NoCorrection(), algo=algo(), sampling=options)
     prompts = [c.tokenizer(e.prompt).input_ids for e in arithmetic_task.examples("test", 8)]

@@ -1,6 +1,8 @@
 """Trainer backends (the `trainer=` group), each satisfying `rlmm.interfaces.Trainer`:
 
-- `deepspeed_backend.DeepSpeedTrainer`: a DeepSpeed engine (ZeRO 0-3).
+- `deepspeed_backend.DeepSpeedTrainer`: a DeepSpeed engine (ZeRO 0-3); its concerns in `deepspeed_config`,
+  `deepspeed_groups`, `deepspeed_head`, `deepspeed_checkpoint`, `deepspeed_skip`, and every reach into
+  DeepSpeed's internals in `deepspeed_internals` (checked against DeepSpeed 0.19.8).
 - `fsdp_backend.FSDPTrainer`: PyTorch FSDP2 (`fully_shard` per decoder layer and at the root).
 - `torch_backend.TorchTrainer`: plain PyTorch, a replica per rank.
 

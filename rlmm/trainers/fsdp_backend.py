@@ -67,7 +67,6 @@ class FSDPTrainer:
             largest micro-batch would not fit otherwise).
         reduce_dtype: the dtype gradients are reduced over ranks in ("fp32", "bf16", "fp16").
         initial_loss_scale, loss_scale_growth_interval: fp16 dynamic loss scaling (ignored otherwise).
-        accumulation_steps: micro-batches per optimizer step (set by the app; FSDP needs no count).
         value_head: a value model instead of the policy (PPO's critic; set by the app).
     """
 
@@ -75,7 +74,7 @@ class FSDPTrainer:
                  lr: float, weight_decay: float, warmup_steps: int, grad_clip: float, logits_chunk_size: int,
                  gradient_checkpointing: bool | None, reduce_dtype: str, initial_loss_scale: float,
                  loss_scale_growth_interval: int, micro_batch_tokens: int | None, padding_free: bool,
-                 accumulation_steps: int, value_head: bool = False):
+                 value_head: bool = False):
         import warnings
 
         import torch.distributed as dist

@@ -9,6 +9,12 @@ Micro-batches (`MicroBatching.split`):
   similar length share a micro-batch (little padding), and a micro-batch's activations are bounded by N
   tokens rather than by its row count times its longest row.
 
+How many micro-batches an optimizer step has is decided here and only here, per minibatch: the length of
+`MicroBatching.split`'s answer (ceil(rows / micro_batch_size), or however many the token budget cuts).
+Every trainer's update (`MinibatchUpdate.micro_batches`, rlmm/trainers/scoring.py) runs that many
+backwards and steps after the last; no trainer is told a count beforehand (DeepSpeed's own
+`gradient_accumulation_steps` is 1 and `DeepSpeedUpdate` marks the boundary itself).
+
 The loss of each micro-batch is divided by the whole minibatch's normaliser (rlmm/step.py), so the
 accumulated gradient is the minibatch's whatever the grouping: a token budget changes the update only by
 the rounding of a different summation order.
@@ -192,8 +198,9 @@ class MicroBatching:
         return self if size is None else replace(self, size=size, tokens=None)
 
     def split(self, lengths: list[int], rows: list[int]) -> list[list[int]]:
-        """`rows` (of tokens `lengths`, one per row) as micro-batches. Under a token budget a collective:
-        every rank calls it together and gets the same count (module docstring)."""
+        """`rows` (of tokens `lengths`, one per row) as micro-batches: the one answer to how many
+        micro-batches an update has (module docstring). Under a token budget a collective: every rank calls
+        it together and gets the same count."""
         if self.tokens is None:
             return micro_batches(rows, self.size)
         groups = token_budget_groups(lengths, self.tokens)

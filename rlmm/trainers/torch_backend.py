@@ -52,7 +52,6 @@ class TorchTrainer:
         initial_loss_scale, loss_scale_growth_interval: fp16 dynamic loss scaling (ignored otherwise).
         grad_accum_dtype: what a minibatch's micro-batch gradients are summed in: null, the parameters'
             dtype (autograd's `.grad`); fp32, the fp32 master copy's (16-bit bodies; fp32 is already fp32).
-        accumulation_steps: micro-batches per optimizer step (set by the app from the minibatch size).
         value_head: a value model instead of the policy (PPO's critic, rlmm/critic.py; set by the app).
 
     Several ranks (torchrun, SLURM tasks): each holds a full replica on its own device and the gradients
@@ -63,7 +62,7 @@ class TorchTrainer:
                  lr: float, weight_decay: float, warmup_steps: int, grad_clip: float, logits_chunk_size: int,
                  gradient_checkpointing: bool | None, initial_loss_scale: float, loss_scale_growth_interval: int,
                  grad_accum_dtype: str | None, micro_batch_tokens: int | None, padding_free: bool,
-                 accumulation_steps: int, value_head: bool = False):
+                 value_head: bool = False):
         from transformers import AutoTokenizer
 
         self.batching = MicroBatching(micro_batch_size, micro_batch_tokens, padding_free)
