@@ -34,6 +34,15 @@ def test_gae_with_gamma_and_lambda_one_is_the_return_minus_the_value():
     assert torch.equal(returns, torch.tensor([[1.0, 1.0, 1.0], [0.0, 0.0, 0.0]]))
 
 
+@pytest.mark.parametrize("mask", [[[True, False, True]], [[False, True, True]]], ids=["gap", "left-padded"])
+def test_gae_refuses_a_mask_that_is_not_right_padded(mask):
+    """GAE puts the reward on a row's last masked token and reads V(s_{t+1}) from the next column: with a gap
+    or left padding it would silently compute something else, so it names the problem instead."""
+    with pytest.raises(ValueError, match=r"gae: the response mask must be right-padded .*; rows \[0\] are not"):
+        gae(torch.tensor([1.0]), torch.tensor([[0.5, 0.6, 0.7]]), torch.tensor(mask), gamma=1.0, lam=0.95)
+    gae(torch.tensor([1.0, 0.0]), VALUES, torch.tensor([[True, True, False], [False, False, False]]), 1.0, 0.95)
+
+
 def test_whitened_advantages_have_mean_zero_and_std_one_on_response_tokens():
     ppo = from_yaml("algo", "ppo", gamma=0.9, lam=0.8)
     advantages = ppo.advantages(REWARDS, MASK, VALUES)
