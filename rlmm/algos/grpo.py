@@ -38,8 +38,9 @@ How this departs from the papers:
   * The mismatch correction enters only as the detached multiplier w_t on the surrogate; the
     KL and entropy terms are not reweighted.
   * The std is Bessel-corrected (unbiased, ÷ (G - 1)), as in TRL and verl; the papers do not say.
-    Advantages are computed in float64, so a group of identical rewards gives 0 up to rounding (the
-    mean of equal float64 values can differ from them in the last bit: |A| ~ 1e-11 at worst here).
+    Advantages are computed in float64, so a group of identical float32 rewards (the RL step's) gives
+    exactly 0; identical float64 rewards give 0 up to rounding (their mean can differ from them in the
+    last bit, which the std division then scales up: |A| up to ~1e-10, e.g. six rewards of 1/3).
   * The KL penalty is a per-token loss term evaluated on tokens drawn from the sampler, not from
     pi_theta; as a gradient, k1 has zero expectation on-policy, k2 gives the gradient of
     KL(pi_theta || pi_ref), and k3 (GRPO's choice) that of KL(pi_ref || pi_theta).
@@ -65,7 +66,8 @@ STD_EPS = 1e-6  # GRPO's epsilon in (r - mean) / (std + eps)
 def group_advantages(rewards: Tensor, group_size: int, normalize_std: bool) -> Tensor:
     """``[B]`` float32 advantages from ``[B]`` rewards, B = num_prompts * group_size, grouped (prompt 0's
     first): A_i = r_i - mean(group), divided by (std(group) + 1e-6) when ``normalize_std``; std is
-    Bessel-corrected. A group whose rewards are all equal gets 0 (no gradient) up to float64 rounding.
+    Bessel-corrected. A group whose rewards are all equal gets 0 (no gradient): exactly for float32
+    rewards, up to rounding (~1e-10) for float64 ones.
     Computed in float64; non-finite rewards propagate to their group."""
     if rewards.dim() != 1 or rewards.numel() % group_size:
         raise ValueError(f"advantages: expected rewards of shape [num_prompts * {group_size}], "
