@@ -33,9 +33,9 @@ import torch.distributed as dist
 
 from rlmm.components import Components
 from rlmm.corrections.base import CorrectionOutput
+from rlmm.devices import divisor_over_ranks, mean_over_ranks  # noqa: F401 (mean_over_ranks: for rlmm/train.py)
 from rlmm.metrics import mismatch_metrics
 from rlmm.samplers.base import Rollouts
-from rlmm.devices import divisor_over_ranks, mean_over_ranks  # noqa: F401 (mean_over_ranks: for rlmm/train.py)
 from rlmm.timing import timed
 from rlmm.trainers.scoring import combine_micro_batches, padded_rows
 from rlmm.trainers.weight_sync import send_weights
