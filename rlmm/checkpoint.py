@@ -6,7 +6,8 @@
     <run dir>/checkpoints/step-000040/shards/            the states' sharded tensors (DTensors: FSDP's optimizer
                                                           moments), written by `torch.distributed.checkpoint`,
                                                           each rank its own shard
-    <run dir>/checkpoints/step-000040/critic.safetensors  the critic's weights, when the algorithm has one (PPO)
+    <run dir>/checkpoints/step-000040/critic.safetensors  the critic's weights, when the algorithm has one (PPO; its
+                                                          optimizer and warm-up count are in rankN.pt's "critic")
     <run dir>/checkpoints/step-000040/state.json         step, the sampler's request counter
     <run dir>/checkpoints/latest                         name of the newest *complete* checkpoint
 
@@ -28,7 +29,11 @@ from pathlib import Path
 
 import torch
 
+from rlmm.critic import NoCritic
+from rlmm.interfaces import Critic
+
 CHECKPOINTS = "checkpoints"
+CRITIC_WEIGHTS = "critic.safetensors"
 SHARDS = "shards"
 # Where a sharded tensor stood in a rank's state (rankN.pt); its data is in shards/ under its path.
 IN_SHARDS = "<in shards/>"
@@ -56,9 +61,11 @@ def latest(run_dir: str | Path) -> Path | None:
     return path if (path / "state.json").exists() else None
 
 
-def save(run_dir: str | Path, step: int, trainer, sampler, critic=None, keep: int = 2, loop: dict | None = None) -> Path:
+def save(run_dir: str | Path, step: int, trainer, sampler, critic: Critic = NoCritic(), keep: int = 2,
+         loop: dict | None = None) -> Path:
     """Write a checkpoint of step `step` (every rank calls this together); keep the newest `keep`. `loop`: the
-    training loop's own state (JSON: bad-step counts, the monitor's detectors), back as state.json's "loop"."""
+    training loop's own state (JSON: bad-step counts, the monitor's detectors), back as state.json's "loop".
+    A critic with no weights and no state (`NoCritic`) writes nothing."""
     from safetensors.torch import save_file
 
     rank, world = _rank_and_world()
@@ -66,19 +73,19 @@ def save(run_dir: str | Path, step: int, trainer, sampler, critic=None, keep: in
     path = root / f"step-{step:06d}"
     # Read on every rank: a collective under ZeRO-3 and FSDP (whose weights are gathered as they are read).
     weights = dict(trainer.state_dict().items())
-    critic_weights = dict(critic.state_dict().items()) if critic is not None else None
+    critic_weights = dict(critic.state_dict().items())
     if rank == 0:
         if path.exists():
             shutil.rmtree(path)
         path.mkdir(parents=True)
         # clone: tied weights share storage, which safetensors refuses to write twice
         save_file({k: v.detach().cpu().clone().contiguous() for k, v in weights.items()}, path / "model.safetensors")
-        if critic_weights is not None:
+        if critic_weights:
             save_file({k: v.detach().cpu().clone().contiguous() for k, v in critic_weights.items()},
-                      path / "critic.safetensors")
+                      path / CRITIC_WEIGHTS)
     _barrier()
     rank_state, shards = split_sharded({"trainer": trainer.checkpoint_state(), "torch_rng": torch.get_rng_state(),
-                                        **({"critic": critic.checkpoint_state()} if critic is not None else {})})
+                                        **critic_entry(critic)})
     if shards:  # a collective: every rank of a sharded trainer has them
         import torch.distributed.checkpoint as dcp
 
@@ -97,7 +104,7 @@ def save(run_dir: str | Path, step: int, trainer, sampler, critic=None, keep: in
     return path
 
 
-def load(path: Path, trainer, sampler, critic=None) -> dict:
+def load(path: Path, trainer, sampler, critic: Critic = NoCritic()) -> dict:
     """Restore trainer, sampler, critic and RNG from checkpoint `path`; returns its state.json."""
     from safetensors.torch import load_file
 
@@ -106,16 +113,16 @@ def load(path: Path, trainer, sampler, critic=None) -> dict:
     if state["world_size"] != world:
         raise ValueError(f"train.resume: checkpoint {path} was written by {state['world_size']} ranks, this run has "
                          f"{world} (resume with the same number of ranks, or train.resume=false)")
-    if critic is not None and not (path / "critic.safetensors").exists():
+    # Fresh states: the sharded tensors come back into them (laid out over this run's ranks as they were).
+    fresh = {"trainer": trainer.checkpoint_state(), **critic_entry(critic)}
+    if "critic" in fresh and not (path / CRITIC_WEIGHTS).exists():
         raise ValueError(f"train.resume: checkpoint {path} has no critic (written by another algorithm); resume "
                          f"with the run's own algo, or train.resume=false")
-    allowed = trainer.safe_checkpoint_types() + (critic.safe_checkpoint_types() if critic is not None else [])
+    allowed = trainer.safe_checkpoint_types() + critic.safe_checkpoint_types()
     with torch.serialization.safe_globals(allowed):
         # map_location: a GPU run's states come back on the CPU (every rank reads every rank's file)
         rank_states = [torch.load(path / f"rank{r}.pt", weights_only=True, map_location="cpu") for r in range(world)]
-    # The sharded tensors come back into a fresh state's own (laid out over this run's ranks as they were).
-    _, shards = split_sharded({"trainer": trainer.checkpoint_state(),
-                               **({"critic": critic.checkpoint_state()} if critic is not None else {})})
+    _, shards = split_sharded(fresh)
     if shards:
         import torch.distributed.checkpoint as dcp
 
@@ -123,12 +130,19 @@ def load(path: Path, trainer, sampler, critic=None) -> dict:
         rank_states[rank] = joined_sharded(rank_states[rank], shards)
     weights = load_file(path / "model.safetensors")
     trainer.load_checkpoint(weights, [s["trainer"] for s in rank_states])
-    if critic is not None:
-        critic.load_checkpoint(load_file(path / "critic.safetensors"), [s["critic"] for s in rank_states])
+    if "critic" in fresh:
+        critic.load_checkpoint(load_file(path / CRITIC_WEIGHTS), [s["critic"] for s in rank_states])
     torch.set_rng_state(rank_states[rank]["torch_rng"])
     sampler.calls = state["sampler_calls"]
     sampler.load_weights(trainer.state_dict())
     return state
+
+
+def critic_entry(critic: Critic) -> dict:
+    """The critic's part of a rank's state: {"critic": its state}, or nothing for a critic without one
+    (`NoCritic`: then the checkpoint holds no critic at all, as before critics existed)."""
+    state = critic.checkpoint_state()
+    return {"critic": state} if state else {}
 
 
 def split_sharded(state: dict, prefix: str = "") -> tuple[dict, dict[str, torch.Tensor]]:

@@ -14,9 +14,9 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 
 from rlmm.config import build, to_container
-from rlmm.critic import Critic
+from rlmm.critic import NoCritic, ValueCritic
 from rlmm.devices import init_process_group, select_device
-from rlmm.interfaces import Algorithm, Correction, Sampler, Trainer
+from rlmm.interfaces import Algorithm, Correction, Critic, Sampler, Trainer
 from rlmm.precision import SidePrecision, check_precision
 from rlmm.samplers.base import SamplingOptions
 from rlmm.timing import timed
@@ -31,14 +31,13 @@ class Components:
     correction: Correction | None  # None in apps that do not train (`rlmm probe`)
     algo: Algorithm | None
     sampling: SamplingOptions
-    critic: Critic | None = None  # an algorithm with a value model (PPO)
+    critic: Critic = field(default_factory=NoCritic)  # an algorithm's value model (PPO), else NoCritic
     model_path: str = ""
     trainer_precision: SidePrecision | None = None  # what the trainer side computes in (asked for)
     precision_report: dict = field(default_factory=dict)  # asked for vs what each engine really runs
 
     def close(self) -> None:
-        if self.critic is not None:
-            self.critic.close()
+        self.critic.close()
         self.trainer.close()
         self.sampler.close()
 
@@ -74,14 +73,14 @@ def build_components(cfg: DictConfig, prompts: Callable[[object], list], max_row
         except BaseException:
             sampler.close()  # one engine per process: never leave one behind
             raise
-    critic = None
+    critic = NoCritic()
     if algo is not None and algo.critic:
         with timed(seconds, "critic_init"):
             try:  # the trainer side's body dtype; its head is a new scalar one
-                critic = Critic(build(cfg.trainer, model_path=model_path, sampling=sampling, value_head=True,
-                                      precision=SidePrecision(precision.trainer.dtype, False),
-                                      lr=algo.critic["lr"]),
-                                algo.critic["warmup_steps"])
+                critic = ValueCritic(build(cfg.trainer, model_path=model_path, sampling=sampling, value_head=True,
+                                           precision=SidePrecision(precision.trainer.dtype, False),
+                                           lr=algo.critic["lr"]),
+                                     algo.critic["warmup_steps"])
             except BaseException:
                 trainer.close()
                 sampler.close()

@@ -1,4 +1,4 @@
-"""The four interfaces the RL step, the checkpoint and the CLI use, declared in one place.
+"""The interfaces the RL step, the checkpoint and the CLI use, declared in one place.
 
 Each config group's options are classes that satisfy one of these (structurally: no base class needed);
 `tests/test_interfaces.py` checks that every option of every group does.
@@ -8,7 +8,10 @@ Each config group's options are classes that satisfy one of these (structurally:
   to the sampler, saves and restores its state.
 - `Correction` (`correction=`): the two sides' log-probs in, old log-probs / weights / mask out
   (rlmm/corrections/base.py).
-- `Algorithm` (`algo=`): advantages from rewards and the policy loss of one micro-batch.
+- `Algorithm` (`algo=`): advantages from rewards and the policy loss of one micro-batch; one with a critic
+  (`critic` set: PPO) is also a `ValueLoss`.
+- `Critic`: the value model an algorithm with `critic` set trains beside the policy (rlmm/critic.py::
+  ValueCritic), or `NoCritic` with the same calls doing nothing; `CriticStep` is one RL step of it.
 """
 from __future__ import annotations
 
@@ -22,7 +25,8 @@ from rlmm.precision import SidePrecision
 from rlmm.samplers.base import Rollouts, Sampler
 from rlmm.trainers.packing import MicroBatching
 
-__all__ = ["Algorithm", "Correction", "CorrectionOutput", "MinibatchUpdate", "Rollouts", "Sampler", "Trainer"]
+__all__ = ["Algorithm", "Correction", "CorrectionOutput", "Critic", "CriticStep", "MinibatchUpdate", "Rollouts",
+           "Sampler", "Trainer", "ValueLoss"]
 
 
 @runtime_checkable
@@ -144,6 +148,79 @@ class Algorithm(Protocol):
         """The scalar loss of one micro-batch and its metrics."""
         ...
 
-    # With a critic (`critic` set) the algorithm also provides
-    #   value_targets(rewards [B], mask [B, T], values [B, T]) -> returns [B, T]
-    #   value_loss(values, old_values, returns, mask, normalizer) -> (loss, metrics)
+
+@runtime_checkable
+class ValueLoss(Protocol):
+    """What an algorithm with a critic (`critic` set: PPO) also provides: the critic's targets and loss."""
+
+    def value_targets(self, rewards: torch.Tensor, mask: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """[B, T] returns the critic regresses on, from [B] rewards, the [B, T] response mask and its values."""
+        ...
+
+    def value_loss(self, values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
+                   normalizer: float) -> tuple[torch.Tensor, dict[str, float]]:
+        """The critic's scalar loss of one micro-batch ([b, T] values, differentiable; the step's values before
+        its updates; returns; mask; the minibatch's divisor) and its metrics (loss, value_clipfrac, ...)."""
+        ...
+
+
+@runtime_checkable
+class CriticStep(Protocol):
+    """One RL step of a critic: its values before the step's updates, and its optimizer steps."""
+
+    values: torch.Tensor | None  # [B, T] V(s_t) the algorithm's advantages use (None: no critic)
+
+    def checked(self) -> dict[str, torch.Tensor]:
+        """Tensors the step's NaN/Inf check covers besides the rewards and log-probs ({}: none)."""
+        ...
+
+    def train(self, rows: list[int]) -> None:
+        """One optimizer step on the minibatch `rows` (nothing without a critic)."""
+        ...
+
+    def fault(self) -> str | None:
+        """Why the step must be skipped (a non-finite critic gradient), or None."""
+        ...
+
+    def metrics(self) -> dict[str, float]:
+        """critic/ metrics of the step ({} without a critic: a run without one logs no critic/ key)."""
+        ...
+
+
+@runtime_checkable
+class Critic(Protocol):
+    """A value model trained beside the policy (`ValueCritic`), or `NoCritic` (rlmm/critic.py). The RL step
+    calls every method whichever it holds; the checkpoint saves what `state_dict` and `checkpoint_state`
+    return (nothing when both are empty)."""
+
+    @property
+    def warming_up(self) -> bool:
+        """Whether this RL step trains the critic alone (the policy waits)."""
+        ...
+
+    def begin_step(self, algo: ValueLoss, rollouts: Rollouts, rewards: torch.Tensor, mask: torch.Tensor,
+                   seconds: dict[str, float]) -> CriticStep:
+        """This RL step's values of the rollouts and their targets from the [B] shaped rewards and the [B, T]
+        response mask (the time it scores in `seconds`)."""
+        ...
+
+    def step_done(self) -> None:
+        """Count one RL step (the warm-up)."""
+        ...
+
+    def state_dict(self) -> Mapping[str, torch.Tensor]:
+        """Its full weights ({}: none); a collective like `Trainer.state_dict`."""
+        ...
+
+    def checkpoint_state(self) -> dict:
+        """This rank's optimizer, schedule and counters ({}: none)."""
+        ...
+
+    def load_checkpoint(self, weights: dict[str, torch.Tensor], rank_states: list[dict]) -> None:
+        ...
+
+    def safe_checkpoint_types(self) -> list[type]:
+        ...
+
+    def close(self) -> None:
+        ...

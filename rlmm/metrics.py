@@ -18,7 +18,7 @@ Sources:
   * MiniMax-M1 technical report 2025: Pearson correlation of train vs. sampler token
     probabilities (0.987 -> 0.997 with an FP32 LM head).
   * Qi et al. 2025, "Defeating the Training-Inference Mismatch via FP16".
-  * Schulman 2020, "Approximating KL Divergence" (k1, k2, k3 estimators).
+  * Schulman 2020, "Approximating KL Divergence" (k1, k2, k3 estimators: rlmm/kl.py).
   * Kong 1992, "A note on importance sampling using standardized weights" (effective sample size).
 
 All arithmetic is float64 whatever the input dtype: bf16/fp16 log-probs convert to float64
@@ -31,6 +31,8 @@ from __future__ import annotations
 import math
 
 import torch
+
+from rlmm.kl import k1, k2, k3
 
 __all__ = ["mismatch_metrics", "position_profile", "early_vs_late", "METRIC_KEYS"]
 
@@ -174,10 +176,9 @@ def mismatch_metrics(
         "logprob_abs_diff_mean": d.abs().mean(),
         "logprob_abs_diff_max": d.abs().max(),
         "prob_pearson": _pearson(t.exp(), s.exp()),
-        "kl_k1": (-d).mean(),
-        "kl_k2": (d * d / 2).mean(),
-        # expm1 keeps r - 1 accurate when delta ~ 1e-8, the typical bf16-vs-fp32 gap.
-        "kl_k3": (torch.expm1(d) - d).mean(),
+        "kl_k1": k1(d).mean(),
+        "kl_k2": k2(d).mean(),
+        "kl_k3": k3(d).mean(),  # expm1 inside: r - 1 stays accurate when delta ~ 1e-8 (bf16 vs fp32)
         "ppl_train": ppl_train,
         "ppl_sampler": ppl_sampler,
         "ppl_ratio": ppl_train / ppl_sampler,
@@ -253,19 +254,19 @@ def position_profile(
     t, s = lt[m], ls[m]
     d = t - s
     per_token = torch.stack(
-        [torch.ones_like(d), d.abs(), (t.exp() - s.exp()).abs(), torch.expm1(d) - d]
+        [torch.ones_like(d), d.abs(), (t.exp() - s.exp()).abs(), k3(d)]
     )
     sums = torch.zeros(4, n_b, dtype=torch.float64, device=d.device).index_add_(1, idx, per_token)
     means = sums[1:] / sums[0]  # 0 / 0 = NaN for empty buckets, as documented
     counts = sums[0].long().tolist()
-    abs_d, abs_p, k3 = means.tolist()
+    abs_d, abs_p, kl = means.tolist()
     return {
         "bucket_start": edges[:-1],
         "bucket_end": edges[1:],
         "num_tokens": counts,
         "logprob_abs_diff_mean": abs_d,
         "prob_abs_diff_mean": abs_p,
-        "kl_k3": k3,
+        "kl_k3": kl,
     }
 
 
@@ -300,6 +301,6 @@ def early_vs_late(
                            ("late", long & (pos >= response_tokens - window) & (pos < response_tokens))):
         dd = d[selected]
         out[f"{name}_logprob_abs_diff_mean"] = dd.abs().mean().item() if dd.numel() else math.nan
-        out[f"{name}_kl_k3"] = (torch.expm1(dd) - dd).mean().item() if dd.numel() else math.nan
+        out[f"{name}_kl_k3"] = k3(dd).mean().item() if dd.numel() else math.nan
     out["late_minus_early_logprob_abs_diff"] = out["late_logprob_abs_diff_mean"] - out["early_logprob_abs_diff_mean"]
     return out

@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from rlmm.components import Components
 from rlmm.corrections.base import CorrectionOutput
+from rlmm.devices import divisor_over_ranks, mean_over_ranks  # noqa: F401 (mean_over_ranks: for rlmm/train.py)
 from rlmm.metrics import mismatch_metrics
 from rlmm.samplers.base import Rollouts
 from rlmm.timing import timed
@@ -61,10 +62,12 @@ class OldPolicy:
 
     @classmethod
     def score(cls, trainer_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, mask: torch.Tensor,
-              rewards: torch.Tensor, correction, ratio_cap: float, values: torch.Tensor | None = None) -> OldPolicy:
+              rewards: torch.Tensor, correction, ratio_cap: float,
+              also_checked: dict[str, torch.Tensor]) -> OldPolicy:
+        """`also_checked`: more tensors the NaN/Inf check covers, after these (the critic's values)."""
         checked = {"rewards": rewards, "trainer_logprobs": trainer_logprobs[mask],
                    "sampler_logprobs": sampler_logprobs[mask]}
-        fault = any_rank(first_fault(**checked, **({"critic_values": values[mask]} if values is not None else {})))
+        fault = any_rank(first_fault(**checked, **also_checked))
         nonfinite = {side: 1 - torch.isfinite(lp[mask]).float().mean().item()
                      for side, lp in (("trainer", trainer_logprobs), ("sampler", sampler_logprobs))}
         mismatch = mismatch_metrics(trainer_logprobs, sampler_logprobs, mask, ratio_cap=ratio_cap)
@@ -90,8 +93,8 @@ def rl_step(c: Components, prompts: list, ratio_cap: float, reuse_training_forwa
     rewards = algo.shape_rewards(task_rewards, lengths, max_length)  # e.g. DAPO's overlong punishment
 
     # π_old. With one epoch over one minibatch the first update's forwards can score the rollouts.
-    # PPO's critic warm-up: the first steps train the critic alone.
-    train_policy = c.critic is None or not c.critic.warming_up
+    # PPO's critic warm-up: the first steps train the critic alone (`NoCritic` never warms up).
+    train_policy = not c.critic.warming_up
     one_pass = reuse_training_forward and algo.epochs == 1 and algo.minibatches == 1 and train_policy
     first_update = trainer.begin_update(rollouts, list(range(len(rollouts)))) if one_pass else None
     held = []  # the first update's forwards (logprobs, entropy), graphs kept, when they scored π_old
@@ -102,22 +105,16 @@ def rl_step(c: Components, prompts: list, ratio_cap: float, reuse_training_forwa
     else:
         with timed(seconds, "trainer_logprobs"):
             trainer_logprobs = trainer.logprobs(rollouts)
-    values = returns = None  # a critic's V(s_t) before this step's updates, and its targets
-    if c.critic is not None:
-        with timed(seconds, "critic_values"):
-            values = c.critic.values(rollouts)
+    critic = c.critic.begin_step(algo, rollouts, rewards, response_mask, seconds)  # V(s_t) and targets, or none
     old = OldPolicy.score(trainer_logprobs, sampler_logprobs, response_mask, task_rewards, c.correction, ratio_cap,
-                          values)
-    if c.critic is not None:
-        returns = algo.value_targets(rewards, response_mask, values)
-    advantages = per_token(algo.advantages(rewards, response_mask, values), response_mask)
+                          critic.checked())
+    advantages = per_token(algo.advantages(rewards, response_mask, critic.values), response_mask)
 
-    losses, critic_losses = [], []  # one entry per optimizer step
+    losses = []  # one entry per optimizer step
     with timed(seconds, "train"):
         for _ in range(0 if old.fault else algo.epochs):  # a fault skips the update on every rank
             for rows in minibatch_rows(len(rollouts), algo.minibatches):
-                if c.critic is not None:
-                    critic_losses.append(critic_step(c, rollouts, rows, values, returns, response_mask))
+                critic.train(rows)
                 if not train_policy:
                     continue
                 update = first_update or trainer.begin_update(rollouts, rows)
@@ -139,10 +136,8 @@ def rl_step(c: Components, prompts: list, ratio_cap: float, reuse_training_forwa
         fault += nonfinite_hint(old.nonfinite, c)
     if not fault and any(m["skipped"] for m in losses):
         fault = "non-finite gradient (optimizer step skipped)"
-    if c.critic is not None:
-        c.critic.step_done()  # counts the warm-up
-    if not fault and any(m["skipped"] for m in critic_losses):
-        fault = "non-finite critic gradient (its optimizer step skipped)"
+    c.critic.step_done()  # counts the warm-up
+    fault = fault or critic.fault()
     # fp16's loss scaler skipping an optimizer step (an overflow while it lowers its scale) is not a fault, but
     # moves no weights either: a step whose every optimizer step it skipped leaves the sampler's weights current.
     moved = not fault and train_policy and not all(m.get("loss_scale_skipped") for m in losses)
@@ -168,45 +163,13 @@ def rl_step(c: Components, prompts: list, ratio_cap: float, reuse_training_forwa
         **{f"perf/{k}_seconds": v for k, v in seconds.items()},
         "perf/tokens_per_second": lengths.sum().item() / max(sum(seconds.values()), 1e-9),
         **{f"rollout/frac_nonfinite_{side}_logprobs": v for side, v in old.nonfinite.items()},
-        **(critic_metrics(values, returns, response_mask, critic_losses, not train_policy)
-           if c.critic is not None else {}),
+        **critic.metrics(),
     }
 
 
 def per_token(advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """[B, T] advantages: a sequence's one advantage on each of its tokens ([B] in), or as they are."""
     return advantages[:, None].expand(mask.shape).clone() if advantages.dim() == 1 else advantages
-
-
-def critic_step(c: Components, rollouts: Rollouts, rows: list[int], old_values: torch.Tensor,
-                returns: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
-    """One optimizer step of the critic on the minibatch `rows`: the algorithm's value loss of each
-    micro-batch against the returns, its values before the step as the clip's anchor."""
-    update = c.critic.begin_update(rollouts, rows)
-    normalizer = divisor_over_ranks(float(mask[rows].sum().clamp_min(1)))  # token-level, as the policy's
-    parts = []
-    for micro in update.micro_batches:
-        values, _ = update.forward(micro)
-        width = values.size(1)
-        loss, metrics = c.algo.value_loss(values, old_values[micro, :width], returns[micro, :width],
-                                          mask[micro, :width], normalizer)
-        update.backward(loss)
-        parts.append(metrics)
-    return {**combine_micro_batches(parts), **update.step()}
-
-
-def critic_metrics(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor, losses: list[dict[str, float]],
-                   warming_up: bool) -> dict[str, float]:
-    """critic/: the value mean, the explained variance 1 - Var(R - V) / Var(R) of the values the step
-    started from (over response tokens; 1 is perfect, <= 0 no better than a constant), the loss and the
-    clip fraction averaged over its optimizer steps, and whether the policy waited (warm-up)."""
-    v, r = values[mask].double(), returns[mask].double()
-    explained = 1 - (r - v).var() / r.var() if r.numel() > 1 and r.var() > 0 else torch.tensor(float("nan"))
-    return {"critic/value_mean": v.mean().item(), "critic/return_mean": r.mean().item(),
-            "critic/explained_variance": explained.item(),
-            **{f"critic/{k}": sum(m[k] for m in losses) / len(losses)
-               for k in ("loss", "value_clipfrac", "grad_norm") if losses},
-            "critic/warming_up": float(warming_up)}
 
 
 def sample_groups(c: Components, prompts: list, refill: Callable[[int], list] | None,
@@ -282,14 +245,6 @@ def loss_normalizer_over_ranks(algo, mask: torch.Tensor, max_length: int) -> flo
     return divisor_over_ranks(algo.loss_normalizer(mask, max_length=max_length))
 
 
-def divisor_over_ranks(local: float) -> float:
-    """The loss divisor every rank uses for its share of a minibatch, so that the ranks' gradients, averaged
-    by the trainer, are the gradient of the whole minibatch's loss: the mean over ranks of each rank's own
-    divisor. Token-level: each rank divides by (all ranks' kept tokens) / ranks, not by its own count,
-    which would weight a token of a rank with short responses more than one of a rank with long ones."""
-    return mean_over_ranks({"divisor": local})["divisor"]
-
-
 def nonfinite_hint(fractions: dict[str, float], c: Components) -> str:
     """Which side's log-probs are non-finite, how many, and the known cause when it is fp16."""
     sides = ", ".join(f"{frac:.1%} of the {side}'s" for side, frac in fractions.items() if frac > 0)
@@ -314,16 +269,6 @@ def any_rank(fault: str | None) -> str | None:
     if flag_on_any_rank(fault is not None):
         return fault or "a fault on another rank"
     return None
-
-
-def mean_over_ranks(metrics: dict[str, float]) -> dict[str, float]:
-    """Average every metric over the ranks (one all-reduce); the identity with one rank."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return metrics
-    keys = sorted(metrics)
-    values = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64)
-    dist.all_reduce(values)
-    return dict(zip(keys, (values / dist.get_world_size()).tolist()))
 
 
 def rank_and_world() -> tuple[int, int]:

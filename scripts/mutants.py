@@ -67,7 +67,7 @@ MUTANTS = [
            [("rlmm/trainers/deepspeed_backend.py", "engine.backward(loss, scale_wrt_gas=False)",
              "engine.backward(0.25 * loss, scale_wrt_gas=False)")]),
     Mutant("per_rank_loss_normalizer", "each rank divides its loss by its own kept-token count",
-           [("rlmm/step.py", 'return mean_over_ranks({"divisor": local})["divisor"]', "return local")]),
+           [("rlmm/devices.py", 'return mean_over_ranks({"divisor": local})["divisor"]', "return local")]),
     Mutant("torch_no_gradient_averaging", "trainer=torch ranks step on their own gradients",
            [("rlmm/devices.py", "    if not dist.is_initialized() or dist.get_world_size() == 1:\n        return\n",
              "    return\n")]),

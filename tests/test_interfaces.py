@@ -9,7 +9,7 @@ from hydra.utils import get_class
 from omegaconf import OmegaConf
 
 from rlmm.config import CONF_DIR, from_yaml, group_options
-from rlmm.interfaces import Algorithm, Correction, MinibatchUpdate, Sampler, Trainer
+from rlmm.interfaces import Algorithm, Correction, Critic, CriticStep, MinibatchUpdate, Sampler, Trainer, ValueLoss
 
 # Engines take minutes to start: their classes are checked for the protocol's methods; the cheap groups
 # are built from their YAML and checked whole (attributes too) with isinstance.
@@ -41,6 +41,29 @@ def test_each_trainers_update_has_the_update_interface():
     for update in (TorchUpdate, DeepSpeedUpdate):
         missing = sorted(name for name in protocol_methods(MinibatchUpdate) if not hasattr(update, name))
         assert not missing, f"{update.__name__} lacks {missing}"
+
+
+def test_the_critic_and_the_null_critic_have_the_critic_interface():
+    """`ValueCritic` (a trainer inside: its class is checked) and `NoCritic` (built: checked whole) satisfy
+    `Critic`, their steps `CriticStep`; an algorithm with `critic` set is a `ValueLoss`, and the null critic's
+    step checks, trains and logs nothing (a run without a critic logs no critic/ key)."""
+    import torch
+
+    from rlmm.critic import NoCritic, NoCriticStep, ValueCritic, ValueCriticStep
+
+    for cls, protocol in ((ValueCritic, Critic), (ValueCriticStep, CriticStep), (NoCriticStep, CriticStep)):
+        missing = sorted(name for name in protocol_methods(protocol) if not hasattr(cls, name))
+        assert not missing, f"{cls.__name__} lacks {missing}"
+    null = NoCritic()
+    assert isinstance(null, Critic) and not null.warming_up
+    step = null.begin_step(None, None, torch.zeros(4), torch.ones(4, 3, dtype=torch.bool), seconds := {})
+    assert isinstance(step, CriticStep) and step.values is None
+    step.train([0, 1])
+    assert (step.checked(), step.fault(), step.metrics(), seconds) == ({}, None, {}, {})
+    assert (dict(null.state_dict()), null.checkpoint_state(), null.safe_checkpoint_types()) == ({}, {}, [])
+    for option in group_options("algo"):
+        algo = from_yaml("algo", option)
+        assert isinstance(algo, ValueLoss) == bool(algo.critic), f"algo={option}"
 
 
 def test_a_class_missing_a_method_is_caught():

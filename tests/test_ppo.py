@@ -34,6 +34,15 @@ def test_gae_with_gamma_and_lambda_one_is_the_return_minus_the_value():
     assert torch.equal(returns, torch.tensor([[1.0, 1.0, 1.0], [0.0, 0.0, 0.0]]))
 
 
+@pytest.mark.parametrize("mask", [[[True, False, True]], [[False, True, True]]], ids=["gap", "left-padded"])
+def test_gae_refuses_a_mask_that_is_not_right_padded(mask):
+    """GAE puts the reward on a row's last masked token and reads V(s_{t+1}) from the next column: with a gap
+    or left padding it would silently compute something else, so it names the problem instead."""
+    with pytest.raises(ValueError, match=r"gae: the response mask must be right-padded .*; rows \[0\] are not"):
+        gae(torch.tensor([1.0]), torch.tensor([[0.5, 0.6, 0.7]]), torch.tensor(mask), gamma=1.0, lam=0.95)
+    gae(torch.tensor([1.0, 0.0]), VALUES, torch.tensor([[True, True, False], [False, False, False]]), 1.0, 0.95)
+
+
 def test_whitened_advantages_have_mean_zero_and_std_one_on_response_tokens():
     ppo = from_yaml("algo", "ppo", gamma=0.9, lam=0.8)
     advantages = ppo.advantages(REWARDS, MASK, VALUES)
@@ -62,7 +71,7 @@ def ppo_components(model_path, task, **algo):
     from transformers import AutoTokenizer
 
     from rlmm.components import Components
-    from rlmm.critic import Critic
+    from rlmm.critic import ValueCritic
     from tests.test_train import ParityTask
 
     options, fp32 = sampling(max_new_tokens=6), SidePrecision("fp32", False)
@@ -71,8 +80,9 @@ def ppo_components(model_path, task, **algo):
                       sampler=from_yaml("sampler", "hf", model_path=model_path, precision=fp32, sampling=options, seed=0),
                       trainer=build_trainer("torch", model_path, fp32, options, micro_batch_size=8, lr=1e-3),
                       correction=from_yaml("correction", "tis"), algo=ppo, sampling=options,
-                      critic=Critic(build_trainer("torch", model_path, fp32, options, micro_batch_size=8, value_head=True,
-                                                  lr=ppo.critic["lr"]), ppo.critic["warmup_steps"]))
+                      critic=ValueCritic(build_trainer("torch", model_path, fp32, options, micro_batch_size=8,
+                                                       value_head=True, lr=ppo.critic["lr"]),
+                                         ppo.critic["warmup_steps"]))
 
 
 def test_the_critic_warms_up_then_both_learn(small_model_path, arithmetic_task):
@@ -98,7 +108,7 @@ def test_the_critic_warms_up_then_both_learn(small_model_path, arithmetic_task):
 
 def test_critic_steps_fit_the_returns_of_a_batch(small_model_path, arithmetic_task):
     """Critic steps on one batch's returns: the value loss falls and the explained variance rises."""
-    from rlmm.step import critic_metrics, critic_step
+    from rlmm.critic import critic_metrics
 
     c = ppo_components(small_model_path, arithmetic_task, critic_lr=1e-3, value_clip=0.0)  # the clip would hold V near its start
     try:
@@ -107,12 +117,12 @@ def test_critic_steps_fit_the_returns_of_a_batch(small_model_path, arithmetic_ta
         _, mask = rollouts.padded_sampler_logprobs()
         # a reward the values can learn from the state: 1 when the response's first token is even
         rewards = torch.tensor([float(r[0] % 2 == 0) for r in rollouts.response_ids])
-        values = c.critic.values(rollouts)
-        returns = c.algo.value_targets(rewards, mask, values)
-        rows = list(range(16))
-        fits = [critic_metrics(c.critic.values(rollouts), returns, mask, [critic_step(c, rollouts, rows, values,
-                                                                                      returns, mask)], False)
-                for _ in range(6)]
+        step = c.critic.begin_step(c.algo, rollouts, rewards, mask, {})  # the values and returns held fixed
+        fits = []
+        for _ in range(6):  # each: the values before an optimizer step, and that step's loss
+            values = c.critic.values(rollouts)
+            step.train(list(range(16)))
+            fits.append(critic_metrics(values, step.returns, mask, step.losses[-1:], False))
     finally:
         c.close()
     assert fits[-1]["critic/loss"] < 0.6 * fits[0]["critic/loss"]

@@ -108,11 +108,11 @@ def test_every_algorithm_runs_two_steps_with_each_correction(small_model_path, a
     c.algo = from_yaml("algo", algo_name, group_size=4)  # 4 prompts x 4 = 16 rows: 4 rows per GSPO minibatch
     c.correction = from_yaml("correction", correction_name)
     if c.algo.critic:  # PPO: a value model trained by the same backend (rlmm/critic.py)
-        from rlmm.critic import Critic
+        from rlmm.critic import ValueCritic
 
-        c.critic = Critic(build_trainer("torch", small_model_path, SidePrecision("fp32", False), c.sampling,
-                                        micro_batch_size=8, value_head=True, lr=c.algo.critic["lr"]),
-                          warmup_steps=0)
+        c.critic = ValueCritic(build_trainer("torch", small_model_path, SidePrecision("fp32", False), c.sampling,
+                                             micro_batch_size=8, value_head=True, lr=c.algo.critic["lr"]),
+                               warmup_steps=0)
     prompts = arithmetic_task.examples("train", 8)
     try:
         before = {k: v.clone() for k, v in c.trainer.state_dict().items()}

@@ -8,10 +8,17 @@ it holds. docs/algorithms.md has the equations and every metric.
 - `GRPO` (grpo.py): GRPO and Dr.GRPO (settings of one class).
 - `DAPO` (dapo.py): GRPO with dynamic sampling and overlong reward shaping.
 - `GSPO` (gspo.py): GRPO with the clip on the sequence's length-normalised ratio.
+- `PPO` (ppo.py): GAE advantages from a critic (rlmm/critic.py) and a clipped value loss.
+
+None inherits from another: each holds a `SurrogateLoss` (surrogate.py: the clipped surrogate, penalties,
+aggregation, metrics) and calls it with its importance ratio, checks its schedule with
+`schedule.check_schedule`, and the group-relative ones share `grpo.group_advantages`.
 """
 from rlmm.algos.dapo import DAPO
 from rlmm.algos.entropy import per_token_entropy
 from rlmm.algos.grpo import GRPO
 from rlmm.algos.gspo import GSPO
+from rlmm.algos.ppo import PPO
+from rlmm.algos.surrogate import SurrogateLoss, clipped_surrogate
 
-__all__ = ["DAPO", "GRPO", "GSPO", "per_token_entropy"]
+__all__ = ["DAPO", "GRPO", "GSPO", "PPO", "SurrogateLoss", "clipped_surrogate", "per_token_entropy"]

@@ -1,5 +1,5 @@
 """DAPO (Yu et al. 2025, "DAPO: An Open-Source LLM Reinforcement Learning System at Scale"): GRPO with
-four changes; two are settings of `GRPO` (conf/algo/dapo.yaml), two live here.
+four changes; two are settings of the clipped surrogate (conf/algo/dapo.yaml), two live here.
 
 1. Clip-higher: eps_low 0.2, eps_high 0.28 (`clip_low`, `clip_high`).
 2. Token-level loss: sum over all kept tokens / their number (`loss_aggregation: token`).
@@ -27,13 +27,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from rlmm.algos.grpo import GRPO
+from rlmm.algos.grpo import group_advantages, loss_settings
+from rlmm.algos.schedule import check_schedule
+from rlmm.algos.surrogate import SurrogateLoss, token_ratio
 
 __all__ = ["DAPO"]
 
 
-class DAPO(GRPO):
-    """`GRPO`'s arguments, and:
+class DAPO:
+    """GRPO's advantages and loss (`rlmm.algos.grpo.GRPO`'s arguments), and:
 
     Args:
         max_sampling_rounds: rounds of refill prompts after the first sampling while groups are missing
@@ -42,11 +44,13 @@ class DAPO(GRPO):
         overlong_penalty: the factor on R_length (the paper: 1.0).
     """
 
+    critic = None
+
     def __init__(self, group_size: int, normalize_std: bool, clip_low: float, clip_high: float,
                  loss_aggregation: str, kl_coef: float, kl_estimator: str, entropy_coef: float, epochs: int,
                  minibatches: int, max_sampling_rounds: int, overlong_buffer: float, overlong_penalty: float):
-        super().__init__(group_size, normalize_std, clip_low, clip_high, loss_aggregation, kl_coef, kl_estimator,
-                         entropy_coef, epochs, minibatches)
+        check_schedule(group_size, epochs, minibatches, min_group_size=2)
+        self.loss = SurrogateLoss(clip_low, clip_high, loss_aggregation, kl_coef, kl_estimator, entropy_coef)
         if max_sampling_rounds < 0:
             raise ValueError(f"algo.max_sampling_rounds: must be >= 0, got {max_sampling_rounds}")
         if not 0 <= overlong_buffer < 1:
@@ -54,6 +58,8 @@ class DAPO(GRPO):
                              f"{overlong_buffer}")
         if not overlong_penalty >= 0:
             raise ValueError(f"algo.overlong_penalty: must be >= 0, got {overlong_penalty}")
+        self.group_size, self.normalize_std = group_size, bool(normalize_std)
+        self.epochs, self.minibatches = epochs, minibatches
         self.max_sampling_rounds = max_sampling_rounds
         self.overlong_buffer = float(overlong_buffer)
         self.overlong_penalty = float(overlong_penalty)
@@ -72,7 +78,22 @@ class DAPO(GRPO):
         over = (lengths.to(torch.float64) - (max_length - buffer)).clamp_min(0)
         return (rewards.to(torch.float64) - self.overlong_penalty * over / buffer).to(rewards.dtype)
 
+    def advantages(self, rewards: Tensor, mask: Tensor | None = None, values: Tensor | None = None) -> Tensor:
+        """GRPO's `group_advantages` of the shaped ``[B]`` rewards."""
+        return group_advantages(rewards, self.group_size, self.normalize_std)
+
+    def loss_normalizer(self, mask: Tensor, max_length: int | None = None) -> float:
+        return self.loss.normalizer(mask, max_length)
+
+    def policy_loss(self, logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor,
+                    weights: Tensor, ref_logprobs: Tensor | None = None, entropy: Tensor | None = None, *,
+                    max_length: int | None = None, normalizer: float | None = None
+                    ) -> tuple[Tensor, dict[str, float]]:
+        """The clipped surrogate on each token's ratio, as GRPO's."""
+        return self.loss(logprobs, old_logprobs, advantages, mask, weights, ref_logprobs, entropy, ratio=token_ratio,
+                         max_length=max_length, normalizer=normalizer)
+
     def __repr__(self) -> str:
-        return ("DAPO" + super().__repr__().removeprefix("GRPO")[:-1] + f", max_sampling_rounds="
-                f"{self.max_sampling_rounds}, overlong_buffer={self.overlong_buffer:g}, "
+        return (f"DAPO(group_size={self.group_size}, normalize_std={self.normalize_std}, {loss_settings(self)}, "
+                f"max_sampling_rounds={self.max_sampling_rounds}, overlong_buffer={self.overlong_buffer:g}, "
                 f"overlong_penalty={self.overlong_penalty:g})")

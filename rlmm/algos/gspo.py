@@ -18,26 +18,67 @@ s_i by 1/|y_i| of its log-ratio instead of clipping alone); the clip range is th
 paper's 3e-4 and 4e-4).
 
 The mismatch correction enters as for GRPO: its weights w_t multiply each token's term, and its old
-log-probs are pi_old. All else (advantages, KL and entropy terms, metrics) is `GRPO`'s; the ratio_*
-and clipfrac metrics are of s_i.
+log-probs are pi_old. All else (advantages, KL and entropy terms, metrics) is GRPO's: the same
+`group_advantages` and `SurrogateLoss`, given `sequence_ratio`; the ratio_* and clipfrac metrics are of s_i.
+
+How this departs from verl: verl's GSPO clamps the sequence log-ratio at 10 (from above) before `exp`, so
+s_i <= e^10; here nothing is clamped (a mean log-ratio above ~88 would overflow fp32's `exp`).
 """
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
-from rlmm.algos.grpo import GRPO
+from rlmm.algos.grpo import group_advantages, loss_settings
+from rlmm.algos.schedule import check_schedule
+from rlmm.algos.surrogate import SurrogateLoss
 
-__all__ = ["GSPO"]
+__all__ = ["GSPO", "sequence_ratio"]
 
 
-class GSPO(GRPO):
-    """GRPO with GSPO's sequence-level ratio (same arguments as `GRPO`)."""
+def sequence_ratio(logratio: Tensor, mask: Tensor) -> Tensor:
+    """Value s_i (the geometric mean of the sequence's token ratios) at every token, gradient
+    s_i * grad log pi_theta(y_t) (GSPO-token, the paper's eq. 13)."""
+    sequence = logratio.sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True).clamp_min(1)
+    return (sequence.detach() + logratio - logratio.detach()).exp()
 
-    def importance_ratio(self, logratio: Tensor, mask: Tensor) -> Tensor:
-        """Value s_i (the geometric mean of the sequence's token ratios) at every token, gradient
-        s_i * grad log pi_theta(y_t) (GSPO-token)."""
-        sequence = logratio.sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True).clamp_min(1)
-        return (sequence.detach() + logratio - logratio.detach()).exp()
+
+class GSPO:
+    """GRPO's advantages and loss with GSPO's sequence-level ratio (`rlmm.algos.grpo.GRPO`'s arguments)."""
+
+    max_sampling_rounds = 0
+    critic = None
+
+    def __init__(self, group_size: int, normalize_std: bool, clip_low: float, clip_high: float,
+                 loss_aggregation: str, kl_coef: float, kl_estimator: str, entropy_coef: float, epochs: int,
+                 minibatches: int):
+        check_schedule(group_size, epochs, minibatches, min_group_size=2)
+        self.loss = SurrogateLoss(clip_low, clip_high, loss_aggregation, kl_coef, kl_estimator, entropy_coef)
+        self.group_size, self.normalize_std = group_size, bool(normalize_std)
+        self.epochs, self.minibatches = epochs, minibatches
+
+    def keep_groups(self, rewards: Tensor) -> Tensor:
+        """Every group."""
+        return torch.ones(rewards.numel() // self.group_size, dtype=torch.bool)
+
+    def shape_rewards(self, rewards: Tensor, lengths: Tensor, max_length: int) -> Tensor:
+        """The task's rewards as they are."""
+        return rewards
+
+    def advantages(self, rewards: Tensor, mask: Tensor | None = None, values: Tensor | None = None) -> Tensor:
+        """GRPO's `group_advantages`."""
+        return group_advantages(rewards, self.group_size, self.normalize_std)
+
+    def loss_normalizer(self, mask: Tensor, max_length: int | None = None) -> float:
+        return self.loss.normalizer(mask, max_length)
+
+    def policy_loss(self, logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor,
+                    weights: Tensor, ref_logprobs: Tensor | None = None, entropy: Tensor | None = None, *,
+                    max_length: int | None = None, normalizer: float | None = None
+                    ) -> tuple[Tensor, dict[str, float]]:
+        """The clipped surrogate on the sequence's ratio s_i (`sequence_ratio`)."""
+        return self.loss(logprobs, old_logprobs, advantages, mask, weights, ref_logprobs, entropy,
+                         ratio=sequence_ratio, max_length=max_length, normalizer=normalizer)
 
     def __repr__(self) -> str:
-        return "GSPO" + super().__repr__().removeprefix("GRPO")
+        return f"GSPO(group_size={self.group_size}, normalize_std={self.normalize_std}, {loss_settings(self)})"

@@ -10,8 +10,10 @@ The response is an episode of |y| actions (tokens); the task's reward r arrives 
 
 with V the critic's values before the update (rlmm/critic.py). With `whiten_advantages` the A_t of
 this rank's batch are shifted and scaled to mean 0 and (Bessel-corrected) std 1 over its response
-tokens. The [B, T] advantages go through the mismatch correction's weights and PPO's clipped surrogate
-unchanged (`GRPO.policy_loss`, token-level aggregation by default). The critic minimises
+tokens (dividing by std + 1e-8; verl multiplies by rsqrt(var + 1e-8), which differs where the std is
+tiny: 41% apart at std 1e-4). The [B, T] advantages go through the mismatch correction's weights and
+PPO's clipped surrogate unchanged (`rlmm.algos.surrogate.SurrogateLoss` on each token's ratio,
+token-level aggregation by default). The critic minimises
 
     L_V = 0.5 * max( (V - R)^2, (V_old + clip(V - V_old, -value_clip, value_clip) - R)^2 )
 
@@ -26,15 +28,19 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from rlmm.algos.grpo import GRPO
+from rlmm.algos.schedule import check_schedule
+from rlmm.algos.surrogate import SurrogateLoss, token_ratio
 
 __all__ = ["PPO", "gae"]
 
 
 def gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float) -> tuple[Tensor, Tensor]:
     """[B, T] float32 advantages A_t and returns R_t from [B] sequence rewards, [B, T] values V(s_t) and the
-    [B, T] right-padded response mask (module docstring); 0 on padding. Computed in float64."""
+    [B, T] right-padded response mask (module docstring); 0 on padding. Computed in float64. A mask that is
+    not right-padded (a gap, or a response after padding) is a ValueError: the reward would land on the
+    last masked token and V(s_{t+1}) would be read across the gap."""
     m = mask.to(torch.bool)
+    check_right_padded(m)
     v = torch.where(m, values.to(torch.float64), 0.0)
     lengths = m.sum(1)
     token_rewards = torch.zeros_like(v)
@@ -53,9 +59,19 @@ def gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float)
     return advantages.float(), returns.float()
 
 
-class PPO(GRPO):
-    """`GRPO`'s loss arguments (clip_low, clip_high, loss_aggregation, kl_coef, kl_estimator, entropy_coef,
-    epochs, minibatches; no normalize_std: advantages come from the critic), and:
+def check_right_padded(mask: Tensor) -> None:
+    """A ValueError unless every row of the [B, T] bool mask is some true entries followed by false ones."""
+    right_padded = torch.arange(mask.size(1), device=mask.device) < mask.sum(1, keepdim=True)
+    if not torch.equal(mask, right_padded):
+        rows = torch.nonzero((mask != right_padded).any(1))
+        raise ValueError(f"gae: the response mask must be right-padded (each row's tokens first, then padding); "
+                         f"rows {rows.squeeze(1).tolist()} are not")
+
+
+class PPO:
+    """The clipped surrogate's arguments (clip_low, clip_high, loss_aggregation, kl_coef, kl_estimator,
+    entropy_coef: `rlmm.algos.surrogate.SurrogateLoss`), epochs, minibatches (no normalize_std: advantages come
+    from the critic), and:
 
     Args:
         group_size: responses sampled per prompt.
@@ -67,13 +83,15 @@ class PPO(GRPO):
         critic_warmup_steps: RL steps at the start that train the critic alone.
     """
 
-    min_group_size = 1  # the critic gives every response its own baseline: one per prompt is enough
+    max_sampling_rounds = 0  # every sampled group is trained on
 
     def __init__(self, group_size: int, clip_low: float, clip_high: float, loss_aggregation: str, kl_coef: float,
                  kl_estimator: str, entropy_coef: float, epochs: int, minibatches: int, gamma: float, lam: float,
                  whiten_advantages: bool, value_clip: float, critic_lr: float, critic_warmup_steps: int):
-        super().__init__(group_size, False, clip_low, clip_high, loss_aggregation, kl_coef, kl_estimator,
-                         entropy_coef, epochs, minibatches)
+        # The critic gives every response its own baseline: one response per prompt is enough.
+        check_schedule(group_size, epochs, minibatches, min_group_size=1)
+        self.loss = SurrogateLoss(clip_low, clip_high, loss_aggregation, kl_coef, kl_estimator, entropy_coef)
+        self.group_size, self.epochs, self.minibatches = group_size, epochs, minibatches
         for name, value in (("gamma", gamma), ("lam", lam)):
             if not 0 <= value <= 1:
                 raise ValueError(f"algo.{name}: must be in [0, 1], got {value}")
@@ -84,6 +102,14 @@ class PPO(GRPO):
         self.gamma, self.lam, self.whiten = float(gamma), float(lam), bool(whiten_advantages)
         self.value_clip = float(value_clip)
         self.critic = {"lr": float(critic_lr), "warmup_steps": int(critic_warmup_steps)}
+
+    def keep_groups(self, rewards: Tensor) -> Tensor:
+        """Every group."""
+        return torch.ones(rewards.numel() // self.group_size, dtype=torch.bool)
+
+    def shape_rewards(self, rewards: Tensor, lengths: Tensor, max_length: int) -> Tensor:
+        """The task's rewards as they are."""
+        return rewards
 
     def advantages(self, rewards: Tensor, mask: Tensor | None = None, values: Tensor | None = None) -> Tensor:
         """[B, T] GAE advantages (whitened when asked) from [B] rewards, the [B, T] response mask and the
@@ -98,6 +124,17 @@ class PPO(GRPO):
         std = kept.std() if kept.numel() > 1 else torch.ones((), dtype=torch.float64)
         whitened = (advantages.double() - kept.mean()) / (std + 1e-8)
         return torch.where(m, whitened, 0.0).float()
+
+    def loss_normalizer(self, mask: Tensor, max_length: int | None = None) -> float:
+        return self.loss.normalizer(mask, max_length)
+
+    def policy_loss(self, logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor,
+                    weights: Tensor, ref_logprobs: Tensor | None = None, entropy: Tensor | None = None, *,
+                    max_length: int | None = None, normalizer: float | None = None
+                    ) -> tuple[Tensor, dict[str, float]]:
+        """The clipped surrogate on each token's ratio, with the [B, T] advantages."""
+        return self.loss(logprobs, old_logprobs, advantages, mask, weights, ref_logprobs, entropy, ratio=token_ratio,
+                         max_length=max_length, normalizer=normalizer)
 
     def value_targets(self, rewards: Tensor, mask: Tensor, values: Tensor) -> Tensor:
         """[B, T] returns R_t = A_t + V(s_t) (unwhitened GAE), what the critic regresses on."""
@@ -121,7 +158,7 @@ class PPO(GRPO):
         return loss, {"loss": loss.item(), "value_clipfrac": clipfrac, "num_tokens": int(m.sum().item())}
 
     def __repr__(self) -> str:
-        return (f"PPO(group_size={self.group_size}, clip=[{1 - self.clip_low:g}, {1 + self.clip_high:g}], "
+        return (f"PPO(group_size={self.group_size}, clip=[{1 - self.loss.clip_low:g}, {1 + self.loss.clip_high:g}], "
                 f"gamma={self.gamma:g}, lam={self.lam:g}, whiten={self.whiten}, value_clip={self.value_clip:g}, "
-                f"critic={self.critic}, loss_aggregation={self.loss_aggregation}, epochs={self.epochs}, "
+                f"critic={self.critic}, loss_aggregation={self.loss.loss_aggregation}, epochs={self.epochs}, "
                 f"minibatches={self.minibatches})")

@@ -5,8 +5,7 @@ from __future__ import annotations
 import torch
 
 from rlmm.corrections.base import CorrectionOutput, finish, log_ratios, masked_max, masked_mean
-
-ESTIMATORS = ("k1", "k2", "k3")
+from rlmm.kl import ESTIMATORS, kl_estimate
 LEVELS = ("token", "sequence")
 
 
@@ -14,7 +13,7 @@ class KLRejection:
     """Reject tokens or sequences whose estimated sampler-to-trainer KL exceeds a threshold (``correction=kl_rs``).
 
     Per token, Schulman's (2020, "Approximating KL Divergence") estimators of KL(pi_sampler || pi_train) from
-    sampler draws, with delta = log pi_train - log pi_sampler and r = exp(delta):
+    sampler draws (rlmm/kl.py), with delta = log pi_train - log pi_sampler and r = exp(delta):
 
         k1 = -delta,    k2 = delta^2 / 2,    k3 = r - 1 - delta  (computed as expm1(delta) - delta).
 
@@ -50,12 +49,7 @@ class KLRejection:
     def __call__(self, train_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor,
                  mask: torch.Tensor) -> CorrectionOutput:
         delta, m = log_ratios(train_logprobs, sampler_logprobs, mask)
-        if self.estimator == "k1":
-            kl = -delta
-        elif self.estimator == "k2":
-            kl = delta * delta / 2
-        else:
-            kl = torch.expm1(delta) - delta  # expm1 keeps r - 1 accurate when delta ~ 1e-8
+        kl = kl_estimate(delta, self.estimator)
         if self.level == "token":
             score, scored = kl, m
         else:

@@ -1,0 +1,223 @@
+"""PPO's clipped surrogate, the policy loss every algorithm of rlmm/algos/ calls (a component, not a base class).
+
+`clipped_surrogate` is the per-token term; `SurrogateLoss` adds the mismatch correction's weights, the KL
+penalty and the entropy bonus, aggregates over the kept tokens and returns the metrics. An algorithm holds
+one (`self.loss`) and passes its importance ratio: per token (`token_ratio`: GRPO, DAPO, PPO) or per
+sequence (GSPO's `sequence_ratio`). The equations are in rlmm/algos/grpo.py's docstring and
+docs/algorithms.md.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from rlmm.kl import ESTIMATORS, k3, kl_estimate
+
+__all__ = ["AGGREGATIONS", "METRIC_KEYS", "SurrogateLoss", "clipped_surrogate", "token_ratio"]
+
+AGGREGATIONS = ("token", "sequence", "constant")
+
+# Always returned by the loss; "kl" is added when ref_logprobs is given, "entropy" when entropy is.
+METRIC_KEYS = (
+    "loss",
+    "pg_loss",
+    "approx_kl",
+    "clipfrac",
+    "clipfrac_low",
+    "clipfrac_high",
+    "ratio_mean",
+    "ratio_min",
+    "ratio_max",
+    "num_tokens",
+)
+
+RatioFn = Callable[[Tensor, Tensor], Tensor]  # masked [B, T] log-ratios and mask -> [B, T] ratio
+
+
+def clipped_surrogate(ratio: Tensor, advantages: Tensor, clip_low: float, clip_high: float) -> Tensor:
+    """Per-token loss of PPO's clipped surrogate with a decoupled clip range:
+
+        pg_t = -min(ratio_t * A_t, clip(ratio_t, 1 - clip_low, 1 + clip_high) * A_t)
+             =  max(-A_t * ratio_t, -A_t * clip(ratio_t, 1 - clip_low, 1 + clip_high))
+
+    Sources: Schulman et al. 2017, "Proximal Policy Optimization Algorithms" (eq. 7, one epsilon); Yu et al.
+    2025, "DAPO" (clip-higher: epsilon_low and epsilon_high apart). No dual clip and no clamp of the ratio:
+    for A < 0 the term is unbounded in ratio, as in PPO. `advantages` broadcasts against `ratio` ([B, 1]
+    per sequence or [B, T] per token)."""
+    return torch.maximum(-advantages * ratio, -advantages * ratio.clamp(1 - clip_low, 1 + clip_high))
+
+
+def token_ratio(logratio: Tensor, mask: Tensor) -> Tensor:
+    """Each token's own ratio pi_theta / pi_old = exp(logratio) (PPO's)."""
+    return logratio.exp()
+
+
+class SurrogateLoss:
+    """The clipped-surrogate policy loss of one micro-batch with its penalties, aggregation and metrics.
+
+    Args:
+        clip_low: epsilon_low; ratios below 1 - clip_low stop pushing down tokens with A < 0.
+        clip_high: epsilon_high; ratios above 1 + clip_high stop pushing up tokens with A > 0.
+        loss_aggregation: "token", "sequence" or "constant" (rlmm/algos/grpo.py's docstring).
+        kl_coef: weight of the KL penalty to the reference policy; 0 turns it off.
+        kl_estimator: "k1", "k2" or "k3" (rlmm/kl.py), per token, of KL(pi_theta || pi_ref).
+        entropy_coef: weight of the entropy bonus (subtracted from the loss); 0 turns it off.
+    """
+
+    def __init__(self, clip_low: float, clip_high: float, loss_aggregation: str, kl_coef: float, kl_estimator: str,
+                 entropy_coef: float):
+        if not 0 < clip_low < 1:
+            raise ValueError(f"algo.clip_low: must be in (0, 1), got {clip_low}")
+        if not clip_high > 0:
+            raise ValueError(f"algo.clip_high: must be > 0, got {clip_high}")
+        if loss_aggregation not in AGGREGATIONS:
+            raise ValueError(
+                f"algo.loss_aggregation: unknown mode '{loss_aggregation}' (allowed: {', '.join(AGGREGATIONS)})")
+        if not kl_coef >= 0:
+            raise ValueError(f"algo.kl_coef: must be >= 0, got {kl_coef}")
+        if kl_estimator not in ESTIMATORS:
+            raise ValueError(
+                f"algo.kl_estimator: unknown estimator '{kl_estimator}' (allowed: {', '.join(ESTIMATORS)})")
+        if not entropy_coef >= 0:
+            raise ValueError(f"algo.entropy_coef: must be >= 0, got {entropy_coef}")
+        self.clip_low = float(clip_low)
+        self.clip_high = float(clip_high)
+        self.loss_aggregation = loss_aggregation
+        self.kl_coef = float(kl_coef)
+        self.kl_estimator = kl_estimator
+        self.entropy_coef = float(entropy_coef)
+
+    def normalizer(self, mask: Tensor, max_length: int | None = None) -> float:
+        """The divisor the loss uses for this mask: kept tokens (token), non-empty sequences (sequence) or
+        B * L (constant).
+
+        When the RL loop splits one minibatch into micro-batches for gradient accumulation, compute
+        this once on the whole minibatch's mask and pass it as ``normalizer`` to every micro-batch's
+        loss: the summed micro-batch losses then equal the whole minibatch's loss in every mode (do not
+        also divide by the number of micro-batches).
+        """
+        return float(self.denominator(mask != 0, max_length))
+
+    def denominator(self, m: Tensor, max_length: int | None) -> Tensor | int:
+        batch, width = m.shape
+        if max_length is not None and not max_length >= max(width, 1):
+            raise ValueError(f"policy_loss: max_length {max_length} is less than the padded width {width}")
+        if self.loss_aggregation == "token":
+            return m.sum().clamp_min(1)
+        if self.loss_aggregation == "sequence":
+            return m.any(dim=1).sum().clamp_min(1)
+        return max(batch * (max_length if max_length is not None else width), 1)
+
+    def __call__(self, logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, weights: Tensor,
+                 ref_logprobs: Tensor | None = None, entropy: Tensor | None = None, *, ratio: RatioFn = token_ratio,
+                 max_length: int | None = None, normalizer: float | None = None) -> tuple[Tensor, dict[str, float]]:
+        """Scalar loss to minimise, and its metrics as plain Python numbers.
+
+        Args:
+            logprobs: ``[B, T]`` log pi_theta of each response token (requires grad).
+            old_logprobs: ``[B, T]`` log pi_old of the same tokens (detached here).
+            advantages: ``[B]`` one advantage per sequence, broadcast over its tokens, or ``[B, T]`` one
+                per token (PPO with a critic).
+            mask: ``[B, T]`` bool or 0/1, true on the response tokens that count.
+            weights: ``[B, T]`` per-token importance weights from the correction (1 = none; detached).
+            ref_logprobs: ``[B, T]`` log pi_ref, required when kl_coef > 0; if given with kl_coef 0
+                only the ``kl`` metric is computed.
+            entropy: ``[B, T]`` per-token entropy (see ``per_token_entropy``), required when
+                entropy_coef > 0; if given with entropy_coef 0 only the ``entropy`` metric is computed.
+            ratio: the importance ratio the clip acts on, from the masked ``[B, T]`` log-ratios and the mask
+                (``token_ratio``; GSPO's ``sequence_ratio``).
+            max_length: L for "constant" aggregation, normally ``sampling.max_new_tokens``, so that the
+                divisor does not depend on the longest response of the batch (defaults to T).
+            normalizer: divisor replacing the one of this batch (see ``normalizer``).
+
+        Loss = agg(w_t * pg_t + kl_coef * k_t - entropy_coef * H_t), with pg_t = `clipped_surrogate` and
+        agg the configured aggregation. Padding positions are replaced by 0 with ``torch.where`` before any
+        arithmetic, so inf/NaN there reach neither the loss nor the gradient. The loss is float32 (float64
+        for float64 inputs). Metrics (docs/algorithms.md): ``loss``, ``pg_loss`` (the aggregated pg
+        term, including weights), token means over kept tokens of ``kl``, ``entropy``,
+        ``approx_kl`` = mean(ratio - 1 - logratio), ``clipfrac{,_low,_high}`` = share of tokens whose
+        gradient the clip removes, ``ratio_{mean,min,max}`` and ``num_tokens``. With no kept token
+        the loss is 0 (with a zero gradient) and the token metrics are NaN.
+        """
+        shape = tuple(logprobs.shape)
+        if logprobs.dim() != 2:
+            raise ValueError(f"policy_loss: expected logprobs of shape [B, T], got {shape}")
+        for name, t in (("old_logprobs", old_logprobs), ("mask", mask), ("weights", weights),
+                        ("ref_logprobs", ref_logprobs), ("entropy", entropy)):
+            if t is not None and tuple(t.shape) != shape:
+                raise ValueError(f"policy_loss: {name} has shape {tuple(t.shape)}, expected {shape} as logprobs")
+        if tuple(advantages.shape) not in (shape[:1], shape):
+            raise ValueError(f"policy_loss: advantages has shape {tuple(advantages.shape)}, expected {shape[:1]} "
+                             f"or {shape}")
+        if self.kl_coef > 0 and ref_logprobs is None:
+            raise ValueError(f"policy_loss: algo.kl_coef is {self.kl_coef:g} but no ref_logprobs were given")
+        if self.entropy_coef > 0 and entropy is None:
+            raise ValueError(f"policy_loss: algo.entropy_coef is {self.entropy_coef:g} but no entropy was given")
+        if normalizer is not None and not normalizer > 0:
+            raise ValueError(f"policy_loss: normalizer must be > 0, got {normalizer}")
+
+        device = logprobs.device
+        dtype = torch.promote_types(logprobs.dtype, torch.float32)
+        m = mask.to(device) != 0
+        zero = torch.zeros((), dtype=dtype, device=device)
+        denominator = self.denominator(m, max_length) if normalizer is None else normalizer
+
+        def masked(x: Tensor) -> Tensor:
+            # where, not multiplication: the unselected branch gets neither value nor gradient.
+            return torch.where(m, x.to(device, dtype), zero)
+
+        def aggregate(per_token: Tensor) -> Tensor:
+            x = masked(per_token)
+            if self.loss_aggregation == "sequence":
+                x = x.sum(dim=1) / m.sum(dim=1).clamp_min(1)  # empty sequences contribute 0
+            return x.sum() / denominator
+
+        logratio = masked(logprobs) - masked(old_logprobs.detach())
+        r_theta = ratio(logratio, m)
+        adv = advantages.detach().to(device, dtype)
+        adv = adv[:, None] if adv.dim() == 1 else masked(adv)
+        pg_loss = aggregate(masked(weights.detach()) * clipped_surrogate(r_theta, adv, self.clip_low, self.clip_high))
+        loss = pg_loss
+
+        stats: dict[str, Tensor] = {}
+        if ref_logprobs is not None:
+            # of log(pi_ref / pi_theta) on the sampled tokens; k3 = pi_ref/pi_theta - 1 - log(pi_ref/pi_theta), GRPO's
+            kl = kl_estimate(masked(ref_logprobs.detach()) - masked(logprobs), self.kl_estimator)
+            if self.kl_coef > 0:
+                loss = loss + self.kl_coef * aggregate(kl)
+            stats["kl"] = kl.detach()
+        if entropy is not None:
+            ent = masked(entropy)
+            if self.entropy_coef > 0:
+                loss = loss - self.entropy_coef * aggregate(ent)
+            stats["entropy"] = ent.detach()
+
+        with torch.no_grad():
+            n = m.sum()
+            nan = torch.full((), float("nan"), dtype=dtype, device=device)
+
+            def mean(x: Tensor) -> Tensor:
+                return torch.where(m, x, zero).sum() / n  # 0 / 0 = NaN on an empty mask
+
+            lr, r = logratio.detach(), r_theta.detach()
+            clipped_high = m & (adv > 0) & (r > 1 + self.clip_high)
+            clipped_low = m & (adv < 0) & (r < 1 - self.clip_low)
+            values = {
+                "loss": loss.detach(),
+                "pg_loss": pg_loss.detach(),
+                **{k: mean(v) for k, v in stats.items()},
+                "approx_kl": mean(k3(lr)),  # k3 of log(pi_theta / pi_old) on pi_old's tokens: KL(pi_old || pi_theta)
+                "clipfrac": (clipped_high | clipped_low).sum() / n,
+                "clipfrac_low": clipped_low.sum() / n,
+                "clipfrac_high": clipped_high.sum() / n,
+                "ratio_mean": mean(r),
+                "ratio_min": torch.where(n > 0, torch.where(m, r, torch.inf).min(), nan),
+                "ratio_max": torch.where(n > 0, torch.where(m, r, -torch.inf).max(), nan),
+                "num_tokens": n,
+            }
+            # One device->host copy instead of one sync per metric.
+            metrics = dict(zip(values, torch.stack([v.to(torch.float64) for v in values.values()]).tolist()))
+            metrics["num_tokens"] = int(metrics["num_tokens"])
+        return loss, metrics
