@@ -39,8 +39,20 @@ BUILD_TIME_ARGS: dict[str, set[str]] = {
 }
 
 
-def group_options(group: str) -> list[str]:
-    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+# Groups whose options overlay one app's whole config (`# @package _global_`, `experiment: null` and
+# `debug: null` in conf/train.yaml's and conf/probe.yaml's defaults lists): an option belongs to the app whose
+# own section (`train:`, `probe:`) it sets.
+OVERLAY_GROUPS = ("experiment", "debug")
+
+
+def group_options(group: str, app: str | None = None) -> list[str]:
+    """The options of conf/<group>/; a file whose name starts with `_` is one the options extend (their
+    `defaults: [_base, _self_]`, e.g. conf/trainer/_base.yaml), not an option. Given an app, an overlay
+    group's options are that app's."""
+    files = sorted(p for p in (CONF_DIR / group).glob("*.yaml") if not p.name.startswith("_"))
+    if app is not None and group in OVERLAY_GROUPS:
+        files = [p for p in files if app in OmegaConf.load(p)]
+    return [p.stem for p in files]
 
 
 def _target_class(path: str, where: str):
