@@ -9,7 +9,7 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from rlmm.config import CONF_DIR, from_yaml
+from rlmm.config import CONF_DIR, from_yaml, group_options
 from rlmm.precision import SidePrecision
 from rlmm.components import Components
 from rlmm.step import rl_step
@@ -54,7 +54,7 @@ class ParityTask:
 
 
 PRECISIONS = sorted(p.stem for p in (CONF_DIR / "precision").glob("*.yaml"))
-TRAINERS = sorted(p.stem for p in (CONF_DIR / "trainer").glob("*.yaml"))
+TRAINERS = group_options("trainer")  # not conf/trainer/_base.yaml, the keys they share
 COMBINATIONS = [(s, t, p) for s in ("vllm", "hf") for t in TRAINERS for p in PRECISIONS]
 # The built-in default first; the rest of the grid runs under `slow`.
 QUICK = {("vllm", "deepspeed", "bf16_sampler_fp32_trainer"), ("vllm", "deepspeed", "bf16"), ("hf", "torch", "fp32"),
