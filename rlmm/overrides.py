@@ -36,11 +36,10 @@ def check_overrides(config_name: str, overrides: list[str]) -> None:
             cfg, _ = composed_and_validated(config_name, combination)
             # These constructors only check their arguments (paths, dtype names, ranges), so bad
             # values surface here, before a sweep is submitted or an engine starts.
-            for group in ("model", "precision", "correction", "algo"):
-                if group in cfg:
-                    instantiate(cfg[group])
+            built = {group: instantiate(cfg[group]) for group in ("model", "precision", "correction", "algo")
+                     if group in cfg}
             if not elsewhere:  # a SLURM job asks its own node's hardware when it starts
-                check_engines_support(cfg)
+                check_engines_support(cfg, built["precision"])
             if "probe" in cfg:
                 from rlmm.probe import check_options
 
@@ -153,12 +152,11 @@ def runs_on_another_machine(launcher_target: str) -> bool:
     return launcher_target.endswith("SlurmLauncher")
 
 
-def check_engines_support(cfg) -> None:
-    """Ask each engine class whether it can run its side's precision here (`Sampler.unsupported` and
-    `Trainer.unsupported`, rlmm/interfaces.py)."""
-    from hydra.utils import get_class, instantiate
+def check_engines_support(cfg, policy) -> None:
+    """Ask each engine class whether it can run `policy` (cfg.precision, as built by the caller) on its side
+    here (`Sampler.unsupported` and `Trainer.unsupported`, rlmm/interfaces.py)."""
+    from hydra.utils import get_class
 
-    policy = instantiate(cfg.precision)
     for group, side in (("sampler", policy.sampler), ("trainer", policy.trainer)):
         problem = get_class(cfg[group]._target_).unsupported(side)
         if problem:

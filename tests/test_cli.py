@@ -1,4 +1,5 @@
 """Bad input gets one line naming the bad value and the allowed ones, before any work starts."""
+import functools
 import subprocess
 import sys
 
@@ -123,6 +124,24 @@ def test_hardware_checks_of_a_slurm_sweep_wait_for_the_job(monkeypatch):
     with pytest.raises(SystemExit):
         check_overrides("train", ["precision=fp16", "trainer=deepspeed"])
     check_overrides("train", ["precision=fp16", "trainer=deepspeed", "hydra/launcher=slurm"])  # no refusal here
+
+
+def test_the_check_builds_each_combinations_precision_policy_once(monkeypatch):
+    """One PrecisionPolicy per combination checked: the constructor's own checks and the engines' support
+    read the same object (the run builds its own, rlmm/components.py)."""
+    from rlmm.overrides import check_overrides
+    from rlmm.precision import PrecisionPolicy
+
+    built, original = [], PrecisionPolicy.__init__
+
+    @functools.wraps(original)  # the same signature: it is the option's schema
+    def counted(self, *args, **kwargs):
+        built.append(kwargs)
+        original(self, *args, **kwargs)
+
+    monkeypatch.setattr(PrecisionPolicy, "__init__", counted)
+    check_overrides("train", ["precision=bf16,fp32"])
+    assert [k["sampler_dtype"] for k in built] == ["bf16", "fp32"]
 
 
 def test_hydras_flag_values_are_not_taken_for_overrides():
