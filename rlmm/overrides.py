@@ -44,6 +44,10 @@ def check_overrides(config_name: str, overrides: list[str]) -> None:
                 from rlmm.probe import check_options
 
                 check_options(cfg)
+            if "train" in cfg:
+                from rlmm.train import check_options as check_train_options
+
+                check_train_options(cfg.train)
         except (ConfigError, ValueError) as err:
             fail(str(err).splitlines()[0])
         except InstantiationException as err:
