@@ -39,8 +39,20 @@ BUILD_TIME_ARGS: dict[str, set[str]] = {
 }
 
 
-def group_options(group: str) -> list[str]:
-    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+# Groups whose options overlay one app's whole config (`# @package _global_`, `experiment: null` and
+# `debug: null` in conf/train.yaml's and conf/probe.yaml's defaults lists): an option belongs to the app whose
+# own section (`train:`, `probe:`) it sets.
+OVERLAY_GROUPS = ("experiment", "debug")
+
+
+def group_options(group: str, app: str | None = None) -> list[str]:
+    """The options of conf/<group>/; a file whose name starts with `_` is one the options extend (their
+    `defaults: [_base, _self_]`, e.g. conf/trainer/_base.yaml), not an option. Given an app, an overlay
+    group's options are that app's."""
+    files = sorted(p for p in (CONF_DIR / group).glob("*.yaml") if not p.name.startswith("_"))
+    if app is not None and group in OVERLAY_GROUPS:
+        files = [p for p in files if app in OmegaConf.load(p)]
+    return [p.stem for p in files]
 
 
 def _target_class(path: str, where: str):
@@ -127,13 +139,30 @@ def build(node: DictConfig, **runtime: Any) -> Any:
     return instantiate(node, _partial_=True)(**runtime)
 
 
+def option_node(group: str, option: str) -> DictConfig:
+    """conf/<group>/<option>.yaml as Hydra composes it into the app's config, outside Hydra: the files of the
+    same group its `defaults` list names (`[_base, _self_]`: conf/trainer/_base.yaml's shared keys), merged
+    in that order around its own values."""
+    node = OmegaConf.load(CONF_DIR / group / f"{option}.yaml")
+    defaults = list(node.pop("defaults", None) or ["_self_"])
+    if "_self_" not in defaults:
+        defaults.append("_self_")  # Hydra's rule: a config's own values come after its defaults
+    parts = []
+    for name in defaults:
+        if not isinstance(name, str):
+            raise ConfigError(f"{group}={option}: defaults entry {name!r}: only option files of the same group "
+                              "(e.g. _base) are read outside Hydra")
+        parts.append(node if name == "_self_" else option_node(group, name))
+    return OmegaConf.merge(*parts)
+
+
 def from_yaml(group: str, option: str, **values):
     """The component `conf/<group>/<option>.yaml` builds, outside Hydra (scripts, tests): `values` replace the
     YAML's and give the build-time arguments (`BUILD_TIME_ARGS`). Every value not given comes from the YAML,
     the one place it is written; an interpolation of the app's config (`seed: ${seed}`) must be given."""
     from hydra.utils import get_class
 
-    node = {**OmegaConf.to_container(OmegaConf.load(CONF_DIR / group / f"{option}.yaml")), **values}
+    node = {**OmegaConf.to_container(option_node(group, option)), **values}
     unresolved = sorted(k for k, v in node.items() if isinstance(v, str) and v.startswith("${"))
     if unresolved:
         raise ConfigError(f"{group}={option}: give {', '.join(unresolved)} (the YAML takes them from the app's config)")

@@ -25,12 +25,7 @@ def check_overrides(config_name: str, overrides: list[str]) -> None:
             OverridesParser.create().parse_overrides([o for o in overrides if o.startswith("hydra/")])
     except HydraException as err:
         fail(str(err).splitlines()[0])
-    groups = [o.key_or_group for o in parsed]
-    if "debug" in groups and "experiment" in groups and groups.index("debug") < groups.index("experiment"):
-        # Hydra merges appended groups in command-line order: the experiment's sizes would win silently.
-        fail("+debug=... must come after +experiment=... (the last appended group wins; "
-             "e.g. rlmm train +experiment=NAME +debug=train)")
-    fail_on_unknown_options(parsed + hydra_groups)
+    fail_on_unknown_options(parsed + hydra_groups, config_name)
     from rlmm.launcher import launcher_target
 
     elsewhere = runs_on_another_machine(launcher_target(config_name, overrides) or "")
@@ -41,15 +36,18 @@ def check_overrides(config_name: str, overrides: list[str]) -> None:
             cfg, _ = composed_and_validated(config_name, combination)
             # These constructors only check their arguments (paths, dtype names, ranges), so bad
             # values surface here, before a sweep is submitted or an engine starts.
-            for group in ("model", "precision", "correction", "algo"):
-                if group in cfg:
-                    instantiate(cfg[group])
+            built = {group: instantiate(cfg[group]) for group in ("model", "precision", "correction", "algo")
+                     if group in cfg}
             if not elsewhere:  # a SLURM job asks its own node's hardware when it starts
-                check_engines_support(cfg)
+                check_engines_support(cfg, built["precision"])
             if "probe" in cfg:
                 from rlmm.probe import check_options
 
                 check_options(cfg)
+            if "train" in cfg:
+                from rlmm.train import check_options as check_train_options
+
+                check_train_options(cfg.train)
         except (ConfigError, ValueError) as err:
             fail(str(err).splitlines()[0])
         except InstantiationException as err:
@@ -58,19 +56,27 @@ def check_overrides(config_name: str, overrides: list[str]) -> None:
             fail(_one_line(err) + _allowed_keys_hint(config_name, combination, err))
 
 
-def fail_on_unknown_options(parsed: list) -> None:
+def fail_on_unknown_options(parsed: list, app: str | None = None) -> None:
     """For parsed overrides of config groups (rlmm's, and Hydra's own `hydra/...`): an option the group does
-    not have fails in one line naming the group's options."""
-    from rlmm.config import group_options
+    not have (for `experiment` and `debug`, one of another app: `app`'s) fails in one line naming the group's
+    options. `experiment=NAME` (`debug=`), the spelling from before both groups were in the apps' defaults
+    lists, fails naming the one that works."""
+    from rlmm.config import OVERLAY_GROUPS, group_options
 
     for override in parsed:
         group = override.key_or_group
-        options = _hydra_group_options(group) if group.startswith("hydra/") else group_options(group)
+        if group in OVERLAY_GROUPS and override.is_add():
+            fail(f"+{group}={override.get_value_element_as_str()}: write {group}="
+                 f"{override.get_value_element_as_str()}, no '+' ({group}: null is in the app's defaults list)")
+        options = _hydra_group_options(group) if group.startswith("hydra/") else group_options(group, app)
         if options and not override.is_delete():
             values = list(override.sweep_string_iterator()) if override.is_sweep_override() else [override.value()]
             for value in values:
-                if str(value) not in options:
-                    fail(f"unknown {group} '{value}' (allowed: {', '.join(options)})")
+                if str(value) in options:
+                    continue
+                if str(value) in group_options(group):  # an overlay of the other app
+                    fail(f"{group} '{value}' is not one of rlmm {app}'s (allowed: {', '.join(options)})")
+                fail(f"unknown {group} '{value}' (allowed: {', '.join(options)})")
 
 
 def composed_and_validated(config_name: str, combination: list[str]):
@@ -98,7 +104,7 @@ def composed_and_validated(config_name: str, combination: list[str]):
 
 def with_config_sweep_params(config_name: str, combinations: list[list[str]]) -> list[list[str]]:
     """Cross each combination with the grid its composed config sets in `hydra.sweeper.params` (an
-    experiment file's sweep, `+experiment=NAME`), as Hydra's basic sweeper will under `-m`: the
+    experiment file's sweep, `experiment=NAME`), as Hydra's basic sweeper will under `-m`: the
     file's values first, the command line's replacing the file's for the same key. A combination
     that does not compose is kept as it is, for the caller's checks to report."""
     from hydra import compose, initialize_config_dir
@@ -150,12 +156,11 @@ def runs_on_another_machine(launcher_target: str) -> bool:
     return launcher_target.endswith("SlurmLauncher")
 
 
-def check_engines_support(cfg) -> None:
-    """Ask each engine class whether it can run its side's precision here (`Sampler.unsupported` and
-    `Trainer.unsupported`, rlmm/interfaces.py)."""
-    from hydra.utils import get_class, instantiate
+def check_engines_support(cfg, policy) -> None:
+    """Ask each engine class whether it can run `policy` (cfg.precision, as built by the caller) on its side
+    here (`Sampler.unsupported` and `Trainer.unsupported`, rlmm/interfaces.py)."""
+    from hydra.utils import get_class
 
-    policy = instantiate(cfg.precision)
     for group, side in (("sampler", policy.sampler), ("trainer", policy.trainer)):
         problem = get_class(cfg[group]._target_).unsupported(side)
         if problem:

@@ -77,7 +77,7 @@ def composed(app: str, overrides: list[str]) -> list[tuple]:
     ours = [o for o in overrides if not o.lstrip("+~").startswith("hydra")]  # Hydra's own: launcher, dirs
     try:
         parsed = OverridesParser.create().parse_overrides(ours)
-        fail_on_unknown_options(parsed)
+        fail_on_unknown_options(parsed, app)
         combinations = [batch for batches in BasicSweeper.split_arguments(parsed, None) for batch in batches]
         configs = [composed_and_validated(app, combination)
                    for combination in with_config_sweep_params(app, combinations)]

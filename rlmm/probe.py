@@ -120,6 +120,9 @@ def check_finite(logprobs: dict[str, torch.Tensor], precision_report: dict, clos
 def check_options(cfg: DictConfig) -> dict[str, MicroBatching]:
     """Every `probe.*` value that can be checked before an engine starts (rlmm/overrides.py checks each
     combination of a sweep with it); returns the trainer layouts to score."""
+    for key in ("num_prompts", "samples_per_prompt"):  # named here, not as the task's number of examples
+        if cfg.probe[key] < 1:
+            raise ValueError(f"probe.{key}: must be >= 1, got {cfg.probe[key]}")
     check_micro_batch_sizes(cfg.probe.trainer_micro_batch_sizes)
     check_early_vs_late(cfg.probe.early_vs_late, cfg.sampling.max_new_tokens)
     check_batch_invariance(cfg.probe.batch_invariance)

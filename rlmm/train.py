@@ -31,6 +31,17 @@ from rlmm.step import mean_over_ranks, reward, rl_step
 log = logging.getLogger(__name__)
 
 
+def check_options(options: DictConfig) -> None:
+    """Every `train.*` count, checked before any engine starts (rlmm/overrides.py checks each combination of a
+    sweep with it): a bad one is named as the user wrote it, not as a value derived from it (the number of
+    training prompts, steps x prompts_per_step). 0 means never for the `_every` counts and max_bad_steps."""
+    for key, least, zero in (("steps", 1, ""), ("prompts_per_step", 1, ""), ("eval_prompts", 1, ""),
+                             ("eval_every", 0, " (0: evaluate only at step 0 and the last step)"),
+                             ("checkpoint_every", 0, " (0: only on a stop signal)"), ("max_bad_steps", 0, " (0: never stop)")):
+        if options[key] < least:
+            raise ValueError(f"train.{key}: must be >= {least}, got {options[key]}{zero}")
+
+
 def run_train(cfg: DictConfig, run_dir: Path, choices: dict[str, str], logger) -> dict:
     import torch.distributed as dist
     from tqdm.auto import tqdm
@@ -42,6 +53,7 @@ def run_train(cfg: DictConfig, run_dir: Path, choices: dict[str, str], logger) -
 
     started = time.perf_counter()
     options = cfg.train
+    check_options(options)
     if options.prompts_per_step % world_size():
         raise ValueError(f"train.prompts_per_step: {options.prompts_per_step} does not split over {world_size()} "
                          "ranks")
@@ -90,7 +102,7 @@ def run_train(cfg: DictConfig, run_dir: Path, choices: dict[str, str], logger) -
             bad_in_a_row = bad_in_a_row + 1 if metrics["train/skipped"] else 0
             bad_total += bool(metrics["train/skipped"])
             metrics.update({"train/bad_steps": bad_total, "train/bad_steps_in_a_row": bad_in_a_row})
-            if step % options.eval_every == 0 or step == options.steps:
+            if (options.eval_every and step % options.eval_every == 0) or step == options.steps:
                 metrics.update(evaluate())
                 shown_accuracy = metrics["eval/accuracy"]
             metrics.update(monitor.observe(metrics, step, components))  # may switch the correction from here on

@@ -14,7 +14,9 @@ sys.path.insert(0, str(ROOT))
 from tests.test_cli import CASES, TRAIN_CASES  # noqa: E402
 from tests.conftest import subprocess_env  # noqa: E402
 
-EXTRA = [  # bad input caught later than composition, each also tested (file named)
+EXTRA = [  # bad input caught later than composition, or tested elsewhere (file named)
+    ("rlmm train +experiment=tis_under_mismatch", "tests/test_config_groups.py"),
+    ("rlmm train experiment=fp16_vs_bf16", "tests/test_config_groups.py"),
     ("rlmm train task=gsm8k task.path=/no/such.jsonl", "tests/test_tasks.py"),
     ("rlmm table /no/such/sweep", "tests/test_table.py"),
     ("rlmm trian", "tests/test_cli.py"),

@@ -76,7 +76,7 @@ if [ "${ONLY:-all}" = all ] || [ "${ONLY:-all}" = layouts ]; then
   fi
 fi
 [ "${ONLY:-all}" = layouts ] && exit 0
-run train-fsdp-ppo train "${common[@]}" trainer=fsdp algo=ppo precision=bf16 +debug=train train.steps=3 \
+run train-fsdp-ppo train "${common[@]}" trainer=fsdp algo=ppo precision=bf16 debug=train train.steps=3 \
     sampling.max_new_tokens=64 algo.group_size=4 train.prompts_per_step=8
 $python - "$out" <<'EOF'
 import glob, json, os, shutil, sys

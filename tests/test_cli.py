@@ -1,4 +1,5 @@
 """Bad input gets one line naming the bad value and the allowed ones, before any work starts."""
+import functools
 import subprocess
 import sys
 
@@ -21,6 +22,7 @@ CASES = [
     (["trainer.zero_stage=three"], "trainer=deepspeed: Value 'three' of type 'str' could not be converted to Integer"),
     (["probe.num_prompts=many"], "Value 'many' of type 'str' could not be converted to Integer"),
     (["probe.trainer_micro_batch_sizes=[4,4]"], "probe.trainer_micro_batch_sizes: two different sizes >= 1, got [4, 4]"),
+    (["probe.num_prompts=0"], "probe.num_prompts: must be >= 1, got 0"),
     (["probe.early_vs_late.response_tokens=64"],
      "probe.early_vs_late.response_tokens=64: responses are at most sampling.max_new_tokens=16 tokens long"),
     (["probe.batch_invariance.num_prompts=16", "probe.batch_invariance.max_batch_size=8"],
@@ -36,6 +38,9 @@ TRAIN_CASES = [
     (["correction.cap=-1"], "correction.cap: must be a finite number >= 1, got -1"),
     (["algo.group_size=0"], "algo.group_size: must be >= 2, got 0"),
     (["train.steps=ten"], "Value 'ten' of type 'str' could not be converted to Integer"),
+    (["train.steps=-3"], "train.steps: must be >= 1, got -3"),  # not the task's number of examples, -48
+    (["train.eval_prompts=0"], "train.eval_prompts: must be >= 1, got 0"),
+    (["train.eval_every=-1"], "train.eval_every: must be >= 0, got -1 (0: evaluate only at step 0 and the last step)"),
     (["-m", "hydra/launcher=nope"], "unknown hydra/launcher 'nope' (allowed: basic, local, process, slurm,"),
     (["trainer=torch", "trainer.zero_stage=3"], "(allowed: micro_batch_size, micro_batch_tokens, padding_free, lr, weight_decay,"),
 ]
@@ -123,6 +128,24 @@ def test_hardware_checks_of_a_slurm_sweep_wait_for_the_job(monkeypatch):
     with pytest.raises(SystemExit):
         check_overrides("train", ["precision=fp16", "trainer=deepspeed"])
     check_overrides("train", ["precision=fp16", "trainer=deepspeed", "hydra/launcher=slurm"])  # no refusal here
+
+
+def test_the_check_builds_each_combinations_precision_policy_once(monkeypatch):
+    """One PrecisionPolicy per combination checked: the constructor's own checks and the engines' support
+    read the same object (the run builds its own, rlmm/components.py)."""
+    from rlmm.overrides import check_overrides
+    from rlmm.precision import PrecisionPolicy
+
+    built, original = [], PrecisionPolicy.__init__
+
+    @functools.wraps(original)  # the same signature: it is the option's schema
+    def counted(self, *args, **kwargs):
+        built.append(kwargs)
+        original(self, *args, **kwargs)
+
+    monkeypatch.setattr(PrecisionPolicy, "__init__", counted)
+    check_overrides("train", ["precision=bf16,fp32"])
+    assert [k["sampler_dtype"] for k in built] == ["bf16", "fp32"]
 
 
 def test_hydras_flag_values_are_not_taken_for_overrides():

@@ -16,11 +16,11 @@ def test_two_arms_of_one_seed_draw_the_same_prompts_and_responses(small_model_pa
         result = subprocess.run(
             [sys.executable, "-m", "rlmm.cli", "train", "model=hf", f"model.path={small_model_path}", "sampler=hf",
              "trainer=torch", f"correction={correction}", "seed=5", "task._target_=tests.recording.RecordedDraws",
-             f"+task.record_file={record}", "+debug=train", f"hydra.run.dir={tmp_path / correction}"],
+             f"+task.record_file={record}", "debug=train", f"hydra.run.dir={tmp_path / correction}"],
             capture_output=True, text=True, timeout=600, env=subprocess_env(), stdin=subprocess.DEVNULL)
         assert result.returncode == 0, result.stderr[-3000:]
         arms[correction] = record.read_text().splitlines()
-    # +debug=train: step 0's evaluation on 4 prompts by both policies (the sampler, the trainer's weights),
+    # debug=train: step 0's evaluation on 4 prompts by both policies (the sampler, the trainer's weights),
     # then step 1's 2 prompts x 2 samples
     before_the_first_update = 2 * 4 + 2 * 2
     assert len(arms["none"]) > before_the_first_update

@@ -15,7 +15,8 @@ APPS = sorted(p.stem for p in CONF_DIR.glob("*.yaml"))
 # (tests/test_experiments.py runs them), conf/debug and conf/scale overlays of the whole config without a
 # `_target_` (tests/test_config_groups.py).
 NOT_AXES = ("hydra", "experiment", "debug", "scale")
-OPTIONS = sorted((p.parent.name, p.stem) for p in CONF_DIR.glob("*/*.yaml") if p.parent.name not in NOT_AXES)
+OPTIONS = sorted((p.parent.name, p.stem) for p in CONF_DIR.glob("*/*.yaml")
+                 if p.parent.name not in NOT_AXES and not p.name.startswith("_"))  # _base.yaml: not an option
 
 
 def _compose(app: str, overrides: list[str]):
@@ -104,3 +105,24 @@ def test_top_level_typo_fails_at_composition():
 
     with pytest.raises(ConfigCompositionException):
         _compose("probe", ["sampling.temprature=0.5"])
+
+
+def test_the_keys_every_trainer_shares_have_one_home(capsys):
+    """conf/trainer/_base.yaml holds lr, its schedule, the micro-batching and the loss scaling; each trainer's
+    file extends it (`defaults: [_base, _self_]`) with its own keys only, and `_base` is not an option."""
+    from rlmm.config import option_node
+    from rlmm.overrides import check_overrides
+
+    shared = OmegaConf.load(CONF_DIR / "trainer" / "_base.yaml")
+    assert {"lr", "weight_decay", "warmup_steps", "grad_clip", "micro_batch_size"} <= set(shared)
+    for option in group_options("trainer"):
+        own = set(OmegaConf.load(CONF_DIR / "trainer" / f"{option}.yaml")) - {"defaults"}
+        assert not own & set(shared), (option, sorted(own & set(shared)))
+        composed = _compose("train", [f"trainer={option}"])[0].trainer
+        assert OmegaConf.to_container(composed) == OmegaConf.to_container(option_node("trainer", option))
+        assert composed.lr == shared.lr
+    assert "_base" not in group_options("trainer")
+    with pytest.raises(SystemExit):
+        check_overrides("train", ["trainer=_base"])
+    assert capsys.readouterr().err.strip() == ("rlmm: error: unknown trainer '_base' (allowed: "
+                                               f"{', '.join(group_options('trainer'))})")

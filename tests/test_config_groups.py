@@ -1,5 +1,5 @@
 """The groups that are not ablation axes, composed: Hydra's directories (conf/hydra/default.yaml, one
-file for both apps), `+debug=<app>` (conf/debug/: shortens any run, an experiment's included) and
+file for both apps), `debug=<app>` (conf/debug/: shortens any run, an experiment's included) and
 `scale=` (conf/scale/: the size of the model and the task; the `*_gpu` experiments select scale=gpu)."""
 import copy
 import re
@@ -37,7 +37,7 @@ def composed(app: str, overrides: list[str]):
 
 def app_of(experiment: str) -> str:
     text = (CONF_DIR / "experiment" / f"{experiment}.yaml").read_text()
-    return re.search(rf"rlmm (probe|train) -m \+experiment={experiment}\b", text).group(1)
+    return re.search(rf"rlmm (probe|train) -m experiment={experiment}\b", text).group(1)
 
 
 def debug_app(option: str) -> str:
@@ -71,7 +71,7 @@ def test_each_app_keeps_its_run_and_sweep_directories(app):
 
 @pytest.mark.parametrize("name", EXPERIMENTS)
 def test_each_experiment_sweeps_to_its_own_directory(name):
-    _, hydra = composed(app_of(name), [f"+experiment={name}"])
+    _, hydra = composed(app_of(name), [f"experiment={name}"])
     assert re.fullmatch(rf"multirun/experiments/{name}/{DATE}_{TIME}", hydra.sweep.dir), hydra.sweep.dir
     assert hydra.run.dir.startswith(f"outputs/{app_of(name)}/")
 
@@ -84,10 +84,10 @@ DEBUG_RUNS = [(option, experiment) for option in DEBUG
 
 @pytest.mark.parametrize("option,experiment", DEBUG_RUNS, ids=[f"{o}-{e}" for o, e in DEBUG_RUNS])
 def test_debug_shortens_every_run_of_its_app(option, experiment):
-    """`+debug=` after `+experiment=`: the last appended group wins, so every value the debug option sets
-    replaces the experiment's, and the config still validates."""
+    """`debug: null` comes after `experiment: null` in the app's defaults list, so every value the debug option
+    sets replaces the experiment's, and the config still validates."""
     app = debug_app(option)
-    overrides = ([f"+experiment={experiment}"] if experiment else []) + [f"+debug={option}"]
+    overrides = ([f"experiment={experiment}"] if experiment else []) + [f"debug={option}"]
     cfg, hydra = composed(app, overrides)
     validate(cfg, dict(hydra.runtime.choices))
     for key, value in leaves(OmegaConf.load(CONF_DIR / "debug" / f"{option}.yaml")):
@@ -107,15 +107,16 @@ def test_a_debug_option_is_refused_by_the_other_app(option):
 
     for app in set(APPS) - {debug_app(option)}:
         with pytest.raises(ConfigCompositionException):
-            composed(app, [f"+debug={option}"])
+            composed(app, [f"debug={option}"])
 
 
 def test_an_unknown_debug_or_scale_option_is_one_line_naming_the_allowed_ones(capsys):
-    for override, allowed in (("+debug=nope", DEBUG), ("debug=nope", DEBUG), ("scale=nope", SCALES)):
+    train_debug = [option for option in DEBUG if debug_app(option) == "train"]  # rlmm train's own
+    for override, allowed in (("debug=nope", train_debug), ("scale=nope", SCALES)):
         with pytest.raises(SystemExit) as exit_:
             check_overrides("train", [override])
         assert exit_.value.code == 2
-        group = override.lstrip("+").split("=")[0]
+        group = override.split("=")[0]
         assert capsys.readouterr().err.strip() == f"rlmm: error: unknown {group} 'nope' (allowed: {', '.join(allowed)})"
 
 
@@ -149,7 +150,7 @@ def test_every_scale_composes_and_validates_for_every_app(app, scale):
 @pytest.mark.parametrize("name", EXPERIMENTS)
 def test_each_gpu_experiment_is_its_cpu_counterpart_at_scale_gpu(name):
     """`NAME_gpu` selects scale=gpu and only adds its own sizes; every other experiment runs at scale=cpu."""
-    cfg, hydra = composed(app_of(name), [f"+experiment={name}"])
+    cfg, hydra = composed(app_of(name), [f"experiment={name}"])
     validate(cfg, dict(hydra.runtime.choices))
     if name.endswith("_gpu"):
         assert name.removesuffix("_gpu") in EXPERIMENTS, f"{name} has no CPU counterpart"
@@ -159,11 +160,35 @@ def test_each_gpu_experiment_is_its_cpu_counterpart_at_scale_gpu(name):
         assert hydra.runtime.choices.scale == "cpu"
 
 
-def test_debug_before_the_experiment_is_refused_in_one_line(capsys):
-    """Hydra merges appended groups in command-line order, so `+debug` first would lose to the experiment's
-    sizes without a word: refused, naming the order that works."""
+@pytest.mark.parametrize("order", ["experiment first", "debug first"])
+def test_the_defaults_list_fixes_the_order_of_experiment_and_debug(order):
+    """`experiment: null`, then `debug: null`, in the app's defaults list: debug's sizes win over the
+    experiment's whichever the command line writes first (Hydra would merge `+` groups in command-line order)."""
+    overrides = ["experiment=collapse_warning", "debug=train"]  # both set train.steps and train.eval_prompts
+    cfg, hydra = composed("train", overrides if order == "experiment first" else overrides[::-1])
+    assert (hydra.runtime.choices.experiment, hydra.runtime.choices.debug) == ("collapse_warning", "train")
+    assert (cfg.train.steps, cfg.train.eval_prompts) == (2, 4)  # debug's, not the experiment's 28 and 50
+    assert cfg.train.monitor.enabled  # the experiment's own knob stays
+    assert composed("train", [])[1].runtime.choices.experiment is None  # null: no experiment unless chosen
+
+
+@pytest.mark.parametrize("override", ["+experiment=tis_under_mismatch", "+debug=train"])
+def test_the_old_plus_spelling_fails_in_one_line_naming_the_new_one(override, capsys):
     with pytest.raises(SystemExit) as exit_:
-        check_overrides("train", ["+debug=train", "+experiment=tis_under_mismatch"])
+        check_overrides("train", [override])
     assert exit_.value.code == 2
-    assert capsys.readouterr().err.strip().startswith("rlmm: error: +debug=... must come after +experiment=...")
-    check_overrides("train", ["+experiment=tis_under_mismatch", "+debug=train"])  # the order that works
+    new = override.removeprefix("+")
+    assert capsys.readouterr().err.strip() == (f"rlmm: error: {override}: write {new}, no '+' "
+                                               f"({new.split('=')[0]}: null is in the app's defaults list)")
+
+
+@pytest.mark.parametrize("app,override", [("train", "experiment=fp16_vs_bf16"), ("probe", "debug=train")])
+def test_an_overlay_of_the_other_app_fails_naming_this_apps_options(app, override, capsys):
+    group, value = override.split("=")
+    with pytest.raises(SystemExit) as exit_:
+        check_overrides(app, [override])
+    assert exit_.value.code == 2
+    mine = [n for n in (EXPERIMENTS if group == "experiment" else DEBUG)
+            if (app_of(n) if group == "experiment" else debug_app(n)) == app]
+    assert capsys.readouterr().err.strip() == (f"rlmm: error: {group} '{value}' is not one of rlmm {app}'s "
+                                               f"(allowed: {', '.join(mine)})")

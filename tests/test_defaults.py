@@ -17,14 +17,14 @@ import inspect
 
 from omegaconf import OmegaConf
 
-from rlmm.config import BUILD_TIME_ARGS, CONF_DIR, group_options
+from rlmm.config import BUILD_TIME_ARGS, group_options, option_node
 
 OPTIONS = [(group, option) for group in BUILD_TIME_ARGS for option in group_options(group)]
 
 
 def _load(group: str, option: str) -> tuple[dict, dict[str, inspect.Parameter]]:
     """The option's values as written (`${seed}` stays as is) and its class's constructor parameters."""
-    values = OmegaConf.to_container(OmegaConf.load(CONF_DIR / group / f"{option}.yaml"), resolve=False)
+    values = OmegaConf.to_container(option_node(group, option), resolve=False)  # with its _base's keys
     module, _, name = values.pop("_target_").rpartition(".")
     params = inspect.signature(getattr(importlib.import_module(module), name).__init__).parameters
     return values, params

@@ -1,5 +1,5 @@
 """The published ablations (conf/experiment/*.yaml): each composes and validates over its whole grid,
-and runs for real, shortened by `+debug=<app>` (conf/debug/); the mismatch-injection knob
+and runs for real, shortened by `debug=<app>` (conf/debug/); the mismatch-injection knob
 (`sampler.perturb`) they rely on."""
 import json
 import re
@@ -31,8 +31,8 @@ def app_of(name: str) -> str:
     """The app an experiment belongs to, from the command its header documents."""
     text = (CONF_DIR / "experiment" / f"{name}.yaml").read_text()
     assert text.startswith("# @package _global_\n"), name
-    match = re.search(rf"rlmm (probe|train) -m \+experiment={name}\b", text)
-    assert match, f"{name}.yaml: the header names no `rlmm probe|train -m +experiment={name}` command"
+    match = re.search(rf"rlmm (probe|train) -m experiment={name}\b", text)
+    assert match, f"{name}.yaml: the header names no `rlmm probe|train -m experiment={name}` command"
     return match.group(1)
 
 
@@ -53,7 +53,7 @@ def composed(app: str, overrides: list[str]):
 @pytest.mark.parametrize("name", EXPERIMENTS)
 def test_experiment_validates_over_its_whole_grid(name):
     app = app_of(name)
-    overrides = [f"+experiment={name}", *on_this_machine(name)]
+    overrides = [f"experiment={name}", *on_this_machine(name)]
     grid = composed(app, overrides).hydra.sweeper.params
     assert grid and len(with_config_sweep_params(app, [overrides])) > 1, "an experiment is a sweep grid"
     check_overrides(app, overrides)  # what `rlmm <app> -m` runs first: every combination (exits 2 on a bad one)
@@ -61,7 +61,7 @@ def test_experiment_validates_over_its_whole_grid(name):
 
 def test_a_bad_value_in_an_experiment_grid_fails_before_any_job(tmp_path):
     """The grid an experiment file sets is validated, not only the command line's."""
-    result = subprocess.run([sys.executable, "-m", "rlmm.cli", "probe", "-m", "+experiment=fp16_vs_bf16",
+    result = subprocess.run([sys.executable, "-m", "rlmm.cli", "probe", "-m", "experiment=fp16_vs_bf16",
                              "precision.sampler_dtype=bf16,fp61", f"hydra.sweep.dir={tmp_path}"],
                             capture_output=True, text=True, timeout=300, env=subprocess_env(), stdin=subprocess.DEVNULL)
     assert result.returncode == 2 and "fp61" in result.stderr, result.stderr[-2000:]
@@ -70,10 +70,10 @@ def test_a_bad_value_in_an_experiment_grid_fails_before_any_job(tmp_path):
 
 def shortened(name: str, combinations: int, model_path: str, cache_dir: Path) -> tuple[str, list[str]]:
     """The experiment's command, shrunk: its first grid key keeps `combinations` values, every other key
-    its first, and the runs are short (`+debug=<app>`, last: the last appended group wins over the
-    experiment's sizes). A GPU variant runs on the small test checkpoint and data."""
+    its first, and the runs are short (`debug=<app>`: last in the app's defaults list, its sizes win over the
+    experiment's). A GPU variant runs on the small test checkpoint and data."""
     app = app_of(name)
-    cfg = composed(app, [f"+experiment={name}", *on_this_machine(name)])
+    cfg = composed(app, [f"experiment={name}", *on_this_machine(name)])
     pinned = {override.split("=", 1)[0] for override in on_this_machine(name)}  # not swept here (e.g. trainer)
     keys = [key for key in cfg.hydra.sweeper.params if key not in pinned]
     grid = [f"{key}={','.join(str(cfg.hydra.sweeper.params[key]).split(',')[:combinations if i == 0 else 1])}"
@@ -81,7 +81,7 @@ def shortened(name: str, combinations: int, model_path: str, cache_dir: Path) ->
     choices = cfg.hydra.runtime.choices
     model = SMALL_TINY + [f"model.cache_dir={cache_dir}"] if choices.model == "tiny" else [f"model.path={model_path}"]
     task = [f"task.path={GSM8K_SAMPLE}"] if choices.task == "gsm8k" and not (REPO / cfg.task.path).is_file() else []
-    return app, [f"+experiment={name}", *grid, *on_this_machine(name), *model, *task, f"+debug={app}"]
+    return app, [f"experiment={name}", *grid, *on_this_machine(name), *model, *task, f"debug={app}"]
 
 
 @pytest.fixture(scope="session")

@@ -124,7 +124,7 @@ def test_sweep_launcher_warning():
 def test_launcher_target_of_a_command():
     assert launcher_target("train", ["seed=0,1"]) == BASIC_LAUNCHER
     assert launcher_target("train", ["hydra/launcher=process", "seed=0,1", "hydra.sweep.dir=/x"]) == PROCESS_LAUNCHER
-    assert launcher_target("probe", ["+experiment=fp16_vs_bf16"]) == BASIC_LAUNCHER
+    assert launcher_target("probe", ["experiment=fp16_vs_bf16"]) == BASIC_LAUNCHER
     assert launcher_target("probe", ["hydra/launcher=nope"]) is None  # Hydra reports it
 
 

@@ -197,3 +197,31 @@ def test_other_configurations_still_build(tmp_path):
     assert name not in shipped_digests()
     assert model.resolve(instantiate(cfg.task), to_container(cfg.task)) == str(tmp_path / "models" / name)
     assert json.loads((tmp_path / "models" / name / "rlmm_model.json").read_text())["warm_start"]["steps"] == 5
+
+
+def test_a_warm_start_whose_loss_did_not_come_down_is_an_error_naming_the_model(tmp_path, arithmetic_task):
+    """lr 0: the loss stays where it started; the build fails naming the model and caches nothing, and a model
+    cached before the check (its record says the same) fails when it is resolved."""
+    spec = _spec(tmp_path, warm_start_lr=0.0)
+    name = f"tiny-{spec.cache_key({'t': 1})}"
+    with pytest.raises(ValueError, match=rf"^model: the warm start of {name} did not bring its loss down \("):
+        spec.resolve(arithmetic_task, {"t": 1})
+    assert not (tmp_path / "models" / name).exists() and not list(tmp_path.glob("models/.building-*"))
+    cached = tmp_path / "models" / name
+    cached.mkdir(parents=True)
+    (cached / "rlmm_model.json").write_text(json.dumps({"initial_loss": 4.8, "warm_start_loss": 4.7}))
+    with pytest.raises(ValueError, match=f"warm start of {name} did not bring its loss down"):
+        spec.resolve(arithmetic_task, {"t": 1})
+
+
+def test_the_run_seed_leaves_the_model_and_the_task_as_they_are():
+    """`rlmm train -m seed=0,1,2` trains the shipped model three ways: the run's seed varies sampling and updates,
+    not the task's problems and demonstrations the model is warm-started on (`task.seed`, 0 by default)."""
+    keys = set()
+    for seed in (0, 1, 2):
+        cfg = _compose(f"seed={seed}")
+        assert cfg.task.seed == 0
+        keys.add(instantiate(cfg.model).cache_key(to_container(cfg.task)))
+    assert len(keys) == 1 and f"tiny-{keys.pop()}" in shipped_digests()
+    other = _compose("task.seed=1")
+    assert f"tiny-{instantiate(other.model).cache_key(to_container(other.task))}" not in shipped_digests()

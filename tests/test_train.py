@@ -9,7 +9,7 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from rlmm.config import CONF_DIR, from_yaml
+from rlmm.config import CONF_DIR, from_yaml, group_options
 from rlmm.precision import SidePrecision
 from rlmm.components import Components
 from rlmm.step import rl_step
@@ -54,7 +54,7 @@ class ParityTask:
 
 
 PRECISIONS = sorted(p.stem for p in (CONF_DIR / "precision").glob("*.yaml"))
-TRAINERS = sorted(p.stem for p in (CONF_DIR / "trainer").glob("*.yaml"))
+TRAINERS = group_options("trainer")  # not conf/trainer/_base.yaml, the keys they share
 COMBINATIONS = [(s, t, p) for s in ("vllm", "hf") for t in TRAINERS for p in PRECISIONS]
 # The built-in default first; the rest of the grid runs under `slow`.
 QUICK = {("vllm", "deepspeed", "bf16_sampler_fp32_trainer"), ("vllm", "deepspeed", "bf16"), ("hf", "torch", "fp32"),
@@ -419,3 +419,14 @@ def test_evaluating_on_the_trainers_module_leaves_training_as_it_was(small_model
             c.close()
     for key, value in updated[False].items():
         assert torch.equal(updated[True][key], value), key
+
+
+def test_eval_every_0_evaluates_only_at_the_start_and_the_end(tmp_path):
+    """`train.eval_every=0` reads as checkpoint_every's 0 does: no evaluation between step 0 and the last step
+    (it once divided by zero after both engines had started)."""
+    result = subprocess.run([sys.executable, "-m", "rlmm.cli", "train", "debug=train", "train.steps=3",
+                             "train.eval_every=0", f"hydra.run.dir={tmp_path}"],
+                            capture_output=True, text=True, timeout=900, env=subprocess_env(), stdin=subprocess.DEVNULL)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    steps = [json.loads(line) for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in steps if "eval/accuracy" in s] == [0, 3]

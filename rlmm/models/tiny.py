@@ -38,6 +38,9 @@ BUILDER_VERSION = 1
 # Models shipped with rlmm, one directory per cache key, and the SHA-256 of each of their files.
 BUILTIN_DIR = Path(__file__).resolve().parent / "builtin"
 BUILTIN_SUMS = BUILTIN_DIR / "SHA256SUMS"
+# A warm start whose loss over its last tenth of steps is not below this fraction of its first step's did not
+# learn: an error naming the model, not a useless model cached for every later run.
+LOSS_CAME_DOWN = 0.95
 
 
 def default_cache_dir() -> Path:
@@ -148,6 +151,7 @@ class TinyModel:
     def _cached_build(self, task, task_config: dict, path: Path) -> str:
         """Build and warm-start the model into `path` unless it is already there."""
         if (path / "rlmm_model.json").exists():
+            check_warm_start(json.loads((path / "rlmm_model.json").read_text()), path)  # one cached before the check
             return str(path)
         log.info("building the tiny model in %s (cached for later runs)", path)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -155,6 +159,7 @@ class TinyModel:
         tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=".building-"))
         try:
             report = self._build(task, tmp)
+            check_warm_start(report, path)  # before it is cached
             (tmp / "rlmm_model.json").write_text(json.dumps(
                 {"arch": self.arch, "seed": self.seed, "warm_start": self.warm_start,
                  "task": task_config, **report}, indent=2))
@@ -188,6 +193,18 @@ class TinyModel:
         return report
 
 
+def check_warm_start(report: dict, path: Path) -> None:
+    """Raise a one-line ValueError naming the model when its warm start's loss did not come down (its last
+    tenth of steps not below LOSS_CAME_DOWN x the first step's loss, or not finite)."""
+    first, last = report.get("initial_loss"), report.get("final_loss", report.get("warm_start_loss"))
+    if first is None or last is None:  # no warm start (warm_start_steps: 0)
+        return
+    if not (math.isfinite(last) and last < LOSS_CAME_DOWN * first):
+        raise ValueError(f"model: the warm start of {path.name} did not bring its loss down ({first:.3f} at the first "
+                         f"step, {last:.3f} at the end; {path}): change model.warm_start_lr or "
+                         "model.warm_start_steps, or the task")
+
+
 def warm_start(model, tokenizer, task, *, steps: int, lr: float, batch_size: int, seed: int) -> dict:
     """Supervised fine-tuning on `prompt + target + <eos>`, loss on the target tokens only."""
     from tqdm.auto import tqdm
@@ -202,7 +219,7 @@ def warm_start(model, tokenizer, task, *, steps: int, lr: float, batch_size: int
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / steps))))
     model.train()
-    loss_ema, initial_loss = None, None
+    loss_ema, initial_loss, last_losses = None, None, []
     bar = tqdm(range(steps), desc="warm start", leave=False, disable=None)
     for step in bar:
         batch = [examples[i] for i in order[step * batch_size:(step + 1) * batch_size]]
@@ -216,9 +233,11 @@ def warm_start(model, tokenizer, task, *, steps: int, lr: float, batch_size: int
         schedule.step()
         initial_loss = loss.item() if initial_loss is None else initial_loss
         loss_ema = loss.item() if loss_ema is None else 0.95 * loss_ema + 0.05 * loss.item()
+        if step >= steps - max(1, steps // 10):
+            last_losses.append(loss.item())
         bar.set_postfix(loss=f"{loss_ema:.3f}")
     model.eval()
-    return {"initial_loss": initial_loss, "warm_start_loss": loss_ema}
+    return {"initial_loss": initial_loss, "warm_start_loss": loss_ema, "final_loss": sum(last_losses) / len(last_losses)}
 
 
 def _sft_batch(tokenizer, task, batch):
