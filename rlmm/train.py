@@ -221,9 +221,8 @@ class TrainerModuleEngine:
         from rlmm.samplers.hf import HFSampler
 
         self.trainer = c.trainer
-        # sampler=hf's own batch size (its YAML): the copy's, so both paths generate the same batches
-        batch_size = OmegaConf.load(CONF_DIR / "sampler" / "hf.yaml").batch_size
-        self.sampler = HFSampler.on_model(c.trainer.model, c.model_path, c.sampling, seed=0, batch_size=batch_size)
+        self.sampler = HFSampler.on_model(c.trainer.model, c.model_path, c.sampling, seed=0,
+                                          batch_size=hf_batch_size())
 
     def sync(self, rank: int) -> None:
         """Nothing to load: the module is the trained weights."""
@@ -267,9 +266,10 @@ def generating(model: torch.nn.Module):
 
 
 class TrainedCopyEngine:
-    """Greedy generation with a copy of the trainer's weights (`sampler=hf` with `perturb: 0` in the trainer
-    side's precision), for a trainer whose module cannot generate as it is: its weights sharded over ranks
-    (ZeRO-3, FSDP over several ranks) or its attention set for packed rows (`padding_free`). The copy is built
+    """Greedy generation with a copy of the trainer's weights (`sampler=hf`'s class, built here with its YAML's
+    batch size, no perturbation, in the trainer side's precision `Components.trainer_precision`), for a trainer
+    whose module cannot generate as it is: its weights sharded over ranks (ZeRO-3, FSDP over several ranks) or
+    its attention set for packed rows (`padding_free`). The copy is built
     on rank 0 at the first evaluation and loaded at each; every rank reads the weights (a collective when they
     are gathered from shards)."""
 
@@ -283,10 +283,10 @@ class TrainedCopyEngine:
                 pass
             return
         if self.sampler is None:
-            from rlmm.config import from_yaml
+            from rlmm.samplers.hf import HFSampler
 
-            self.sampler = from_yaml("sampler", "hf", model_path=self.c.model_path, perturb=0.0,
-                                     precision=self.c.trainer_precision, sampling=self.c.sampling, seed=0)
+            self.sampler = HFSampler(self.c.model_path, self.c.trainer_precision, self.c.sampling, seed=0,
+                                     batch_size=hf_batch_size(), perturb=0.0)
         self.sampler.load_weights(weights)
 
     def generate(self, prompt_ids: list[list[int]], *, n: int = 1, greedy: bool = False) -> Rollouts:
@@ -296,6 +296,12 @@ class TrainedCopyEngine:
         if self.sampler is not None:
             self.sampler.close()
             self.sampler = None
+
+
+def hf_batch_size() -> int:
+    """`sampler=hf`'s own batch size (its YAML, the one place it is written): both engines of
+    `eval/accuracy_trained` generate in its batches, so they generate the same batches."""
+    return OmegaConf.load(CONF_DIR / "sampler" / "hf.yaml").batch_size
 
 
 def accuracy(c: Components, sampler, examples: list) -> float:
