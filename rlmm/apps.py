@@ -68,8 +68,7 @@ def _train(cfg: DictConfig) -> None:
     from rlmm.train import run_train
 
     choices, run_dir, logger = start_run(cfg)
-    run_train(cfg, run_dir, choices, logger)
-    logger.finish()
+    run_train(cfg, run_dir, choices, logger)  # finishes the logger, however the run ends
     log.info("run record in %s", run_dir)
 
 

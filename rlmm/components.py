@@ -33,7 +33,8 @@ class Components:
     sampling: SamplingOptions
     critic: Critic = field(default_factory=NoCritic)  # an algorithm's value model (PPO), else NoCritic
     model_path: str = ""
-    trainer_precision: SidePrecision | None = None  # what the trainer side computes in (asked for)
+    trainer_precision: SidePrecision | None = None  # what the trainer side computes in (asked for): the
+    # precision of eval/accuracy_trained's copy of the trainer's weights (rlmm/train.py::TrainedCopyEngine)
     precision_report: dict = field(default_factory=dict)  # asked for vs what each engine really runs
 
     def close(self) -> None:

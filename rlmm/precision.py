@@ -110,3 +110,11 @@ def check_precision(policy, sampler_actual: dict, trainer_actual: dict) -> dict:
     for line in report["silent_casts"]:
         log.warning("precision mismatch: %s", line)
     return report
+
+
+def nonfinite_cause(dtypes) -> str:
+    """The known cause of non-finite log-probs when a side runs in fp16 (`dtypes`: the dtypes the engines
+    really run), as a clause to append to the error or warning that reports them; "" otherwise. One text for
+    the probe's error (rlmm/probe) and the training step's bad-step warning (rlmm/step.py)."""
+    return ("; fp16 activations overflow in some models (Qwen2 is known to): use precision=bf16 or fp32"
+            if "fp16" in set(dtypes) else "")

@@ -35,6 +35,7 @@ from rlmm.components import Components
 from rlmm.corrections.base import CorrectionOutput
 from rlmm.devices import divisor_over_ranks, mean_over_ranks  # noqa: F401 (mean_over_ranks: for rlmm/train.py)
 from rlmm.metrics import mismatch_metrics
+from rlmm.precision import nonfinite_cause
 from rlmm.samplers.base import Rollouts
 from rlmm.timing import timed
 from rlmm.trainers.scoring import combine_micro_batches, padded_rows
@@ -249,9 +250,7 @@ def nonfinite_hint(fractions: dict[str, float], c: Components) -> str:
     """Which side's log-probs are non-finite, how many, and the known cause when it is fp16."""
     sides = ", ".join(f"{frac:.1%} of the {side}'s" for side, frac in fractions.items() if frac > 0)
     dtypes = {c.sampler.actual_precision.get("dtype"), c.trainer.actual_precision.get("dtype")}
-    known = ("; fp16 activations overflow in some models (Qwen2 is known to): use precision=bf16 or fp32"
-             if "fp16" in dtypes else "")
-    return f" ({sides}){known}"
+    return f" ({sides}){nonfinite_cause(dtypes)}"
 
 
 def first_fault(**tensors: torch.Tensor) -> str | None:

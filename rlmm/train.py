@@ -1,7 +1,8 @@
 """`rlmm train`: the run around the RL step (rlmm/step.py): build the components, resume from the newest
 checkpoint, then for each step: this rank's share of the step's prompts -> `rl_step` -> metrics averaged
 over ranks -> evaluation every `eval_every` steps -> the run record and the logger -> a checkpoint every
-`checkpoint_every` steps or on a stop signal; at the end a summary, a table and `training.png`.
+`checkpoint_every` steps or on a stop signal; at the end a summary, then the shutdown (`shutdown`, which
+every way out runs: the last step, a stop, an error), a table and `training.png`.
 
 Several ranks (`torchrun --nproc_per_node N -m rlmm.cli train ...`, or SLURM tasks): every rank holds
 a full sampler (an in-process vLLM engine, sharing the ranks' process group) and a trainer replica.
@@ -13,7 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from functools import partial
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import torch
@@ -83,8 +84,10 @@ def run_train(cfg: DictConfig, run_dir: Path, choices: dict[str, str], logger) -
     evaluate = Evaluation(components, eval_examples, options.eval_trained_weights, rank)
 
     # Signals are recorded from before the first logged row: a SIGTERM that lands between step 0's
-    # evaluation and the loop must still end in a checkpoint, not in the default handler.
-    with StopSignals() as stop:
+    # evaluation and the loop must still end in a checkpoint, not in the default handler. The shutdown runs
+    # on the way out of the block however it is left (the last step, a stop, an error), under these handlers.
+    handing_over = False
+    with StopSignals() as stop, shutdown(record, logger, evaluate, components):
         if first_step == 1:
             accuracies = evaluate()
             record.log(accuracies, step=0)
@@ -118,34 +121,43 @@ def run_train(cfg: DictConfig, run_dir: Path, choices: dict[str, str], logger) -
                 # Bad steps changed no weights: this checkpoint holds the last good state.
                 saved = checkpoint.save(run_dir, step, trainer, sampler, components.critic, loop={
                     "bad_steps": bad_total, "bad_steps_in_a_row": bad_in_a_row, "monitor": monitor.state_dict()})
-            if stopping or too_many_bad or alarmed:
-                record.close()
-                logger.finish()
-                evaluate.close()
-                components.close()
-                if too_many_bad:
-                    raise TrainingStopped(f"{bad_in_a_row} bad steps in a row (train.max_bad_steps="
-                                          f"{options.max_bad_steps}) at step {step}; last good state in {saved}")
-                if alarmed:
-                    raise TrainingStopped(monitor.stop_message(saved))
+            if too_many_bad:
+                raise TrainingStopped(f"{bad_in_a_row} bad steps in a row (train.max_bad_steps="
+                                      f"{options.max_bad_steps}) at step {step}; last good state in {saved}")
+            if alarmed:
+                raise TrainingStopped(monitor.stop_message(saved))
+            if stopping:
                 log.warning("stop signal %s at step %d: checkpoint in %s", stop.received, step, saved)
-                stop.hand_over()
-    rows = read_steps(run_dir) if rank == 0 else []
-    history = [row for row in rows if row["step"] > 0]
-    accuracy = {row["step"]: row["eval/accuracy"] for row in rows if row.get("eval/accuracy") is not None}
-    trained_accuracy = {row["step"]: row["eval/accuracy_trained"] for row in rows
-                        if row.get("eval/accuracy_trained") is not None}
-    summary = summarize(history, accuracy, trained_accuracy, choices, precision_report, options, world,
-                        time.perf_counter() - started, first_step) if rank == 0 else {}
-    record.summary(summary)
-    record.close()
-    logger.summary(summary)
-    evaluate.close()
-    components.close()
+                handing_over = True
+                break
+        else:  # every step done: the summary, from the record (so a resumed run summarises every step)
+            rows = read_steps(run_dir) if rank == 0 else []
+            history = [row for row in rows if row["step"] > 0]
+            accuracy = {row["step"]: row["eval/accuracy"] for row in rows if row.get("eval/accuracy") is not None}
+            trained_accuracy = {row["step"]: row["eval/accuracy_trained"] for row in rows
+                                if row.get("eval/accuracy_trained") is not None}
+            summary = summarize(history, accuracy, trained_accuracy, choices, precision_report, options, world,
+                                time.perf_counter() - started, first_step) if rank == 0 else {}
+            record.summary(summary)
+            logger.summary(summary)
+    if handing_over:  # after the shutdown: the signal's previous handler may requeue the job and exit
+        stop.hand_over()
     if rank == 0:
         plot_training(history, accuracy, trained_accuracy, run_dir / "training.png", choices)
         print_summary(summary)
     return summary
+
+
+def shutdown(record, logger, evaluation: Evaluation, components: Components) -> ExitStack:
+    """The run's one shutdown, as a context that runs it on the way out of its block however the block ends
+    (its last step, a stop, an error): the record closed (its rows are on disk), the logger finished, then the
+    engines: the evaluation's copy, then the components' (critic, trainer, sampler). Each runs even if one
+    before it raised. The process group is not destroyed: it lives as long as the process
+    (rlmm/devices.py's `init_process_group` starts it once, and the next app in the process joins it)."""
+    stack = ExitStack()
+    for close in (components.close, evaluation.close, logger.finish, record.close):  # run last to first
+        stack.callback(close)
+    return stack
 
 
 def refill_prompts(pool: list, seed: int, step: int, sampling_round: int, count: int) -> list:
@@ -221,9 +233,8 @@ class TrainerModuleEngine:
         from rlmm.samplers.hf import HFSampler
 
         self.trainer = c.trainer
-        # sampler=hf's own batch size (its YAML): the copy's, so both paths generate the same batches
-        batch_size = OmegaConf.load(CONF_DIR / "sampler" / "hf.yaml").batch_size
-        self.sampler = HFSampler.on_model(c.trainer.model, c.model_path, c.sampling, seed=0, batch_size=batch_size)
+        self.sampler = HFSampler.on_model(c.trainer.model, c.model_path, c.sampling, seed=0,
+                                          batch_size=hf_batch_size())
 
     def sync(self, rank: int) -> None:
         """Nothing to load: the module is the trained weights."""
@@ -267,9 +278,10 @@ def generating(model: torch.nn.Module):
 
 
 class TrainedCopyEngine:
-    """Greedy generation with a copy of the trainer's weights (`sampler=hf` with `perturb: 0` in the trainer
-    side's precision), for a trainer whose module cannot generate as it is: its weights sharded over ranks
-    (ZeRO-3, FSDP over several ranks) or its attention set for packed rows (`padding_free`). The copy is built
+    """Greedy generation with a copy of the trainer's weights (`sampler=hf`'s class, built here with its YAML's
+    batch size, no perturbation, in the trainer side's precision `Components.trainer_precision`), for a trainer
+    whose module cannot generate as it is: its weights sharded over ranks (ZeRO-3, FSDP over several ranks) or
+    its attention set for packed rows (`padding_free`). The copy is built
     on rank 0 at the first evaluation and loaded at each; every rank reads the weights (a collective when they
     are gathered from shards)."""
 
@@ -283,10 +295,10 @@ class TrainedCopyEngine:
                 pass
             return
         if self.sampler is None:
-            from rlmm.config import from_yaml
+            from rlmm.samplers.hf import HFSampler
 
-            self.sampler = from_yaml("sampler", "hf", model_path=self.c.model_path, perturb=0.0,
-                                     precision=self.c.trainer_precision, sampling=self.c.sampling, seed=0)
+            self.sampler = HFSampler(self.c.model_path, self.c.trainer_precision, self.c.sampling, seed=0,
+                                     batch_size=hf_batch_size(), perturb=0.0)
         self.sampler.load_weights(weights)
 
     def generate(self, prompt_ids: list[list[int]], *, n: int = 1, greedy: bool = False) -> Rollouts:
@@ -296,6 +308,12 @@ class TrainedCopyEngine:
         if self.sampler is not None:
             self.sampler.close()
             self.sampler = None
+
+
+def hf_batch_size() -> int:
+    """`sampler=hf`'s own batch size (its YAML, the one place it is written): both engines of
+    `eval/accuracy_trained` generate in its batches, so they generate the same batches."""
+    return OmegaConf.load(CONF_DIR / "sampler" / "hf.yaml").batch_size
 
 
 def accuracy(c: Components, sampler, examples: list) -> float:

@@ -79,7 +79,7 @@ MUTANTS = [
     Mutant("scoring_ignores_temperature", "the trainer scores at temperature 1 whatever the sampler used",
            [("rlmm/logprobs.py", "logits = logits / options.temperature", "logits = logits")]),
     Mutant("probe_one_micro_batch_size", "the probe's trainer-vs-itself scores both times at the same size",
-           [("rlmm/probe.py", "trainer.logprobs(rollouts, small), mask", "trainer.logprobs(rollouts, large), mask")],
+           [("rlmm/probe/measurements.py", "trainer.logprobs(rollouts, small), mask", "trainer.logprobs(rollouts, large), mask")],
            tests=("tests/test_probe.py",)),
     Mutant("zero3_holds_graphs", "the one-pass step holds every micro-batch's graph under ZeRO-3 too",
            [("rlmm/trainers/deepspeed_backend.py", "one_pass=zero_stage != 3", "one_pass=True")]),

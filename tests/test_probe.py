@@ -100,7 +100,7 @@ def test_trainer_against_itself_scores_at_the_two_micro_batch_sizes(small_model_
     """The trainer-vs-itself figures come from two scorings of the same rows in micro-batches of each size."""
     import torch
 
-    from rlmm.probe import trainer_against_itself
+    from rlmm.probe.measurements import trainer_against_itself
 
     sampler, rollouts, trainer = bf16_rollouts_and_trainer(small_model_path, prompts)
     shapes = []
@@ -147,7 +147,7 @@ def test_sampler_against_itself_counts_what_the_batch_changes(small_model_path, 
     from omegaconf import OmegaConf
     from transformers import AutoTokenizer
 
-    from rlmm.probe import batch_invariance
+    from rlmm.probe.measurements import batch_invariance
 
     options = OmegaConf.create({"split": "test", "batch_invariance": {"num_prompts": 2, "num_completions": 3,
                                                                       "max_batch_size": 8}})
@@ -198,7 +198,8 @@ def test_trainer_across_layouts_scores_each_layout(small_model_path, prompts):
     """Each layout's figures come from forwards laid out as it says (a token budget: micro-batches within it,
     rows longest first; padding-free: one packed row a micro-batch), and in bf16 packing changes the
     log-probs (nonzero |Δ|), while the reference scored twice does not."""
-    from rlmm.probe import check_layouts, trainer_across_layouts
+    from rlmm.probe.checks import check_layouts
+    from rlmm.probe.measurements import trainer_across_layouts
 
     sampler, rollouts, trainer = bf16_rollouts_and_trainer(small_model_path, prompts)
     from omegaconf import OmegaConf

@@ -291,7 +291,7 @@ def test_nonfinite_logprobs_say_which_side_how_many_and_the_fp16_cause():
     the share and the cause, and a training step's skip reason says the same."""
     from types import SimpleNamespace
 
-    from rlmm.probe import check_finite
+    from rlmm.probe.checks import check_finite
     from rlmm.step import nonfinite_hint
 
     report = {"actual": {"sampler": {"dtype": "fp16"}, "trainer": {"dtype": "fp32"}}}

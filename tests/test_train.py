@@ -430,3 +430,118 @@ def test_eval_every_0_evaluates_only_at_the_start_and_the_end(tmp_path):
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
     steps = [json.loads(line) for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
     assert [s["step"] for s in steps if "eval/accuracy" in s] == [0, 3]
+
+
+class ShutdownWatch:
+    """Fakes for `run_train`'s parts around the loop, each writing down when it is closed, saved or finished:
+    the run's shutdown (rlmm/train.py::shutdown) is checked without an engine."""
+
+    def __init__(self, monkeypatch, step):
+        import rlmm.checkpoint
+        import rlmm.train
+        from rlmm.records import RunRecord
+
+        self.events = []
+        events = self.events
+
+        class Part:
+            def __init__(self, name):
+                self.name = name
+
+            def close(self):
+                events.append(self.name)
+
+        class Task:
+            def examples(self, split, n):
+                return [split] * n
+
+        class WatchedRecord(RunRecord):
+            def close(self):
+                super().close()
+                events.append("record")
+
+        class Logger:
+            def log(self, metrics, step=None):
+                pass
+
+            def summary(self, metrics):
+                pass
+
+            def finish(self):
+                events.append("logger")
+
+        class FakeEvaluation(Part):
+            def __init__(self, c, examples, trained_weights, rank):
+                super().__init__("evaluation")
+
+            def __call__(self):
+                return {"eval/accuracy": 0.5}
+
+        components = Part("components")
+        components.task, components.trainer, components.sampler = Task(), None, None
+        components.critic, components.precision_report = None, {}
+        monkeypatch.setattr(rlmm.train, "build_components", lambda cfg, prompts, max_rows: components)
+        monkeypatch.setattr(rlmm.train, "Evaluation", FakeEvaluation)
+        monkeypatch.setattr(rlmm.train, "RunRecord", WatchedRecord)
+        monkeypatch.setattr(rlmm.train, "rl_step", step)
+        monkeypatch.setattr(rlmm.train, "mean_over_ranks", lambda metrics: metrics)
+        monkeypatch.setattr(rlmm.checkpoint, "save", lambda run_dir, step, *parts, loop: events.append("checkpoint"))
+        self.logger = Logger()
+
+    @staticmethod
+    def config():
+        return OmegaConf.create({"seed": 0, "algo": {"group_size": 2},
+                                 "train": {**OmegaConf.load(CONF_DIR / "train.yaml").train, "steps": 3,
+                                           "prompts_per_step": 2, "eval_prompts": 2, "checkpoint_every": 0}})
+
+
+def step_metrics():
+    return {"train/skipped": 0.0, "rollout/reward_mean": 0.5, "mismatch/kl_k3": 0.0}
+
+
+def test_the_shutdown_runs_when_the_loop_raises(tmp_path, monkeypatch):
+    """A step that raises still ends the run in its one shutdown, in order: the record closed (the rows before
+    the error stay on disk), the logger finished, the evaluation's engine and then the components closed."""
+    from rlmm.devices import init_process_group
+    from rlmm.records import read_steps
+    from rlmm.train import run_train
+
+    def broken_step(*args):
+        raise RuntimeError("a step broken on purpose")
+
+    init_process_group()
+    watch = ShutdownWatch(monkeypatch, broken_step)
+    with pytest.raises(RuntimeError, match="broken on purpose"):
+        run_train(ShutdownWatch.config(), tmp_path, {}, watch.logger)
+    assert watch.events == ["record", "logger", "evaluation", "components"]
+    assert [row["step"] for row in read_steps(tmp_path)] == [0]
+    assert not (tmp_path / "summary.json").exists()
+
+
+def test_a_stop_signal_checkpoints_then_shuts_down_then_hands_over(tmp_path, monkeypatch):
+    """SIGTERM during step 1: the step is recorded, a checkpoint written, the shutdown run, and only then the
+    signal handed over (here no handler was there before: exit 128 + SIGTERM), with no summary."""
+    import os
+    import signal
+
+    from rlmm.devices import init_process_group
+    from rlmm.records import read_steps
+    from rlmm.train import run_train
+
+    def signalled_step(*args):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return step_metrics()
+
+    init_process_group()
+    watch = ShutdownWatch(monkeypatch, signalled_step)
+    previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        with pytest.raises(SystemExit) as stopped:
+            run_train(ShutdownWatch.config(), tmp_path, {}, watch.logger)
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # the handler that was there is back
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert stopped.value.code == 128 + signal.SIGTERM
+    assert watch.events == ["checkpoint", "record", "logger", "evaluation", "components"]
+    assert [row["step"] for row in read_steps(tmp_path)] == [0, 1]
+    assert not (tmp_path / "summary.json").exists()

@@ -1,0 +1,98 @@
+"""`rlmm probe`: measure the training-inference mismatch of one (model, sampler, trainer, precision).
+
+Reads top to bottom:
+  1. build the task, the model checkpoint, the precision policy, the sampler and the trainer;
+  2. check that each engine really runs the precision it was asked for;
+  3. sample rollouts and score them on both sides -> mismatch metrics and the per-position profile;
+  4. decompose: trainer vs itself at two micro-batch sizes, and across micro-batch layouts (padded
+     micro-batches of trainer.micro_batch_size vs a token budget vs padding-free, `probe.trainer_layouts`);
+     sampler vs itself, greedy, with the same prompts alone and inside larger batches (Thinking Machines 2025, "Defeating
+     Nondeterminism in LLM Inference": 80 unique completions of 1000 without batch-invariant kernels);
+  5. print a table, write `probe.json` and `probe.png` into the run directory, log to the logger.
+
+Modules: `checks` (the options before any engine starts, the scored log-probs), `measurements` (each engine
+against itself), `report` (the printed tables and lines), `plot` (`probe.png`); this module is the run.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from rlmm.components import build_components
+from rlmm.config import to_container
+from rlmm.logging import redact
+from rlmm.metrics import early_vs_late, mismatch_metrics, position_profile
+from rlmm.probe.checks import check_finite, check_options
+from rlmm.probe.measurements import batch_invariance, trainer_across_layouts, trainer_against_itself
+from rlmm.probe.plot import plot_probe
+from rlmm.probe.report import print_probe
+from rlmm.timing import timed
+
+log = logging.getLogger(__name__)
+
+
+def run_probe(cfg: DictConfig, run_dir: Path, choices: dict[str, str]) -> dict:
+    started = time.perf_counter()
+    stage_seconds: dict[str, float] = {}
+    options = cfg.probe
+    layouts = check_options(cfg)  # before any engine starts
+    components = build_components(cfg, lambda task: (task.examples(options.split, options.num_prompts)
+                                                     + task.examples("train", options.batch_invariance.max_batch_size)),
+                                  max(options.num_prompts * options.samples_per_prompt,
+                                      options.batch_invariance.max_batch_size), stage_seconds)
+    task, tokenizer, sampler, trainer = components.task, components.tokenizer, components.sampler, components.trainer
+    precision_report, model_path = components.precision_report, components.model_path
+    examples = task.examples(options.split, options.num_prompts)
+    prompt_ids = [tokenizer(e.prompt).input_ids for e in examples]
+
+    with timed(stage_seconds, "generate"):
+        rollouts = sampler.generate(prompt_ids, n=options.samples_per_prompt)
+    completions = tokenizer.batch_decode(rollouts.response_ids, skip_special_tokens=True)
+    rewards = [task.reward(examples[i // options.samples_per_prompt], text) for i, text in enumerate(completions)]
+    sampler_logprobs, mask = rollouts.padded_sampler_logprobs()
+    with timed(stage_seconds, "score"):
+        train_logprobs = trainer.logprobs(rollouts)
+    check_finite({"sampler": sampler_logprobs[mask], "trainer": train_logprobs[mask]}, precision_report,
+                 close=(trainer, sampler))
+    sampler_vs_trainer = mismatch_metrics(train_logprobs, sampler_logprobs, mask, ratio_cap=options.ratio_cap)
+    # Whole-token buckets of equal width, so short answers get one bucket per position.
+    bucket_size = max(1, math.ceil(mask.sum(1).max().item() / options.position_buckets))
+    profile = position_profile(train_logprobs, sampler_logprobs, mask, bucket_size=bucket_size)
+    early_late = options.early_vs_late
+    same_responses = ({} if early_late.response_tokens is None else
+                      early_vs_late(train_logprobs, sampler_logprobs, mask, **early_late))
+
+    with timed(stage_seconds, "trainer_vs_itself"):
+        trainer_vs_itself = trainer_against_itself(trainer, rollouts, options.trainer_micro_batch_sizes,
+                                                   options.ratio_cap)
+        trainer_vs_itself.update(trainer_across_layouts(trainer, rollouts, layouts, options.ratio_cap))
+    with timed(stage_seconds, "sampler_vs_itself"):
+        sampler_vs_itself = batch_invariance(sampler, task, tokenizer, options)
+    trainer.close()
+    sampler.close()
+
+    record = {
+        "choices": choices,
+        "model_path": model_path,
+        "precision": precision_report,
+        "rollouts": {"num": len(rollouts), "mean_reward": sum(rewards) / len(rewards),
+                     "mean_response_length": mask.sum().item() / len(rollouts),
+                     "frac_truncated": rollouts.finish_reasons.count("length") / len(rollouts)},
+        "sampler_vs_trainer": sampler_vs_trainer,
+        "position_profile": profile,
+        "early_vs_late": same_responses,
+        "trainer_vs_itself": trainer_vs_itself,
+        "sampler_vs_itself": sampler_vs_itself,
+        "seconds": time.perf_counter() - started,
+        "stage_seconds": stage_seconds,
+        "config": redact(to_container(cfg)),
+    }
+    (run_dir / "probe.json").write_text(json.dumps(record, indent=2, default=float))
+    plot_probe(record, run_dir / "probe.png")
+    print_probe(record)
+    return record

@@ -1,0 +1,104 @@
+"""The probe's measurements of each engine against itself (the sampler against the trainer is
+rlmm/metrics.py's, called from `run_probe`): the trainer at two micro-batch sizes (`trainer_against_itself`)
+and across micro-batch layouts (`trainer_across_layouts`), the sampler greedy inside batches of different
+sizes and alone (`batch_invariance`)."""
+from __future__ import annotations
+
+import torch
+
+from rlmm.metrics import mismatch_metrics
+from rlmm.probe.checks import check_micro_batch_sizes
+from rlmm.samplers.base import Rollouts, pad_right
+from rlmm.trainers.packing import MicroBatching
+from rlmm.trainers.scoring import row_tokens
+
+
+def trainer_across_layouts(trainer, rollouts: Rollouts, layouts: dict[str, MicroBatching], ratio_cap: float) -> dict:
+    """The same rollouts scored by the same trainer under each layout and under the padded reference
+    (`check_layouts`): what the micro-batch layout alone does to the trainer's log-probs, the reference
+    playing the sampler in δ = log π_layout - log π_reference. Returns `layouts` (each one's settings and
+    micro-batch count) and `NAME/METRIC` for every layout and metric (rlmm table: trainer_vs_itself/NAME/METRIC)."""
+    _, mask = rollouts.padded_sampler_logprobs()
+    rows = list(range(len(rollouts)))
+    reference = trainer.logprobs(rollouts, layout=layouts["reference"])
+    record = {"layouts": {name: {"micro_batch_size": layout.size, "micro_batch_tokens": layout.tokens,
+                                 "padding_free": layout.padding_free,
+                                 "micro_batches": len(layout.split(row_tokens(rollouts, rows), rows))}
+                          for name, layout in layouts.items()}}
+    for name, layout in layouts.items():
+        if name == "reference":
+            continue
+        metrics = mismatch_metrics(trainer.logprobs(rollouts, layout=layout), reference, mask, ratio_cap=ratio_cap)
+        record.update({f"{name}/{key}": value for key, value in metrics.items()})
+    return record
+
+
+def trainer_against_itself(trainer, rollouts: Rollouts, micro_batch_sizes: list[int], ratio_cap: float) -> dict:
+    """The same rollouts scored twice by the same trainer, in micro-batches of the two sizes: what batch
+    shape alone does to the trainer's log-probs (the larger size plays the trainer, the smaller the sampler
+    in the metrics' δ = log π_large - log π_small)."""
+    small, large = check_micro_batch_sizes(micro_batch_sizes)
+    _, mask = rollouts.padded_sampler_logprobs()
+    return {"micro_batch_sizes": [small, large],
+            **mismatch_metrics(trainer.logprobs(rollouts, large), trainer.logprobs(rollouts, small), mask,
+                               ratio_cap=ratio_cap)}
+
+
+def batch_invariance(sampler, task, tokenizer, options) -> dict:
+    """Greedy decoding of the same prompts inside batches of different sizes, and alone.
+
+    Batch sizes: `num_completions` sizes from 1 to `max_batch_size` (linspace, rounded). A batch of size s
+    holds the first min(s, num_prompts) target prompts, filled up with train prompts, so every target in a
+    batch is one more observation of its greedy completion at that size, for compute the batch costs anyway.
+
+    - `unique_greedy_completions`: distinct completions of the first target across the sizes (a
+      batch-invariant engine gives 1); `unique_greedy_completions_mean` the same averaged over targets,
+      and `frac_prompts_batch_invariant` the fraction of targets with one completion at every size.
+    - each target alone (a batch of 1) vs inside the largest batch: fraction identical, first diverging
+      token index, and |delta| between the two runs' log-probs over the common prefix (the sampler's
+      disagreement with itself).
+    """
+    settings = options.batch_invariance
+    fillers = [tokenizer(e.prompt).input_ids for e in task.examples("train", settings.max_batch_size)]
+    targets = [tokenizer(e.prompt).input_ids for e in task.examples(options.split, settings.num_prompts)]
+
+    sizes = torch.linspace(1, settings.max_batch_size, settings.num_completions).round().int().tolist()
+    completions = [[] for _ in targets]
+    for size in sizes:
+        present = min(size, len(targets))
+        batch = sampler.generate(targets[:present] + fillers[:size - present], greedy=True)
+        for i in range(present):
+            completions[i].append(tuple(batch.response_ids[i]))
+    largest = batch  # the sizes ascend: the last batch holds every target (check_batch_invariance)
+
+    alone = Rollouts([], [], [], [])
+    for prompt in targets:
+        one = sampler.generate([prompt], greedy=True)
+        alone.response_ids += one.response_ids
+        alone.sampler_logprobs += one.sampler_logprobs
+
+    first_divergence, prefix_a, prefix_b = [], [], []
+    for i in range(len(targets)):
+        a, b = alone.response_ids[i], largest.response_ids[i]
+        common = next((t for t, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        if a != b:
+            first_divergence.append(common)
+        # Compare log-probs only where both runs saw the same prefix (and emitted the same token).
+        prefix_a.append(alone.sampler_logprobs[i][:common])
+        prefix_b.append(largest.sampler_logprobs[i][:common])
+    lp_a, mask = pad_right(prefix_a)
+    lp_b, _ = pad_right(prefix_b)
+    prefix_metrics = mismatch_metrics(lp_b, lp_a, mask)
+    unique = [len(set(c)) for c in completions]
+    return {
+        "unique_greedy_completions": unique[0],
+        "num_greedy_completions": len(completions[0]),
+        "unique_greedy_completions_mean": sum(unique) / len(unique),
+        "frac_prompts_batch_invariant": sum(u == 1 for u in unique) / len(unique),
+        "num_observations": sum(map(len, completions)),
+        "batch_sizes": sizes,
+        "frac_identical_alone_vs_batched": 1 - len(first_divergence) / len(targets),
+        "first_divergence_index": first_divergence,
+        "logprob_abs_diff_mean": prefix_metrics["logprob_abs_diff_mean"],
+        "logprob_abs_diff_max": prefix_metrics["logprob_abs_diff_max"],
+    }

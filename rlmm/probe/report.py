@@ -1,0 +1,70 @@
+"""The probe's printed report of its record (`probe.json`): the headline metrics, sampler vs trainer and
+trainer vs itself; the trainer across layouts; the engines' precision; the sampler against itself."""
+from __future__ import annotations
+
+from rlmm.formatting import format_number
+
+# The numbers shown in the printed table (all of them go to the JSON record).
+HEADLINE = ("logprob_abs_diff_mean", "logprob_abs_diff_max", "prob_abs_diff_mean", "prob_abs_diff_max",
+            "prob_pearson", "kl_k3", "ppl_ratio", "chi2_token", "seq_logratio_abs_max", "ess_seq",
+            "frac_ratio_outside")
+
+
+def print_probe(record: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    choices = record["choices"]
+    title = " ".join(f"{k}={v}" for k, v in choices.items() if k in ("model", "sampler", "trainer", "precision"))
+    table = Table(title=f"mismatch: {title}", title_justify="left")
+    table.add_column("metric")
+    table.add_column("sampler vs trainer", justify="right")
+    itself = record["trainer_vs_itself"]
+    table.add_column(f"trainer vs itself (mb {itself['micro_batch_sizes']})", justify="right")
+    for key in HEADLINE:
+        fmt = (lambda v: f"{v:.7f}") if key == "prob_pearson" else format_number  # its story is in the 5th digit
+        table.add_row(key, fmt(record["sampler_vs_trainer"][key]), fmt(itself[key]))
+    console.print(table)
+    layouts = itself["layouts"]
+    if len(layouts) > 1:
+        reference = layouts["reference"]
+        table = Table(title=f"trainer vs itself across layouts, against {describe_layout(reference)}",
+                      title_justify="left")
+        table.add_column("layout", no_wrap=True)
+        table.add_column("micro-batches", no_wrap=True)
+        table.add_column("mean |Δlogp|", justify="right")
+        table.add_column("max |Δlogp|", justify="right")
+        for name, layout in layouts.items():
+            if name != "reference":
+                table.add_row(name, describe_layout(layout), format_number(itself[f"{name}/logprob_abs_diff_mean"]),
+                              format_number(itself[f"{name}/logprob_abs_diff_max"]))
+        console.print(table)
+    inv = record["sampler_vs_itself"]
+    precision = record["precision"]
+    engines = {side: ", ".join(f"{k} {v}" for k, v in precision["actual"][side].items() if k != "engine")
+               for side in ("sampler", "trainer")}
+    console.print(f"engines run: sampler ({engines['sampler']}); trainer ({engines['trainer']}); fp32 matmul "
+                  f"{precision['actual']['fp32_matmul']}")
+    for line in precision["silent_casts"]:
+        console.print(f"[bold red]precision mismatch:[/] {line}")
+    console.print(f"sampler vs itself (greedy): {inv['unique_greedy_completions']} unique of "
+                  f"{inv['num_greedy_completions']} completions across batch sizes (mean over prompts "
+                  f"{inv['unique_greedy_completions_mean']:.2f}); alone vs batched identical for "
+                  f"{inv['frac_identical_alone_vs_batched']:.0%} of prompts; |delta| mean {format_number(inv['logprob_abs_diff_mean'])}")
+    if early_late := record["early_vs_late"]:
+        console.print(f"early vs late in the same {early_late['num_sequences']} responses of >= "
+                      f"{early_late['response_tokens']} tokens: mean |delta| "
+                      f"{format_number(early_late['early_logprob_abs_diff_mean'])} in the first {early_late['window']}, "
+                      f"{format_number(early_late['late_logprob_abs_diff_mean'])} in the last {early_late['window']}")
+    rollouts = record["rollouts"]
+    console.print(f"rollouts: {rollouts['num']}, mean reward {rollouts['mean_reward']:.3f}, mean length "
+                  f"{rollouts['mean_response_length']:.1f}; {record['seconds']:.1f} s ("
+                  + ", ".join(f"{k} {v:.1f}" for k, v in record["stage_seconds"].items()) + ")")
+
+
+def describe_layout(layout: dict) -> str:
+    """e.g. '3 x <=512 tok packed': the micro-batch count, each one's size, packed or padded."""
+    tokens = layout["micro_batch_tokens"]
+    return (f"{layout['micro_batches']} x " + (f"<={tokens} tok" if tokens else f"{layout['micro_batch_size']} rows")
+            + (" packed" if layout["padding_free"] else " padded"))
