@@ -84,16 +84,3 @@ def init_process_group() -> None:
             os.environ["MASTER_PORT"] = str(s.getsockname()[1])
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     dist.init_process_group(backend=process_group_backend(torch.cuda.is_available()), init_method="env://")
-
-
-def average_over_ranks(gradients: list[torch.Tensor]) -> None:
-    """Data parallelism as DDP and DeepSpeed do it: every rank ends the backward pass holding the mean of
-    all ranks' gradients, so the replicas take the same step (a NaN on one rank reaches all, and every
-    rank skips that step). One all-reduce per tensor: no extra buffer the size of the model."""
-    import torch.distributed as dist
-
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return
-    for gradient in gradients:
-        dist.all_reduce(gradient)
-        gradient.div_(dist.get_world_size())

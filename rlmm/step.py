@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from rlmm.collectives import all_reduce_mean, any_rank
 from rlmm.components import Components
 from rlmm.corrections.base import CorrectionOutput
 from rlmm.metrics import mismatch_metrics
@@ -64,7 +65,7 @@ class OldPolicy:
               rewards: torch.Tensor, correction, ratio_cap: float, values: torch.Tensor | None = None) -> OldPolicy:
         checked = {"rewards": rewards, "trainer_logprobs": trainer_logprobs[mask],
                    "sampler_logprobs": sampler_logprobs[mask]}
-        fault = any_rank(first_fault(**checked, **({"critic_values": values[mask]} if values is not None else {})))
+        fault = fault_on_any_rank(first_fault(**checked, **({"critic_values": values[mask]} if values is not None else {})))
         nonfinite = {side: 1 - torch.isfinite(lp[mask]).float().mean().item()
                      for side, lp in (("trainer", trainer_logprobs), ("sampler", sampler_logprobs))}
         mismatch = mismatch_metrics(trainer_logprobs, sampler_logprobs, mask, ratio_cap=ratio_cap)
@@ -221,8 +222,6 @@ def sample_groups(c: Components, prompts: list, refill: Callable[[int], list] | 
     them is filled with dropped groups, so every step has the same shape. Metrics: the mean reward of the
     step's own prompts (the first round, all groups), and with dynamic sampling the groups dropped, the
     rounds taken and the dropped groups used as filler."""
-    from rlmm.preemption import any_rank as flag_on_any_rank
-
     rank, world = rank_and_world()
     places = rank_share(list(range(len(prompts))), rank, world)  # this rank's prompts' places in the step
     algo, size = c.algo, len(places)
@@ -240,7 +239,7 @@ def sample_groups(c: Components, prompts: list, refill: Callable[[int], list] | 
             rows = list(range(g * algo.group_size, (g + 1) * algo.group_size))
             (kept if keep[g] else dropped).append((rollouts.select(rows), rewards[rows]))
         # Every rank takes the same rounds (the engines of several ranks step together): any short rank goes on.
-        if refill is None or rounds >= algo.max_sampling_rounds or not flag_on_any_rank(len(kept) < size):
+        if refill is None or rounds >= algo.max_sampling_rounds or not any_rank(len(kept) < size):
             break
         rounds += 1
         candidates = rank_share(refill(rounds), rank, world)
@@ -307,11 +306,9 @@ def first_fault(**tensors: torch.Tensor) -> str | None:
     return None
 
 
-def any_rank(fault: str | None) -> str | None:
+def fault_on_any_rank(fault: str | None) -> str | None:
     """A fault seen on any rank is a fault on every rank (they must skip the update together)."""
-    from rlmm.preemption import any_rank as flag_on_any_rank
-
-    if flag_on_any_rank(fault is not None):
+    if any_rank(fault is not None):
         return fault or "a fault on another rank"
     return None
 
@@ -321,9 +318,8 @@ def mean_over_ranks(metrics: dict[str, float]) -> dict[str, float]:
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return metrics
     keys = sorted(metrics)
-    values = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64)
-    dist.all_reduce(values)
-    return dict(zip(keys, (values / dist.get_world_size()).tolist()))
+    values = all_reduce_mean(torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64))
+    return dict(zip(keys, values.tolist()))
 
 
 def rank_and_world() -> tuple[int, int]:

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import torch
 
-from rlmm.devices import average_over_ranks, init_process_group, select_device
+from rlmm.collectives import average_over_ranks
+from rlmm.devices import init_process_group, select_device
 from rlmm.models.head import install_output_head
 from rlmm.models.loading import load_value_model, model_precision, padding_id
 from rlmm.precision import SidePrecision, dtype_name

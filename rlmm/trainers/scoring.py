@@ -16,6 +16,7 @@ from typing import Callable
 
 import torch
 
+from rlmm.collectives import any_rank
 from rlmm.models.head import OutputHead
 from rlmm.trainers.memory import ActivationBudget
 from rlmm.trainers.packing import Batch, MicroBatching, micro_batches  # noqa: F401 (micro_batches: re-exported)
@@ -122,8 +123,6 @@ class MinibatchUpdate:
 
     @property
     def holds_graphs(self) -> bool:
-        from rlmm.preemption import any_rank
-
         return not any_rank(not self._graphs_fit(sum(self._tokens)))
 
     def forward(self, micro_batch: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:

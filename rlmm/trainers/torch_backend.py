@@ -22,7 +22,8 @@ import math
 
 import torch
 
-from rlmm.devices import average_over_ranks, select_device
+from rlmm.collectives import average_over_ranks
+from rlmm.devices import select_device
 from rlmm.models.loading import load_causal_lm, load_value_model, model_precision, padding_id
 from rlmm.precision import SidePrecision
 from rlmm.samplers.base import Rollouts, SamplingOptions
