@@ -27,7 +27,8 @@ __all__ = ["Algorithm", "Correction", "CorrectionOutput", "MinibatchUpdate", "Ro
 
 @runtime_checkable
 class MinibatchUpdate(Protocol):
-    """One optimizer step over a minibatch (rlmm/trainers/scoring.py::MinibatchUpdate has the contract)."""
+    """One optimizer step over a minibatch (rlmm/trainers/update.py::MicroBatchedUpdate, the
+    backends' shared part, has the contract)."""
 
     micro_batches: list[list[int]]
 

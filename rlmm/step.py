@@ -37,7 +37,8 @@ from rlmm.corrections.base import CorrectionOutput
 from rlmm.metrics import mismatch_metrics
 from rlmm.samplers.base import Rollouts
 from rlmm.timing import timed
-from rlmm.trainers.scoring import combine_micro_batches, padded_rows
+from rlmm.trainers.scoring import padded_rows
+from rlmm.trainers.update import combine_micro_batches
 from rlmm.trainers.weight_sync import send_weights
 
 log = logging.getLogger(__name__)

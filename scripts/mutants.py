@@ -106,7 +106,7 @@ MUTANTS = [
            [("rlmm/step.py", "        update.backward(loss)\n        parts.append(metrics)\n    return",
              "        parts.append(metrics)\n    return")], tests=("tests/test_ppo.py",)),
     Mutant("loss_metrics_averaged_over_micro_batches", "the logged loss is the mean of micro-batch shares, not their sum",
-           [("rlmm/trainers/scoring.py", 'if key in ("loss", "pg_loss", "num_tokens"):',
+           [("rlmm/trainers/update.py", 'if key in ("loss", "pg_loss", "num_tokens"):',
              'if key in ("num_tokens",):')]),
 ]
 

@@ -468,7 +468,8 @@ def test_vllm_bf16_sampler_follows_the_trainer_after_a_sync(small_model_path, ar
 def test_logged_loss_metrics_do_not_depend_on_the_micro_batch_size(aggregation):
     """A minibatch's loss metrics combined from its micro-batches (`combine_micro_batches`) are those of the
     whole minibatch in one piece: sums stay sums, token means are token-weighted, min and max stay min and max."""
-    from rlmm.trainers.scoring import combine_micro_batches, micro_batches
+    from rlmm.trainers.packing import micro_batches
+    from rlmm.trainers.update import combine_micro_batches
 
     generator = torch.Generator().manual_seed(0)
     rows, width = 10, 7

@@ -17,7 +17,8 @@ from rlmm.trainers.loss_scale import skip_metrics
 from rlmm.trainers.optim import linear_warmup
 from rlmm.trainers.memory import ActivationBudget, optimizer_state_bytes, prepare_for_training
 from rlmm.trainers.packing import Batch, MicroBatching, use_varlen_attention
-from rlmm.trainers.scoring import MinibatchUpdate, model_scores, score_rollouts
+from rlmm.trainers.scoring import model_scores, score_rollouts
+from rlmm.trainers.update import MicroBatchedUpdate
 
 
 # DeepSpeed engine attributes that count steps (the LR schedule and loss scaler read them).
@@ -496,7 +497,7 @@ class DeepSpeedTrainer:
             setattr(groups, name, {} if isinstance(getattr(groups, name), dict) else None)
 
 
-class DeepSpeedUpdate(MinibatchUpdate):
+class DeepSpeedUpdate(MicroBatchedUpdate):
     """One optimizer step of `DeepSpeedTrainer` (see `MinibatchUpdate`). DeepSpeed steps its optimizer at
     the accumulation boundary, inside the last micro-batch's `backward`; `step()` then reports. The boundary
     is set here (`set_gradient_accumulation_boundary`) at the minibatch's last micro-batch, not counted by
