@@ -142,9 +142,10 @@ class Algorithm(Protocol):
                     mask: torch.Tensor, weights: torch.Tensor, ref_logprobs: torch.Tensor | None = None,
                     entropy: torch.Tensor | None = None, *, max_length: int | None = None,
                     normalizer: float | None = None) -> tuple[torch.Tensor, dict[str, float]]:
-        """The scalar loss of one micro-batch and its metrics."""
+        """The scalar loss of one micro-batch and its metrics: the names of rlmm/loss_stats.py's
+        `PolicyLossStats` (the step combines them over micro-batches as its fields declare)."""
         ...
 
     # With a critic (`critic` set) the algorithm also provides
     #   value_targets(rewards [B], mask [B, T], values [B, T]) -> returns [B, T]
-    #   value_loss(values, old_values, returns, mask, normalizer) -> (loss, metrics)
+    #   value_loss(values, old_values, returns, mask, normalizer) -> (loss, metrics: `ValueLossStats` names)

@@ -34,11 +34,11 @@ import torch.distributed as dist
 from rlmm.collectives import all_reduce_mean, any_rank
 from rlmm.components import Components
 from rlmm.corrections.base import CorrectionOutput
+from rlmm.loss_stats import PolicyLossStats, ValueLossStats, combined_metrics
 from rlmm.metrics import mismatch_metrics
 from rlmm.samplers.base import Rollouts
 from rlmm.timing import timed
 from rlmm.trainers.scoring import padded_rows
-from rlmm.trainers.update import combine_micro_batches
 from rlmm.trainers.weight_sync import send_weights
 
 log = logging.getLogger(__name__)
@@ -133,7 +133,7 @@ def rl_step(c: Components, prompts: list, ratio_cap: float, reuse_training_forwa
                                                      entropy=entropy, max_length=max_length, normalizer=normalizer)
                     update.backward(loss)
                     parts.append(metrics)
-                losses.append({**combine_micro_batches(parts), **update.step()})
+                losses.append({**combined_metrics(PolicyLossStats, parts), **update.step()})
                 first_update, held = None, []
 
     fault = old.fault
@@ -194,7 +194,7 @@ def critic_step(c: Components, rollouts: Rollouts, rows: list[int], old_values: 
                                           mask[micro, :width], normalizer)
         update.backward(loss)
         parts.append(metrics)
-    return {**combine_micro_batches(parts), **update.step()}
+    return {**combined_metrics(ValueLossStats, parts), **update.step()}
 
 
 def critic_metrics(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor, losses: list[dict[str, float]],

@@ -106,8 +106,10 @@ MUTANTS = [
            [("rlmm/step.py", "        update.backward(loss)\n        parts.append(metrics)\n    return",
              "        parts.append(metrics)\n    return")], tests=("tests/test_ppo.py",)),
     Mutant("loss_metrics_averaged_over_micro_batches", "the logged loss is the mean of micro-batch shares, not their sum",
-           [("rlmm/trainers/update.py", 'if key in ("loss", "pg_loss", "num_tokens"):',
-             'if key in ("num_tokens",):')]),
+           [("rlmm/loss_stats.py", "    loss: Annotated[float, Combine.SUM]  # the value minimised",
+             "    loss: Annotated[float, Combine.TOKEN_MEAN]  # the value minimised"),
+            ("rlmm/loss_stats.py", "    pg_loss: Annotated[float, Combine.SUM]  # its policy-gradient part",
+             "    pg_loss: Annotated[float, Combine.TOKEN_MEAN]  # its policy-gradient part")]),
 ]
 
 

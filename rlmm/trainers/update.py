@@ -7,7 +7,6 @@ its `backward` and `step`.
 """
 from __future__ import annotations
 
-import math
 from typing import Callable
 
 import torch
@@ -77,41 +76,20 @@ class MicroBatchedUpdate:
         self._budget.settled()
 
 
-# loss_fn(micro_rows, logprobs [b, T], entropy [b, T]) -> (loss, metrics); rows index the rollouts
+# loss_fn(micro_rows, logprobs [b, T], entropy [b, T]) -> (loss, metrics); rows index the rollouts; each metric
+# is the micro-batch's share of the minibatch's (as the loss is), so the minibatch's is their sum
 LossFn = Callable[[list[int], torch.Tensor, torch.Tensor], tuple[torch.Tensor, dict[str, float]]]
 
 
 def minibatch_step(trainer, rollouts: Rollouts, rows: list[int], loss_fn: LossFn) -> dict[str, float]:
     """One optimizer step on `rows` with a loss of your own (scripts, tests): the RL loop's update without
-    its scoring, correction and algorithm. Returns the loss metrics combined and the step's metrics."""
+    its scoring, correction and algorithm. Returns the loss function's metrics summed over the micro-batches
+    (the RL step's typed loss statistics are rlmm/loss_stats.py) and the step's metrics."""
     update = trainer.begin_update(rollouts, rows)
     parts = []
     for micro in update.micro_batches:
         loss, metrics = loss_fn(micro, *update.forward(micro))
         update.backward(loss)
         parts.append(metrics)
-    return {**combine_micro_batches(parts), **update.step()}
+    return {**{key: sum(part[key] for part in parts) for key in (parts[0] if parts else ())}, **update.step()}
 
-
-def combine_micro_batches(parts: list[dict[str, float]]) -> dict[str, float]:
-    """One minibatch's loss metrics from its micro-batches' (`policy_loss`'s names):
-
-    - `loss`, `pg_loss` (each micro-batch's share, already divided by the whole minibatch's normaliser)
-      and `num_tokens` add up, so the logged loss is the minibatch's, whatever the micro-batch size;
-    - `*_min` / `*_max` are the minimum / maximum over micro-batches (NaN ones, with no kept token, skipped);
-    - every other key is a token mean: weighted by each micro-batch's `num_tokens` (by 1 without it).
-    """
-    combined: dict[str, float] = {}
-    for key in parts[0] if parts else ():
-        values = [p[key] for p in parts]
-        if key in ("loss", "pg_loss", "num_tokens"):
-            combined[key] = sum(values)
-        elif key.endswith(("_min", "_max")):
-            finite = [v for v in values if not math.isnan(v)]
-            combined[key] = (min if key.endswith("_min") else max)(finite) if finite else math.nan
-        else:
-            weights = [p.get("num_tokens", 1) for p in parts]
-            kept = [(v, w) for v, w in zip(values, weights) if w and not math.isnan(v)]
-            total = sum(w for _, w in kept)
-            combined[key] = sum(v * w for v, w in kept) / total if total else math.nan
-    return combined
