@@ -8,7 +8,7 @@ Why beside the suite: the suite runs each layout in its own process, minutes apa
 the load changes between them; here every layout trains on the same minibatches one after the other, in
 rotating order, so a change of load falls on all of them alike. What is timed: one optimizer step on a
 minibatch of the workload's rows (its model, its prompts, its forced response lengths; response tokens
-drawn at random, which costs the same as sampled ones), `rlmm.trainers.scoring.minibatch_step` with a
+drawn at random, which costs the same as sampled ones), `rlmm.trainers.update.minibatch_step` with a
 policy-gradient loss normalised by the minibatch's tokens (rlmm/step.py's normalisation): every
 micro-batch's forward, backward, and the optimizer step. The layout is swapped on the one trainer
 (`trainer.batching`), so every layout runs the same weights, engine and threads. Layouts: padded (the
@@ -67,7 +67,8 @@ def main(argv=None) -> None:
     from rlmm.precision import SidePrecision
     from rlmm.samplers.base import Rollouts, SamplingOptions
     from rlmm.trainers.packing import MicroBatching, use_varlen_attention
-    from rlmm.trainers.scoring import minibatch_step, row_tokens
+    from rlmm.trainers.scoring import row_tokens
+    from rlmm.trainers.update import minibatch_step
 
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: torch sees no CUDA device here")

@@ -22,11 +22,11 @@ from collections.abc import Mapping
 
 import torch
 
-from rlmm.devices import divisor_over_ranks
+from rlmm.collectives import divisor_over_ranks
 from rlmm.interfaces import MinibatchUpdate, Trainer, ValueLoss
 from rlmm.samplers.base import Rollouts
 from rlmm.timing import timed
-from rlmm.trainers.scoring import combine_micro_batches
+from rlmm.loss_stats import ValueLossStats, combined_metrics
 
 __all__ = ["NoCritic", "ValueCritic", "critic_metrics"]
 
@@ -105,7 +105,7 @@ class ValueCriticStep:
                                                  self.mask[micro, :width], normalizer)
             update.backward(loss)
             parts.append(metrics)
-        self.losses.append({**combine_micro_batches(parts), **update.step()})
+        self.losses.append({**combined_metrics(ValueLossStats, parts), **update.step()})
 
     def fault(self) -> str | None:
         if any(m["skipped"] for m in self.losses):

@@ -84,36 +84,3 @@ def init_process_group() -> None:
             os.environ["MASTER_PORT"] = str(s.getsockname()[1])
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     dist.init_process_group(backend=process_group_backend(torch.cuda.is_available()), init_method="env://")
-
-
-def average_over_ranks(gradients: list[torch.Tensor]) -> None:
-    """Data parallelism as DDP and DeepSpeed do it: every rank ends the backward pass holding the mean of
-    all ranks' gradients, so the replicas take the same step (a NaN on one rank reaches all, and every
-    rank skips that step). One all-reduce per tensor: no extra buffer the size of the model."""
-    import torch.distributed as dist
-
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return
-    for gradient in gradients:
-        dist.all_reduce(gradient)
-        gradient.div_(dist.get_world_size())
-
-
-def divisor_over_ranks(local: float) -> float:
-    """The loss divisor every rank uses for its share of a minibatch, so that the ranks' gradients, averaged
-    by the trainer, are the gradient of the whole minibatch's loss: the mean over ranks of each rank's own
-    divisor. Token-level: each rank divides by (all ranks' kept tokens) / ranks, not by its own count,
-    which would weight a token of a rank with short responses more than one of a rank with long ones."""
-    return mean_over_ranks({"divisor": local})["divisor"]
-
-
-def mean_over_ranks(metrics: dict[str, float]) -> dict[str, float]:
-    """Average every metric over the ranks (one all-reduce); the identity with one rank."""
-    import torch.distributed as dist
-
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return metrics
-    keys = sorted(metrics)
-    values = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64)
-    dist.all_reduce(values)
-    return dict(zip(keys, (values / dist.get_world_size()).tolist()))

@@ -31,7 +31,8 @@ __all__ = ["Algorithm", "Correction", "CorrectionOutput", "Critic", "CriticStep"
 
 @runtime_checkable
 class MinibatchUpdate(Protocol):
-    """One optimizer step over a minibatch (rlmm/trainers/scoring.py::MinibatchUpdate has the contract)."""
+    """One optimizer step over a minibatch (rlmm/trainers/update.py::MicroBatchedUpdate, the
+    backends' shared part, has the contract)."""
 
     micro_batches: list[list[int]]
 
@@ -145,7 +146,8 @@ class Algorithm(Protocol):
                     mask: torch.Tensor, weights: torch.Tensor, ref_logprobs: torch.Tensor | None = None,
                     entropy: torch.Tensor | None = None, *, max_length: int | None = None,
                     normalizer: float | None = None) -> tuple[torch.Tensor, dict[str, float]]:
-        """The scalar loss of one micro-batch and its metrics."""
+        """The scalar loss of one micro-batch and its metrics: the names of rlmm/loss_stats.py's
+        `PolicyLossStats` (the step combines them over micro-batches as its fields declare)."""
         ...
 
 
@@ -160,7 +162,8 @@ class ValueLoss(Protocol):
     def value_loss(self, values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
                    normalizer: float) -> tuple[torch.Tensor, dict[str, float]]:
         """The critic's scalar loss of one micro-batch ([b, T] values, differentiable; the step's values before
-        its updates; returns; mask; the minibatch's divisor) and its metrics (loss, value_clipfrac, ...)."""
+        its updates; returns; mask; the minibatch's divisor) and its metrics: the names of rlmm/loss_stats.py's
+        `ValueLossStats`."""
         ...
 
 

@@ -47,15 +47,3 @@ class StopSignals:
         if callable(previous):
             previous(signum, None)
         sys.exit(128 + signum)
-
-
-def any_rank(flag: bool) -> bool:
-    """True on every rank if `flag` is true on any (a signal may reach only some ranks)."""
-    import torch
-    import torch.distributed as dist
-
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return flag
-    value = torch.tensor([float(flag)])
-    dist.all_reduce(value, op=dist.ReduceOp.MAX)
-    return bool(value.item())

@@ -31,14 +31,15 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from rlmm.collectives import any_rank, divisor_over_ranks
 from rlmm.components import Components
 from rlmm.corrections.base import CorrectionOutput
-from rlmm.devices import divisor_over_ranks, mean_over_ranks  # noqa: F401 (mean_over_ranks: for rlmm/train.py)
+from rlmm.loss_stats import PolicyLossStats, combined_metrics
 from rlmm.metrics import mismatch_metrics
 from rlmm.precision import nonfinite_cause
 from rlmm.samplers.base import Rollouts
 from rlmm.timing import timed
-from rlmm.trainers.scoring import combine_micro_batches, padded_rows
+from rlmm.trainers.scoring import padded_rows
 from rlmm.trainers.weight_sync import send_weights
 
 log = logging.getLogger(__name__)
@@ -68,7 +69,7 @@ class OldPolicy:
         """`also_checked`: more tensors the NaN/Inf check covers, after these (the critic's values)."""
         checked = {"rewards": rewards, "trainer_logprobs": trainer_logprobs[mask],
                    "sampler_logprobs": sampler_logprobs[mask]}
-        fault = any_rank(first_fault(**checked, **also_checked))
+        fault = fault_on_any_rank(first_fault(**checked, **also_checked))
         nonfinite = {side: 1 - torch.isfinite(lp[mask]).float().mean().item()
                      for side, lp in (("trainer", trainer_logprobs), ("sampler", sampler_logprobs))}
         mismatch = mismatch_metrics(trainer_logprobs, sampler_logprobs, mask, ratio_cap=ratio_cap)
@@ -129,7 +130,7 @@ def rl_step(c: Components, prompts: list, ratio_cap: float, reuse_training_forwa
                                                      entropy=entropy, max_length=max_length, normalizer=normalizer)
                     update.backward(loss)
                     parts.append(metrics)
-                losses.append({**combine_micro_batches(parts), **update.step()})
+                losses.append({**combined_metrics(PolicyLossStats, parts), **update.step()})
                 first_update, held = None, []
 
     fault = old.fault
@@ -185,8 +186,6 @@ def sample_groups(c: Components, prompts: list, refill: Callable[[int], list] | 
     them is filled with dropped groups, so every step has the same shape. Metrics: the mean reward of the
     step's own prompts (the first round, all groups), and with dynamic sampling the groups dropped, the
     rounds taken and the dropped groups used as filler."""
-    from rlmm.preemption import any_rank as flag_on_any_rank
-
     rank, world = rank_and_world()
     places = rank_share(list(range(len(prompts))), rank, world)  # this rank's prompts' places in the step
     algo, size = c.algo, len(places)
@@ -204,7 +203,7 @@ def sample_groups(c: Components, prompts: list, refill: Callable[[int], list] | 
             rows = list(range(g * algo.group_size, (g + 1) * algo.group_size))
             (kept if keep[g] else dropped).append((rollouts.select(rows), rewards[rows]))
         # Every rank takes the same rounds (the engines of several ranks step together): any short rank goes on.
-        if refill is None or rounds >= algo.max_sampling_rounds or not flag_on_any_rank(len(kept) < size):
+        if refill is None or rounds >= algo.max_sampling_rounds or not any_rank(len(kept) < size):
             break
         rounds += 1
         candidates = rank_share(refill(rounds), rank, world)
@@ -261,11 +260,9 @@ def first_fault(**tensors: torch.Tensor) -> str | None:
     return None
 
 
-def any_rank(fault: str | None) -> str | None:
+def fault_on_any_rank(fault: str | None) -> str | None:
     """A fault seen on any rank is a fault on every rank (they must skip the update together)."""
-    from rlmm.preemption import any_rank as flag_on_any_rank
-
-    if flag_on_any_rank(fault is not None):
+    if any_rank(fault is not None):
         return fault or "a fault on another rank"
     return None
 

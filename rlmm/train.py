@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from rlmm.collectives import mean_over_ranks
 from rlmm.components import Components, build_components
 from rlmm.config import CONF_DIR, to_container
 from rlmm.errors import TrainingStopped
@@ -27,7 +28,7 @@ from rlmm.formatting import format_number
 from rlmm.monitor import build_monitor
 from rlmm.records import NullRecord, RunRecord, read_steps
 from rlmm.samplers.base import Rollouts
-from rlmm.step import mean_over_ranks, reward, rl_step
+from rlmm.step import reward, rl_step
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +51,8 @@ def run_train(cfg: DictConfig, run_dir: Path, choices: dict[str, str], logger) -
     from rlmm import checkpoint
     from rlmm.logging import NoOpLogger
     from rlmm.devices import world_size
-    from rlmm.preemption import StopSignals, any_rank as on_any_rank
+    from rlmm.collectives import any_rank
+    from rlmm.preemption import StopSignals
 
     started = time.perf_counter()
     options = cfg.train
@@ -113,7 +115,7 @@ def run_train(cfg: DictConfig, run_dir: Path, choices: dict[str, str], logger) -
             logger.log(metrics, step=step)
             bar.set_postfix(reward=f"{metrics['rollout/reward_mean']:.3f}", kl_k3=f"{metrics['mismatch/kl_k3']:.1e}",
                             acc=f"{shown_accuracy:.3f}", bad=bad_total)
-            stopping = on_any_rank(stop.requested)
+            stopping = any_rank(stop.requested)
             too_many_bad = options.max_bad_steps and bad_in_a_row >= options.max_bad_steps
             alarmed = monitor.stop_requested  # the same on every rank: it reads metrics averaged over ranks
             if (stopping or too_many_bad or alarmed

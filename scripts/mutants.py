@@ -67,7 +67,7 @@ MUTANTS = [
            [("rlmm/trainers/deepspeed_backend.py", "engine.backward(loss, scale_wrt_gas=False)",
              "engine.backward(0.25 * loss, scale_wrt_gas=False)")]),
     Mutant("per_rank_loss_normalizer", "each rank divides its loss by its own kept-token count",
-           [("rlmm/devices.py", 'return mean_over_ranks({"divisor": local})["divisor"]', "return local")]),
+           [("rlmm/collectives.py", 'return mean_over_ranks({"divisor": local})["divisor"]', "return local")]),
     Mutant("torch_no_gradient_averaging", "trainer=torch ranks step on their own gradients",
            [("rlmm/devices.py", "    if not dist.is_initialized() or dist.get_world_size() == 1:\n        return\n",
              "    return\n")]),
@@ -106,8 +106,10 @@ MUTANTS = [
            [("rlmm/step.py", "        update.backward(loss)\n        parts.append(metrics)\n    return",
              "        parts.append(metrics)\n    return")], tests=("tests/test_ppo.py",)),
     Mutant("loss_metrics_averaged_over_micro_batches", "the logged loss is the mean of micro-batch shares, not their sum",
-           [("rlmm/trainers/scoring.py", 'if key in ("loss", "pg_loss", "num_tokens"):',
-             'if key in ("num_tokens",):')]),
+           [("rlmm/loss_stats.py", "    loss: Annotated[float, Combine.SUM]  # the value minimised",
+             "    loss: Annotated[float, Combine.TOKEN_MEAN]  # the value minimised"),
+            ("rlmm/loss_stats.py", "    pg_loss: Annotated[float, Combine.SUM]  # its policy-gradient part",
+             "    pg_loss: Annotated[float, Combine.TOKEN_MEAN]  # its policy-gradient part")]),
 ]
 
 

@@ -118,7 +118,7 @@ def zero3_weights(model_path: str) -> dict:
     trainer = from_yaml("trainer", "deepspeed", model_path=model_path, precision=SidePrecision("fp32", False),
                         sampling=_options(), micro_batch_size=2, zero_stage=3, lr=1e-3)
     try:
-        from rlmm.trainers.scoring import minibatch_step
+        from rlmm.trainers.update import minibatch_step
 
         rollouts = own_rows(rank)
         minibatch_step(trainer, rollouts, list(range(4)), lambda m, lp, e: (-lp.sum() / 8, {}))

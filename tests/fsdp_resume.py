@@ -22,7 +22,7 @@ from rlmm.config import from_yaml  # noqa: E402
 from rlmm.devices import init_process_group  # noqa: E402
 from rlmm.precision import SidePrecision  # noqa: E402
 from rlmm.step import rank_share  # noqa: E402
-from rlmm.trainers.scoring import minibatch_step  # noqa: E402
+from rlmm.trainers.update import minibatch_step  # noqa: E402
 from tests.conftest import sampling  # noqa: E402
 from tests.test_checkpoint import RecordingSampler, fixed_rollouts, loss_fn  # noqa: E402
 

@@ -6,7 +6,7 @@ from rlmm import checkpoint
 from rlmm.config import from_yaml
 from rlmm.precision import SidePrecision
 from rlmm.samplers.base import Rollouts
-from rlmm.trainers.scoring import minibatch_step
+from rlmm.trainers.update import minibatch_step
 from tests.conftest import sampling
 
 

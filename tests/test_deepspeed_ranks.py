@@ -10,7 +10,7 @@ import torch
 
 from rlmm.config import from_yaml
 from rlmm.precision import SidePrecision
-from rlmm.trainers.scoring import minibatch_step
+from rlmm.trainers.update import minibatch_step
 from tests.conftest import sampling, torchrun
 
 

@@ -7,7 +7,7 @@ import pytest
 
 from rlmm.config import from_yaml
 from rlmm.precision import SidePrecision
-from rlmm.trainers.scoring import minibatch_step
+from rlmm.trainers.update import minibatch_step
 from tests.conftest import build_trainer, sampling
 from tests.test_checkpoint import fixed_rollouts, loss_fn
 

@@ -14,7 +14,7 @@ import torch
 from rlmm.config import from_yaml
 from rlmm.precision import SidePrecision
 from rlmm.samplers.base import Rollouts
-from rlmm.trainers.scoring import minibatch_step
+from rlmm.trainers.update import minibatch_step
 from tests.conftest import sampling
 
 K = 8  # micro-batches after the first

@@ -136,7 +136,7 @@ from rlmm.cli import set_runtime_env
 set_runtime_env()
 from rlmm.precision import SidePrecision
 from rlmm.samplers.base import Rollouts, SamplingOptions
-from rlmm.trainers.scoring import minibatch_step
+from rlmm.trainers.update import minibatch_step
 from rlmm.config import from_yaml
 
 def rss(field):

@@ -16,7 +16,7 @@ import torch
 
 from rlmm.config import from_yaml
 from rlmm.precision import SidePrecision
-from rlmm.trainers.scoring import minibatch_step
+from rlmm.trainers.update import minibatch_step
 from tests.conftest import sampling
 from tests.test_checkpoint import fixed_rollouts, loss_fn
 

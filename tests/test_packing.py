@@ -19,7 +19,8 @@ import torch
 from rlmm.precision import SidePrecision
 from rlmm.samplers.base import Rollouts
 from rlmm.trainers.packing import MicroBatching, packed_batch, resized_groups, token_budget_groups
-from rlmm.trainers.scoring import minibatch_step, padded_rows
+from rlmm.trainers.scoring import padded_rows
+from rlmm.trainers.update import minibatch_step
 from tests.conftest import build_trainer, torchrun
 from tests.test_update import GROUP, OPTIONS, relative_error, sgd_trainer, weights_of
 

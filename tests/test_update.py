@@ -465,9 +465,11 @@ def test_vllm_bf16_sampler_follows_the_trainer_after_a_sync(small_model_path, ar
 
 @pytest.mark.parametrize("aggregation", ["token", "sequence", "constant"])
 def test_logged_loss_metrics_do_not_depend_on_the_micro_batch_size(aggregation):
-    """A minibatch's loss metrics combined from its micro-batches (`combine_micro_batches`) are those of the
-    whole minibatch in one piece: sums stay sums, token means are token-weighted, min and max stay min and max."""
-    from rlmm.trainers.scoring import combine_micro_batches, micro_batches
+    """A minibatch's loss metrics combined from its micro-batches (`PolicyLossStats`, as its fields declare)
+    are those of the whole minibatch in one piece: sums stay sums, token means are token-weighted, min and max
+    stay min and max."""
+    from rlmm.loss_stats import PolicyLossStats, combined_metrics
+    from rlmm.trainers.packing import micro_batches
 
     generator = torch.Generator().manual_seed(0)
     rows, width = 10, 7
@@ -483,4 +485,4 @@ def test_logged_loss_metrics_do_not_depend_on_the_micro_batch_size(aggregation):
     for size in (1, 3, 4):
         parts = [grpo.policy_loss(logprobs[c], old[c], advantages[c], mask[c], weights[c], max_length=width,
                                   normalizer=normalizer)[1] for c in micro_batches(list(range(rows)), size)]
-        assert combine_micro_batches(parts) == pytest.approx(whole, rel=1e-5, abs=1e-7), size
+        assert combined_metrics(PolicyLossStats, parts) == pytest.approx(whole, rel=1e-5, abs=1e-7), size

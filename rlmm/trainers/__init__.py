@@ -6,6 +6,7 @@
 - `fsdp_backend.FSDPTrainer`: PyTorch FSDP2 (`fully_shard` per decoder layer and at the root).
 - `torch_backend.TorchTrainer`: plain PyTorch, a replica per rank.
 
-Shared: `scoring` (log-probs of rollouts in micro-batches, the `MinibatchUpdate` the RL step drives),
+Shared: `scoring` (log-probs of rollouts in micro-batches), `update` (`MicroBatchedUpdate`, the part of a
+minibatch update every backend shares, and `minibatch_step`), `packing` (micro-batches and their layout),
 `memory` (the per-update activation budget), `optim` (the learning-rate schedule).
 """

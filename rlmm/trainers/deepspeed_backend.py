@@ -29,7 +29,8 @@ from rlmm.trainers.deepspeed_skip import BadStep
 from rlmm.trainers.optim import linear_warmup
 from rlmm.trainers.memory import ActivationBudget, optimizer_state_bytes, prepare_for_training
 from rlmm.trainers.packing import Batch, MicroBatching, use_varlen_attention
-from rlmm.trainers.scoring import MinibatchUpdate, model_scores, score_rollouts
+from rlmm.trainers.scoring import model_scores, score_rollouts
+from rlmm.trainers.update import MicroBatchedUpdate
 
 
 class DeepSpeedTrainer:
@@ -209,7 +210,7 @@ class DeepSpeedTrainer:
         release_groups()
 
 
-class DeepSpeedUpdate(MinibatchUpdate):
+class DeepSpeedUpdate(MicroBatchedUpdate):
     """One optimizer step of `DeepSpeedTrainer` (see `MinibatchUpdate`). DeepSpeed steps its optimizer at
     the accumulation boundary, inside the last micro-batch's `backward`; `step()` then reports. The boundary
     is set here (`set_gradient_accumulation_boundary`) at the minibatch's last micro-batch, as

@@ -35,7 +35,8 @@ from rlmm.trainers.loss_scale import MIN_LOSS_SCALE, skip_metrics
 from rlmm.trainers.memory import ActivationBudget, optimizer_state_bytes, prepare_for_training
 from rlmm.trainers.optim import linear_warmup
 from rlmm.trainers.packing import Batch, MicroBatching, use_varlen_attention
-from rlmm.trainers.scoring import MinibatchUpdate, model_scores, score_rollouts
+from rlmm.trainers.scoring import model_scores, score_rollouts
+from rlmm.trainers.update import MicroBatchedUpdate
 from rlmm.trainers.weight_sync import GatheredWeights
 
 REDUCE_DTYPES = ("fp32", "bf16", "fp16")
@@ -201,7 +202,7 @@ class FSDPTrainer:
         del self.model, self.optimizer
 
 
-class FSDPUpdate(MinibatchUpdate):
+class FSDPUpdate(MicroBatchedUpdate):
     """One optimizer step of `FSDPTrainer` (see `MinibatchUpdate`). The gradient is reduced over ranks
     with the last micro-batch's backward; a non-finite gradient norm skips the step (weights, optimizer
     state and schedule unchanged; fp16 halves its loss scale): metrics["loss_scale_skipped"] = 1 for an

@@ -43,6 +43,8 @@ from typing import NamedTuple
 
 import torch
 
+from rlmm.collectives import all_reduce_max
+
 log = logging.getLogger(__name__)
 _warned: set[str] = set()  # warnings already given in this process
 
@@ -148,12 +150,7 @@ def resized_groups(groups: list[list[int]], lengths: list[int], count: int) -> l
 def agreed_count(count: int, rows: int) -> int:
     """The micro-batch count every rank runs: the largest `count` of any rank, at most the fewest `rows` any
     rank holds (one all-reduce; `count` itself with one rank)."""
-    import torch.distributed as dist
-
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return count
-    values = torch.tensor([count, -rows], dtype=torch.long)
-    dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    values = all_reduce_max(torch.tensor([count, -rows], dtype=torch.long))
     return min(int(values[0]), -int(values[1]))
 
 

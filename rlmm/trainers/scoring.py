@@ -1,4 +1,4 @@
-"""Trainer-side log-probs of sampled responses, recomputed in micro-batches, and one minibatch update.
+"""Trainer-side log-probs of sampled responses, recomputed in micro-batches.
 
 How rows become micro-batches (a fixed row count, or a token budget) and how a micro-batch is laid out
 (right-padded rows, or one padding-free packed row) is rlmm/trainers/packing.py (`MicroBatching`). Padded,
@@ -11,14 +11,12 @@ micro-batch's worth.
 """
 from __future__ import annotations
 
-import math
 from typing import Callable
 
 import torch
 
 from rlmm.models.head import OutputHead
-from rlmm.trainers.memory import ActivationBudget
-from rlmm.trainers.packing import Batch, MicroBatching, micro_batches  # noqa: F401 (micro_batches: re-exported)
+from rlmm.trainers.packing import Batch, MicroBatching
 from rlmm.samplers.base import Rollouts, SamplingOptions, pad_right
 
 # forward(batch) -> the model output's `logits` field on the batch's kept positions: [rows, kept, 2]
@@ -87,102 +85,3 @@ def padded_rows(rollouts: Rollouts, chunks: list[list[int]], logprobs: list[torc
     by_row = {i: lp[:len(rollouts.response_ids[i])].detach().float().cpu()
               for rows, chunk_logprobs in zip(chunks, logprobs) for i, lp in zip(rows, chunk_logprobs)}
     return pad_right([by_row[i] for i in (sorted(by_row) if order is None else order)])[0]
-
-
-class MinibatchUpdate:
-    """One optimizer step over the minibatch `rows` of some rollouts, as the RL loop drives it:
-
-        update = trainer.begin_update(rollouts, rows)       # gradients zeroed, checkpointing chosen
-        for micro in update.micro_batches:
-            logprobs, entropy = update.forward(micro)        # [b, T] each, with grad
-            update.backward(loss_of(micro, logprobs, entropy))
-        metrics = update.step()                              # clip, step (or skip a non-finite one)
-
-    The loss of each micro-batch must be normalised by the whole minibatch (e.g. its kept tokens), so the
-    accumulated gradient is the gradient of the minibatch's loss, however the rows are grouped (a fixed row
-    count or a token budget, rlmm/trainers/packing.py; under a budget the ranks agree on the count).
-    `holds_graphs`: whether every micro-batch may be forwarded before the first backward (their graphs held
-    at once), which lets the loop take the old policy's log-probs from these forwards (one epoch of one
-    minibatch); every rank gets the same answer, so all take the same path. An update that is never
-    stepped (the step found a fault) changes nothing but the gradients it zeroed.
-
-    A backend subclasses it with its `backward` and `step`; the forward is the same for all.
-    """
-
-    def __init__(self, forward: ForwardFn, head: OutputHead | None, rollouts: Rollouts, rows: list[int],
-                 options: SamplingOptions, pad_id: int, batching: MicroBatching, budget: ActivationBudget,
-                 model: torch.nn.Module):
-        self.rollouts, self.rows = rollouts, rows
-        self.micro_batches = batching.split(row_tokens(rollouts, rows), rows)
-        self._forward, self._head, self._options, self._pad_id = forward, head, options, pad_id
-        self._batching, self._budget = batching, budget
-        # Positions each micro-batch's forward computes (padding included): what its activations scale with.
-        self._tokens = [batching.positions(row_tokens(rollouts, micro)) for micro in self.micro_batches]
-        self._graphs_fit = budget.for_update(model, self._tokens)
-
-    @property
-    def holds_graphs(self) -> bool:
-        from rlmm.preemption import any_rank
-
-        return not any_rank(not self._graphs_fit(sum(self._tokens)))
-
-    def forward(self, micro_batch: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """[b, T] log π and entropy of the micro-batch's response tokens, differentiable (a value model:
-        V and None)."""
-        return response_logprobs(self._forward, self._head,
-                                 batch_of(self.rollouts, micro_batch, self._batching, self._pad_id),
-                                 self._options, with_entropy=True)
-
-    def backward(self, loss: torch.Tensor) -> None:
-        raise NotImplementedError
-
-    def step(self) -> dict[str, float]:
-        """Step the optimizer once (or skip a non-finite step); metrics: grad_norm, lr, skipped (1.0 when
-        the step was skipped for a fault: a non-finite gradient that is no normal loss-scale overflow),
-        and with fp16 loss scaling loss_scale (the scale this step's backward used) and loss_scale_skipped
-        (1.0 when the loss scaler skipped the step on an overflow it lowers its scale for; at most one of
-        the two is 1; rlmm/trainers/loss_scale.py)."""
-        raise NotImplementedError
-
-    def _settled(self) -> None:
-        self._budget.settled()
-
-
-# loss_fn(micro_rows, logprobs [b, T], entropy [b, T]) -> (loss, metrics); rows index the rollouts
-LossFn = Callable[[list[int], torch.Tensor, torch.Tensor], tuple[torch.Tensor, dict[str, float]]]
-
-
-def minibatch_step(trainer, rollouts: Rollouts, rows: list[int], loss_fn: LossFn) -> dict[str, float]:
-    """One optimizer step on `rows` with a loss of your own (scripts, tests): the RL loop's update without
-    its scoring, correction and algorithm. Returns the loss metrics combined and the step's metrics."""
-    update = trainer.begin_update(rollouts, rows)
-    parts = []
-    for micro in update.micro_batches:
-        loss, metrics = loss_fn(micro, *update.forward(micro))
-        update.backward(loss)
-        parts.append(metrics)
-    return {**combine_micro_batches(parts), **update.step()}
-
-
-def combine_micro_batches(parts: list[dict[str, float]]) -> dict[str, float]:
-    """One minibatch's loss metrics from its micro-batches' (`policy_loss`'s names):
-
-    - `loss`, `pg_loss` (each micro-batch's share, already divided by the whole minibatch's normaliser)
-      and `num_tokens` add up, so the logged loss is the minibatch's, whatever the micro-batch size;
-    - `*_min` / `*_max` are the minimum / maximum over micro-batches (NaN ones, with no kept token, skipped);
-    - every other key is a token mean: weighted by each micro-batch's `num_tokens` (by 1 without it).
-    """
-    combined: dict[str, float] = {}
-    for key in parts[0] if parts else ():
-        values = [p[key] for p in parts]
-        if key in ("loss", "pg_loss", "num_tokens"):
-            combined[key] = sum(values)
-        elif key.endswith(("_min", "_max")):
-            finite = [v for v in values if not math.isnan(v)]
-            combined[key] = (min if key.endswith("_min") else max)(finite) if finite else math.nan
-        else:
-            weights = [p.get("num_tokens", 1) for p in parts]
-            kept = [(v, w) for v, w in zip(values, weights) if w and not math.isnan(v)]
-            total = sum(w for _, w in kept)
-            combined[key] = sum(v * w for v, w in kept) / total if total else math.nan
-    return combined

@@ -22,7 +22,8 @@ import math
 
 import torch
 
-from rlmm.devices import average_over_ranks, select_device
+from rlmm.collectives import average_over_ranks
+from rlmm.devices import select_device
 from rlmm.models.loading import load_causal_lm, load_value_model, model_precision, padding_id
 from rlmm.precision import SidePrecision
 from rlmm.samplers.base import Rollouts, SamplingOptions
@@ -30,7 +31,8 @@ from rlmm.trainers.loss_scale import MIN_LOSS_SCALE, skip_metrics
 from rlmm.trainers.optim import linear_warmup
 from rlmm.trainers.memory import ActivationBudget, optimizer_state_bytes, prepare_for_training
 from rlmm.trainers.packing import Batch, MicroBatching, use_varlen_attention
-from rlmm.trainers.scoring import MinibatchUpdate, model_scores, score_rollouts
+from rlmm.trainers.scoring import model_scores, score_rollouts
+from rlmm.trainers.update import MicroBatchedUpdate
 
 
 GRAD_ACCUM_DTYPES = (None, "fp32")
@@ -159,7 +161,7 @@ class TorchTrainer:
         del self.model, self.optimizer, self.master_params
 
 
-class TorchUpdate(MinibatchUpdate):
+class TorchUpdate(MicroBatchedUpdate):
     """One optimizer step of `TorchTrainer` (see `MinibatchUpdate`). A non-finite gradient norm (an fp16
     overflow, a NaN) skips the step: weights, optimizer state and the LR schedule stay as they were; in
     fp16 the loss scale halves, and an overflow at a scale above `MIN_LOSS_SCALE` is the scaler's normal

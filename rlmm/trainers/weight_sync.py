@@ -13,6 +13,7 @@ from collections.abc import Iterator, Mapping
 
 import torch
 
+from rlmm.collectives import all_reduce_min
 from rlmm.errors import NonFiniteWeights
 
 
@@ -56,12 +57,9 @@ def weights_finite(weights: Mapping[str, torch.Tensor]) -> bool:
     all-reduce, nothing gathered)."""
     if not hasattr(weights, "local_shards"):
         return all_finite(list(weights.values()))
-    import torch.distributed as dist
-
     shards = weights.local_shards()
     finite = torch.tensor([float(all_finite(shards))], device=shards[0].device if shards else "cpu")
-    dist.all_reduce(finite, op=dist.ReduceOp.MIN)
-    return bool(finite.item())
+    return bool(all_reduce_min(finite).item())
 
 
 def send_weights(weights: Mapping[str, torch.Tensor], sampler) -> None:

@@ -1,0 +1,78 @@
+"""The reductions over ranks that rlmm makes itself, in one place.
+
+DeepSpeed and FSDP reduce their own gradients; rlmm adds only these few: the torch backend's gradient mean
+(`average_over_ranks`), the stop, fault and refill flags (`any_rank`), the loss normaliser
+(rlmm/step.py), the micro-batch count under a token budget (rlmm/trainers/packing.py) and the weight sync's
+NaN guard (rlmm/trainers/weight_sync.py).
+
+Each `all_reduce_*` takes a tensor and returns it reduced over the ranks: in place, as torch.distributed
+does, so the tensor returned is the one passed in. Without a process group, or with one rank, it is returned
+as it is, so a caller needs no case of its own for one process. Every rank must call the same reductions
+in the same order (they are collectives). The flags and the normaliser are CPU tensors: on GPUs the
+default group carries them over gloo (rlmm/devices.py).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["all_reduce_max", "all_reduce_mean", "all_reduce_min", "any_rank", "average_over_ranks", "divisor_over_ranks",
+           "mean_over_ranks"]
+
+
+def _several_ranks() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def all_reduce_max(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor`, element-wise the largest over the ranks."""
+    if _several_ranks():
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return tensor
+
+
+def all_reduce_min(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor`, element-wise the smallest over the ranks."""
+    if _several_ranks():
+        dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
+    return tensor
+
+
+def all_reduce_mean(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor`, element-wise the mean over the ranks: summed, then divided by their number in its own dtype
+    (what DDP does to a gradient)."""
+    if _several_ranks():
+        dist.all_reduce(tensor)
+        tensor.div_(dist.get_world_size())
+    return tensor
+
+
+def any_rank(flag: bool) -> bool:
+    """True on every rank if `flag` is true on any (a stop signal may reach only some ranks; a fault or a short
+    batch on one rank must change the path of all)."""
+    return bool(all_reduce_max(torch.tensor([float(flag)])).item())
+
+
+def average_over_ranks(gradients: list[torch.Tensor]) -> None:
+    """Data parallelism as DDP and DeepSpeed do it: every rank ends the backward pass holding the mean of
+    all ranks' gradients, so the replicas take the same step (a NaN on one rank reaches all, and every
+    rank skips that step). One all-reduce per tensor: no extra buffer the size of the model."""
+    for gradient in gradients:
+        all_reduce_mean(gradient)
+
+
+def mean_over_ranks(metrics: dict[str, float]) -> dict[str, float]:
+    """Average every metric over the ranks (one all-reduce, in float64); the identity with one rank."""
+    if not _several_ranks():
+        return metrics
+    keys = sorted(metrics)
+    values = all_reduce_mean(torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64))
+    return dict(zip(keys, values.tolist()))
+
+
+def divisor_over_ranks(local: float) -> float:
+    """The loss divisor every rank uses for its share of a minibatch, so that the ranks' gradients, averaged
+    by the trainer, are the gradient of the whole minibatch's loss: the mean over ranks of each rank's own
+    divisor. Token-level: each rank divides by (all ranks' kept tokens) / ranks, not by its own count,
+    which would weight a token of a rank with short responses more than one of a rank with long ones."""
+    return mean_over_ranks({"divisor": local})["divisor"]
