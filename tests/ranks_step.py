@@ -73,7 +73,7 @@ def step_on_share(model_path: str, recorded: dict, backend: str, scratch: Path, 
     task = from_yaml("task", "arithmetic", seed=0, careless_demos=0.0)
     examples = {e.prompt: e for e in task.examples("train", 64)}
     prompts = [examples[p] for p in recorded["prompts"]]
-    trainer = sgd_trainer(backend, model_path, scratch, rows_per_minibatch=len(prompts) // world * GROUP, **values)
+    trainer = sgd_trainer(backend, model_path, scratch, **values)
     c = Components(task=OddLengthReward(task), tokenizer=AutoTokenizer.from_pretrained(model_path),
                    sampler=ReplaySampler(recorded), trainer=trainer, correction=TokenTIS(cap=2.0), algo=algo(),
                    sampling=OPTIONS)

@@ -162,7 +162,7 @@ def test_the_same_update_as_fixed_padded_micro_batches(small_model_path, arithme
     rollouts = variable_rollouts(small_model_path, arithmetic_task)
     changes = {}
     for name, values in (("fixed", {}), (mode, MODES[mode])):
-        trainer = sgd_trainer(backend, small_model_path, tmp_path, rows_per_minibatch=ROWS, micro_batch_size=4,
+        trainer = sgd_trainer(backend, small_model_path, tmp_path, micro_batch_size=4,
                               **values)
         try:
             lengths = [len(p) + len(r) for p, r in zip(rollouts.prompt_ids, rollouts.response_ids)]
