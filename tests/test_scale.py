@@ -12,6 +12,7 @@ from tests.conftest import subprocess_env
 ROOT = Path(__file__).parent.parent
 
 
+@pytest.mark.slow  # 158 s on 2 cores (make test-all); the lent-machine check's dry run stays in the default suite
 def test_gpu_check_dry_run(tmp_path):
     """`bash scripts/gpu_check.sh --dry-run --part P` for each part (probe, train, sweep: each fits a machine
     lent for 8 minutes): every stage of the prepared GPU check runs on this CPU with a tiny model of the same

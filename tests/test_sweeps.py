@@ -316,6 +316,7 @@ def test_slurm_sweep_with_a_killed_job(slurm_cluster, small_model_path, tmp_path
     assert re.search(rf"Not complete: \S*3 \(incomplete: stopped after step {stopped}\)", table), table
 
 
+@pytest.mark.slow  # 210 s on 2 cores, mostly SLURM's requeue delay; the resume itself: test_reliability.py
 def test_slurm_preempted_job_is_requeued_and_resumes(slurm_cluster, small_model_path, tmp_path):  # noqa: F811
     """SIGUSR2, which SLURM sends a submitit job `signal_delay_s` before its time limit or pre-emption,
     reaches job 0 of a 2-job sweep mid-run; the only checkpoint is the one the signal makes
