@@ -29,7 +29,7 @@ from torch import Tensor
 
 from rlmm.algos.grpo import group_advantages, loss_settings
 from rlmm.algos.schedule import check_schedule
-from rlmm.algos.surrogate import SurrogateLoss, token_ratio
+from rlmm.algos.surrogate import SurrogateLoss
 
 __all__ = ["DAPO"]
 
@@ -51,6 +51,7 @@ class DAPO:
                  minibatches: int, max_sampling_rounds: int, overlong_buffer: float, overlong_penalty: float):
         check_schedule(group_size, epochs, minibatches, min_group_size=2)
         self.loss = SurrogateLoss(clip_low, clip_high, loss_aggregation, kl_coef, kl_estimator, entropy_coef)
+        self.policy_loss, self.loss_normalizer = self.loss, self.loss.normalizer  # the Algorithm's two loss calls
         if max_sampling_rounds < 0:
             raise ValueError(f"algo.max_sampling_rounds: must be >= 0, got {max_sampling_rounds}")
         if not 0 <= overlong_buffer < 1:
@@ -81,17 +82,6 @@ class DAPO:
     def advantages(self, rewards: Tensor, mask: Tensor | None = None, values: Tensor | None = None) -> Tensor:
         """GRPO's `group_advantages` of the shaped ``[B]`` rewards."""
         return group_advantages(rewards, self.group_size, self.normalize_std)
-
-    def loss_normalizer(self, mask: Tensor, max_length: int | None = None) -> float:
-        return self.loss.normalizer(mask, max_length)
-
-    def policy_loss(self, logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor,
-                    weights: Tensor, ref_logprobs: Tensor | None = None, entropy: Tensor | None = None, *,
-                    max_length: int | None = None, normalizer: float | None = None
-                    ) -> tuple[Tensor, dict[str, float]]:
-        """The clipped surrogate on each token's ratio, as GRPO's."""
-        return self.loss(logprobs, old_logprobs, advantages, mask, weights, ref_logprobs, entropy, ratio=token_ratio,
-                         max_length=max_length, normalizer=normalizer)
 
     def __repr__(self) -> str:
         return (f"DAPO(group_size={self.group_size}, normalize_std={self.normalize_std}, {loss_settings(self)}, "

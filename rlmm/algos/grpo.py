@@ -56,7 +56,7 @@ import torch
 from torch import Tensor
 
 from rlmm.algos.schedule import check_schedule
-from rlmm.algos.surrogate import SurrogateLoss, token_ratio
+from rlmm.algos.surrogate import SurrogateLoss
 
 __all__ = ["GRPO", "group_advantages"]
 
@@ -101,6 +101,7 @@ class GRPO:
                  minibatches: int):
         check_schedule(group_size, epochs, minibatches, min_group_size=2)
         self.loss = SurrogateLoss(clip_low, clip_high, loss_aggregation, kl_coef, kl_estimator, entropy_coef)
+        self.policy_loss, self.loss_normalizer = self.loss, self.loss.normalizer  # the Algorithm's two loss calls
         self.group_size, self.normalize_std = group_size, bool(normalize_std)
         self.epochs, self.minibatches = epochs, minibatches
 
@@ -115,18 +116,6 @@ class GRPO:
     def advantages(self, rewards: Tensor, mask: Tensor | None = None, values: Tensor | None = None) -> Tensor:
         """`group_advantages` of the ``[B]`` rewards (the response mask and a critic's values are not needed)."""
         return group_advantages(rewards, self.group_size, self.normalize_std)
-
-    def loss_normalizer(self, mask: Tensor, max_length: int | None = None) -> float:
-        """The loss's divisor for this mask (`SurrogateLoss.normalizer`)."""
-        return self.loss.normalizer(mask, max_length)
-
-    def policy_loss(self, logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor,
-                    weights: Tensor, ref_logprobs: Tensor | None = None, entropy: Tensor | None = None, *,
-                    max_length: int | None = None, normalizer: float | None = None
-                    ) -> tuple[Tensor, dict[str, float]]:
-        """The clipped surrogate on each token's ratio (`SurrogateLoss.__call__` has the arguments)."""
-        return self.loss(logprobs, old_logprobs, advantages, mask, weights, ref_logprobs, entropy, ratio=token_ratio,
-                         max_length=max_length, normalizer=normalizer)
 
     def __repr__(self) -> str:
         return f"GRPO(group_size={self.group_size}, normalize_std={self.normalize_std}, {loss_settings(self)})"

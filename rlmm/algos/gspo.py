@@ -53,7 +53,9 @@ class GSPO:
                  loss_aggregation: str, kl_coef: float, kl_estimator: str, entropy_coef: float, epochs: int,
                  minibatches: int):
         check_schedule(group_size, epochs, minibatches, min_group_size=2)
-        self.loss = SurrogateLoss(clip_low, clip_high, loss_aggregation, kl_coef, kl_estimator, entropy_coef)
+        self.loss = SurrogateLoss(clip_low, clip_high, loss_aggregation, kl_coef, kl_estimator, entropy_coef,
+                                  ratio=sequence_ratio)  # the clip acts on the sequence's ratio s_i
+        self.policy_loss, self.loss_normalizer = self.loss, self.loss.normalizer  # the Algorithm's two loss calls
         self.group_size, self.normalize_std = group_size, bool(normalize_std)
         self.epochs, self.minibatches = epochs, minibatches
 
@@ -68,17 +70,6 @@ class GSPO:
     def advantages(self, rewards: Tensor, mask: Tensor | None = None, values: Tensor | None = None) -> Tensor:
         """GRPO's `group_advantages`."""
         return group_advantages(rewards, self.group_size, self.normalize_std)
-
-    def loss_normalizer(self, mask: Tensor, max_length: int | None = None) -> float:
-        return self.loss.normalizer(mask, max_length)
-
-    def policy_loss(self, logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor,
-                    weights: Tensor, ref_logprobs: Tensor | None = None, entropy: Tensor | None = None, *,
-                    max_length: int | None = None, normalizer: float | None = None
-                    ) -> tuple[Tensor, dict[str, float]]:
-        """The clipped surrogate on the sequence's ratio s_i (`sequence_ratio`)."""
-        return self.loss(logprobs, old_logprobs, advantages, mask, weights, ref_logprobs, entropy,
-                         ratio=sequence_ratio, max_length=max_length, normalizer=normalizer)
 
     def __repr__(self) -> str:
         return f"GSPO(group_size={self.group_size}, normalize_std={self.normalize_std}, {loss_settings(self)})"

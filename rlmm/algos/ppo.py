@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from rlmm.algos.schedule import check_schedule
-from rlmm.algos.surrogate import SurrogateLoss, token_ratio
+from rlmm.algos.surrogate import SurrogateLoss
 
 __all__ = ["PPO", "gae"]
 
@@ -91,6 +91,7 @@ class PPO:
         # The critic gives every response its own baseline: one response per prompt is enough.
         check_schedule(group_size, epochs, minibatches, min_group_size=1)
         self.loss = SurrogateLoss(clip_low, clip_high, loss_aggregation, kl_coef, kl_estimator, entropy_coef)
+        self.policy_loss, self.loss_normalizer = self.loss, self.loss.normalizer  # the Algorithm's two loss calls
         self.group_size, self.epochs, self.minibatches = group_size, epochs, minibatches
         for name, value in (("gamma", gamma), ("lam", lam)):
             if not 0 <= value <= 1:
@@ -124,17 +125,6 @@ class PPO:
         std = kept.std() if kept.numel() > 1 else torch.ones((), dtype=torch.float64)
         whitened = (advantages.double() - kept.mean()) / (std + 1e-8)
         return torch.where(m, whitened, 0.0).float()
-
-    def loss_normalizer(self, mask: Tensor, max_length: int | None = None) -> float:
-        return self.loss.normalizer(mask, max_length)
-
-    def policy_loss(self, logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor,
-                    weights: Tensor, ref_logprobs: Tensor | None = None, entropy: Tensor | None = None, *,
-                    max_length: int | None = None, normalizer: float | None = None
-                    ) -> tuple[Tensor, dict[str, float]]:
-        """The clipped surrogate on each token's ratio, with the [B, T] advantages."""
-        return self.loss(logprobs, old_logprobs, advantages, mask, weights, ref_logprobs, entropy, ratio=token_ratio,
-                         max_length=max_length, normalizer=normalizer)
 
     def value_targets(self, rewards: Tensor, mask: Tensor, values: Tensor) -> Tensor:
         """[B, T] returns R_t = A_t + V(s_t) (unwhitened GAE), what the critic regresses on."""

@@ -2,7 +2,7 @@
 
 `clipped_surrogate` is the per-token term; `SurrogateLoss` adds the mismatch correction's weights, the KL
 penalty and the entropy bonus, aggregates over the kept tokens and returns the metrics. An algorithm holds
-one (`self.loss`) and passes its importance ratio: per token (`token_ratio`: GRPO, DAPO, PPO) or per
+one (`self.loss`), built with its importance ratio, as its `policy_loss`: per token (`token_ratio`: GRPO, DAPO, PPO) or per
 sequence (GSPO's `sequence_ratio`). The equations are in rlmm/algos/grpo.py's docstring and
 docs/algorithms.md.
 """
@@ -64,10 +64,14 @@ class SurrogateLoss:
         kl_coef: weight of the KL penalty to the reference policy; 0 turns it off.
         kl_estimator: "k1", "k2" or "k3" (rlmm/kl.py), per token, of KL(pi_theta || pi_ref).
         entropy_coef: weight of the entropy bonus (subtracted from the loss); 0 turns it off.
+        ratio: the importance ratio the clip acts on, from the masked ``[B, T]`` log-ratios and the mask
+            (``token_ratio``; GSPO's ``sequence_ratio``).
+
+    An algorithm's `policy_loss` and `loss_normalizer` are this object's `__call__` and `normalizer`.
     """
 
     def __init__(self, clip_low: float, clip_high: float, loss_aggregation: str, kl_coef: float, kl_estimator: str,
-                 entropy_coef: float):
+                 entropy_coef: float, ratio: RatioFn = token_ratio):
         if not 0 < clip_low < 1:
             raise ValueError(f"algo.clip_low: must be in (0, 1), got {clip_low}")
         if not clip_high > 0:
@@ -88,6 +92,7 @@ class SurrogateLoss:
         self.kl_coef = float(kl_coef)
         self.kl_estimator = kl_estimator
         self.entropy_coef = float(entropy_coef)
+        self.ratio = ratio
 
     def normalizer(self, mask: Tensor, max_length: int | None = None) -> float:
         """The divisor the loss uses for this mask: kept tokens (token), non-empty sequences (sequence) or
@@ -111,7 +116,7 @@ class SurrogateLoss:
         return max(batch * (max_length if max_length is not None else width), 1)
 
     def __call__(self, logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, weights: Tensor,
-                 ref_logprobs: Tensor | None = None, entropy: Tensor | None = None, *, ratio: RatioFn = token_ratio,
+                 ref_logprobs: Tensor | None = None, entropy: Tensor | None = None, *,
                  max_length: int | None = None, normalizer: float | None = None) -> tuple[Tensor, dict[str, float]]:
         """Scalar loss to minimise, and its metrics as plain Python numbers.
 
@@ -126,8 +131,6 @@ class SurrogateLoss:
                 only the ``kl`` metric is computed.
             entropy: ``[B, T]`` per-token entropy (see ``per_token_entropy``), required when
                 entropy_coef > 0; if given with entropy_coef 0 only the ``entropy`` metric is computed.
-            ratio: the importance ratio the clip acts on, from the masked ``[B, T]`` log-ratios and the mask
-                (``token_ratio``; GSPO's ``sequence_ratio``).
             max_length: L for "constant" aggregation, normally ``sampling.max_new_tokens``, so that the
                 divisor does not depend on the longest response of the batch (defaults to T).
             normalizer: divisor replacing the one of this batch (see ``normalizer``).
@@ -175,7 +178,7 @@ class SurrogateLoss:
             return x.sum() / denominator
 
         logratio = masked(logprobs) - masked(old_logprobs.detach())
-        r_theta = ratio(logratio, m)
+        r_theta = self.ratio(logratio, m)
         adv = advantages.detach().to(device, dtype)
         adv = adv[:, None] if adv.dim() == 1 else masked(adv)
         pg_loss = aggregate(masked(weights.detach()) * clipped_surrogate(r_theta, adv, self.clip_low, self.clip_high))
