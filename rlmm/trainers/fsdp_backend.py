@@ -31,7 +31,7 @@ from rlmm.models.head import install_output_head
 from rlmm.models.loading import load_value_model, padding_id
 from rlmm.precision import SidePrecision, dtype_name
 from rlmm.samplers.base import Rollouts, SamplingOptions
-from rlmm.trainers.loss_scale import MIN_LOSS_SCALE, skip_metrics
+from rlmm.trainers.loss_scale import MIN_LOSS_SCALE, grad_scaler, skip_metrics
 from rlmm.trainers.memory import ActivationBudget, optimizer_state_bytes, prepare_for_training
 from rlmm.trainers.optim import linear_warmup
 from rlmm.trainers.packing import Batch, MicroBatching, use_varlen_attention
@@ -119,12 +119,7 @@ class FSDPTrainer:
         self.model = model
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
         self.lr_schedule = linear_warmup(self.optimizer, warmup_steps)
-        if precision.dtype == "fp16" and not (initial_loss_scale > 0 and loss_scale_growth_interval >= 1):
-            raise ValueError(f"trainer.initial_loss_scale must be > 0 and trainer.loss_scale_growth_interval >= 1, "
-                             f"got {initial_loss_scale} and {loss_scale_growth_interval}")
-        self.grad_scaler = torch.amp.GradScaler(self.device.type, init_scale=initial_loss_scale,
-                                                growth_interval=loss_scale_growth_interval,
-                                                enabled=precision.dtype == "fp16")
+        self.grad_scaler = grad_scaler(self.device, precision.dtype, initial_loss_scale, loss_scale_growth_interval)
         parameters = sum(p.numel() for p in model.parameters())
         self.budget = ActivationBudget(model.config, compute, self.device, gradient_checkpointing,
                                        optimizer_state_bytes(parameters // world, torch.float32))

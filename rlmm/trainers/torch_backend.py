@@ -27,7 +27,7 @@ from rlmm.devices import select_device
 from rlmm.models.loading import load_causal_lm, load_value_model, model_precision, padding_id
 from rlmm.precision import SidePrecision
 from rlmm.samplers.base import Rollouts, SamplingOptions
-from rlmm.trainers.loss_scale import MIN_LOSS_SCALE, skip_metrics
+from rlmm.trainers.loss_scale import MIN_LOSS_SCALE, grad_scaler, skip_metrics
 from rlmm.trainers.optim import linear_warmup
 from rlmm.trainers.memory import ActivationBudget, optimizer_state_bytes, prepare_for_training
 from rlmm.trainers.packing import Batch, MicroBatching, use_varlen_attention
@@ -92,12 +92,7 @@ class TorchTrainer:
         # fp32 accumulation: each micro-batch's 16-bit gradients move to the master copy as they are made.
         self.accumulate_in_master = grad_accum_dtype == "fp32" and self.master_params is not None
         self.optimizer = torch.optim.AdamW(self.optimized_params, lr=lr, weight_decay=weight_decay)
-        if precision.dtype == "fp16" and not (initial_loss_scale > 0 and loss_scale_growth_interval >= 1):
-            raise ValueError(f"trainer.initial_loss_scale must be > 0 and trainer.loss_scale_growth_interval >= 1, "
-                             f"got {initial_loss_scale} and {loss_scale_growth_interval}")
-        self.grad_scaler = torch.amp.GradScaler(self.device.type, init_scale=initial_loss_scale,
-                                                growth_interval=loss_scale_growth_interval,
-                                                enabled=precision.dtype == "fp16")
+        self.grad_scaler = grad_scaler(self.device, precision.dtype, initial_loss_scale, loss_scale_growth_interval)
         self.lr_schedule = linear_warmup(self.optimizer, warmup_steps)
         self.budget = ActivationBudget(self.model.config, precision.torch_dtype, self.device, gradient_checkpointing,
                                        optimizer_state_bytes(sum(p.numel() for p in params), precision.torch_dtype))
