@@ -324,14 +324,12 @@ def kv_cache_size(model_path: str, precision: SidePrecision, max_model_len: int 
     or the model's attention is not known (a model whose config has no plain KV heads, e.g. MLA)."""
     if kv_cache_gb is not None:
         return int(kv_cache_gb * 2**30)
-    if not max_model_len or not max_rows:
-        return None if cuda else 2**30
-    per_token = kv_bytes_per_token(model_path, precision.torch_dtype)
+    floor = None if cuda else 2**30  # what an unknown size falls back to, and a CPU's least
+    per_token = kv_bytes_per_token(model_path, precision.torch_dtype) if max_model_len and max_rows else None
     if per_token is None:
-        return None if cuda else 2**30
-    blocks = math.ceil(max_model_len / KV_BLOCK_TOKENS)
-    needed = max_rows * blocks * KV_BLOCK_TOKENS * per_token
-    return needed if cuda else max(needed, 2**30)
+        return floor
+    needed = max_rows * math.ceil(max_model_len / KV_BLOCK_TOKENS) * KV_BLOCK_TOKENS * per_token
+    return max(needed, floor or 0)
 
 
 def kv_bytes_per_token(model_path: str, dtype: torch.dtype) -> int | None:
