@@ -20,6 +20,8 @@ from typing import Protocol
 import torch
 
 LOGPROB_MODES = ("processed", "raw")
+# A (token, layer) whose routing was not captured: the trainer routes it itself (rlmm/routing.py).
+NO_ROUTE = -1
 
 
 @dataclass
@@ -62,6 +64,11 @@ class Rollouts:
     sampler_logprobs: list[torch.Tensor]  # float32, one value per response token
     finish_reasons: list[str]  # "stop" (end-of-sequence sampled) or "length" (hit max_new_tokens)
     info: dict = field(default_factory=dict)
+    # The experts a mixture-of-experts sampler routed each token to (None: not captured, or a dense model):
+    # one int16 tensor per row, [len(prompt) + len(response), MoE layers, top-k], entry p the experts of the
+    # forward whose *input* was token p (so the last response token, never fed back, and prompt tokens an
+    # engine did not compute, e.g. prefix-cached ones, are NO_ROUTE: the trainer's own routing there).
+    routed_experts: list[torch.Tensor] | None = None
 
     def __len__(self) -> int:
         return len(self.response_ids)
@@ -73,12 +80,18 @@ class Rollouts:
     def select(self, rows: list[int]) -> Rollouts:
         """The rollouts of `rows`, in that order."""
         return Rollouts([self.prompt_ids[i] for i in rows], [self.response_ids[i] for i in rows],
-                        [self.sampler_logprobs[i] for i in rows], [self.finish_reasons[i] for i in rows])
+                        [self.sampler_logprobs[i] for i in rows], [self.finish_reasons[i] for i in rows],
+                        routed_experts=None if self.routed_experts is None else
+                        [self.routed_experts[i] for i in rows])
 
     @staticmethod
     def concat(parts: list[Rollouts]) -> Rollouts:
+        routed = [p.routed_experts for p in parts]
+        if any(r is None for r in routed) and not all(r is None for r in routed):
+            raise ValueError("Rollouts.concat: some parts carry routed_experts and some do not")
         return Rollouts(*(sum((getattr(p, name) for p in parts), []) for name in
-                          ("prompt_ids", "response_ids", "sampler_logprobs", "finish_reasons")))
+                          ("prompt_ids", "response_ids", "sampler_logprobs", "finish_reasons")),
+                        routed_experts=None if not parts or routed[0] is None else sum(routed, []))
 
 
 def pad_right(rows: list[torch.Tensor], value: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
