@@ -18,6 +18,7 @@ from rlmm.critic import NoCritic, ValueCritic
 from rlmm.devices import init_process_group, select_device
 from rlmm.interfaces import Algorithm, Correction, Critic, Sampler, Trainer
 from rlmm.precision import SidePrecision, check_precision
+from rlmm.routing import RoutingReplay
 from rlmm.samplers.base import SamplingOptions
 from rlmm.timing import timed
 
@@ -36,6 +37,7 @@ class Components:
     trainer_precision: SidePrecision | None = None  # what the trainer side computes in (asked for): the
     # precision of eval/accuracy_trained's copy of the trainer's weights (rlmm/train.py::TrainedCopyEngine)
     precision_report: dict = field(default_factory=dict)  # asked for vs what each engine really runs
+    routing: RoutingReplay = field(default_factory=lambda: RoutingReplay("none", measure=False, compare=False))
 
     def close(self) -> None:
         self.critic.close()
@@ -62,18 +64,25 @@ def build_components(cfg: DictConfig, prompts: Callable[[object], list], max_row
     sampling = SamplingOptions(**cfg.sampling)
     algo = instantiate(cfg.algo) if "algo" in cfg else None
     correction = instantiate(cfg.correction) if "correction" in cfg else None
+    routing = instantiate(cfg.routing) if "routing" in cfg else RoutingReplay("none", measure=False, compare=False)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     with timed(seconds, "sampler_init"):
         # A trainer with an fp32 head trains it apart from a tied input embedding: the sampler must hold both.
         sampler = build(cfg.sampler, model_path=model_path, precision=precision.sampler, sampling=sampling,
                         seed=cfg.seed, prompt_tokens=longest_prompt(tokenizer, prompts(task)), max_rows=max_rows,
-                        untie_head=precision.trainer.fp32_head)
+                        untie_head=precision.trainer.fp32_head, capture_routing=routing.capture)
     with timed(seconds, "trainer_init"):
         try:
             trainer = build(cfg.trainer, model_path=model_path, precision=precision.trainer, sampling=sampling)
         except BaseException:
             sampler.close()  # one engine per process: never leave one behind
             raise
+    try:
+        routing.bind(trainer.model)
+    except BaseException:
+        trainer.close()
+        sampler.close()
+        raise
     critic = NoCritic()
     if algo is not None and algo.critic:
         with timed(seconds, "critic_init"):
@@ -88,7 +97,7 @@ def build_components(cfg: DictConfig, prompts: Callable[[object], list], max_row
                 raise
     return Components(task=task, tokenizer=tokenizer, sampler=sampler, trainer=trainer, correction=correction,
                       algo=algo, sampling=sampling, model_path=model_path, critic=critic,
-                      trainer_precision=precision.trainer,
+                      trainer_precision=precision.trainer, routing=routing,
                       precision_report=check_precision(precision, sampler.actual_precision, trainer.actual_precision))
 
 

@@ -103,6 +103,7 @@ class TrainConfig:
     precision: Any = MISSING
     correction: Any = MISSING
     algo: Any = MISSING
+    routing: Any = MISSING
     logger: Any = MISSING
     seed: int = MISSING
     sampling: SamplingOptions = MISSING

@@ -96,20 +96,32 @@ def rl_step(c: Components, prompts: list, ratio_cap: float, reuse_training_forwa
 
     # π_old. With one epoch over one minibatch the first update's forwards can score the rollouts.
     # PPO's critic warm-up: the first steps train the critic alone (`NoCritic` never warms up).
+    # An MoE model's routing (rlmm/routing.py): π_old is scored on `routing.scored(rollouts)` (r3: the sampler's
+    # experts replayed), recording the trainer's own experts; the updates train on `routing.trained(...)`.
+    routing, scored = c.routing, c.routing.scored(rollouts)
     train_policy = not c.critic.warming_up
     one_pass = reuse_training_forward and algo.epochs == 1 and algo.minibatches == 1 and train_policy
-    first_update = trainer.begin_update(rollouts, list(range(len(rollouts)))) if one_pass else None
+    first_update = trainer.begin_update(scored, list(range(len(rollouts)))) if one_pass else None
     held = []  # the first update's forwards (logprobs, entropy), graphs kept, when they scored π_old
-    if first_update is not None and first_update.holds_graphs:
-        with timed(seconds, "train"):  # the update's own forwards: timed as training, not as a scoring pass
-            held = [first_update.forward(micro) for micro in first_update.micro_batches]
-            trainer_logprobs = padded_rows(rollouts, first_update.micro_batches, [lp for lp, _ in held])
-    else:
-        with timed(seconds, "trainer_logprobs"):
-            trainer_logprobs = trainer.logprobs(rollouts)
+    with routing.recorded(trainer.model) as own_routing:
+        if first_update is not None and first_update.holds_graphs:
+            with timed(seconds, "train"):  # the update's own forwards: timed as training, not as a scoring pass
+                held = [first_update.forward(micro) for micro in first_update.micro_batches]
+                trainer_logprobs = padded_rows(rollouts, first_update.micro_batches, [lp for lp, _ in held])
+        else:
+            with timed(seconds, "trainer_logprobs"):
+                trainer_logprobs = trainer.logprobs(scored)
+            if routing.replays_own_routing:  # r2: this update did not score π_old, so it replays what did
+                first_update = None
+    trained = routing.trained(rollouts, own_routing)
     critic = c.critic.begin_step(algo, rollouts, rewards, response_mask, seconds)  # V(s_t) and targets, or none
     old = OldPolicy.score(trainer_logprobs, sampler_logprobs, response_mask, task_rewards, c.correction, ratio_cap,
                           critic.checked())
+    routing_metrics = routing.metrics(rollouts.routed_experts, own_routing)
+    if routing.compare:
+        with timed(seconds, "routing_compare"):
+            routing_metrics.update(routing.compared(trainer, rollouts, trainer_logprobs, sampler_logprobs,
+                                                    response_mask, ratio_cap))
     advantages = per_token(algo.advantages(rewards, response_mask, critic.values), response_mask)
 
     losses = []  # one entry per optimizer step
@@ -119,7 +131,7 @@ def rl_step(c: Components, prompts: list, ratio_cap: float, reuse_training_forwa
                 critic.train(rows)
                 if not train_policy:
                     continue
-                update = first_update or trainer.begin_update(rollouts, rows)
+                update = first_update or trainer.begin_update(trained, rows)
                 normalizer = loss_normalizer_over_ranks(algo, old.mask[rows], max_length)
                 parts = []
                 for i, micro in enumerate(update.micro_batches):
@@ -160,6 +172,7 @@ def rl_step(c: Components, prompts: list, ratio_cap: float, reuse_training_forwa
             "frac_truncated": rollouts.finish_reasons.count("length") / len(rollouts), **sampling_metrics}.items()},
         **{f"mismatch/{k}": v for k, v in old.mismatch.items()},
         **{f"correction/{k}": v for k, v in old.correction_metrics.items()},
+        **routing_metrics,
         **{f"{'train' if k in LOSS_SCALER_KEYS else 'loss'}/{k}": sum(m[k] for m in losses) / len(losses)
            for k in (losses[0] if losses else ())},
         **{f"perf/{k}_seconds": v for k, v in seconds.items()},

@@ -78,3 +78,30 @@ def torchrun(args: list[str], *, ranks: int = 2, timeout: float = 900, **env: st
                             env=subprocess_env(OMP_NUM_THREADS="1", PYTHONPATH=str(root), **env))
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
     return result
+
+
+def build_moe_model(path, seed: int = 0, layers: int = 2, experts: int = 8, top_k: int = 2) -> str:
+    """A random-init tiny Qwen3-MoE (hidden 64, head_dim 32, every layer sparse, top-k normalised) with the
+    built-in character tokenizer, saved to `path`: the routing tests' model (seconds to build, no warm start)."""
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from rlmm.models.tiny import build_char_tokenizer
+
+    tokenizer = build_char_tokenizer()
+    torch.manual_seed(seed)
+    config = Qwen3MoeConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                            num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                            num_experts=experts, num_experts_per_tok=top_k, norm_topk_prob=True,
+                            max_position_embeddings=128, tie_word_embeddings=False, bos_token_id=tokenizer.bos_token_id,
+                            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    model = Qwen3MoeForCausalLM(config)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def moe_model_path(tmp_path_factory) -> str:
+    return build_moe_model(tmp_path_factory.mktemp("moe"))

@@ -2,7 +2,10 @@
 backend; rank 0 writes the new weights. Run under torchrun by test_update (2 ranks) and called in-process
 by it (1 rank): the two must give the same update.
 
-    torchrun --nproc_per_node 2 tests/ranks_step.py MODEL_PATH ROLLOUTS_JSON OUT_DIR [TRAINER_VALUES_JSON]
+    torchrun --nproc_per_node 2 tests/ranks_step.py MODEL_PATH ROLLOUTS_JSON OUT_DIR [TRAINER_VALUES_JSON [ROUTING]]
+
+ROUTING (none, r2, r3): an MoE model's routing replay (rlmm/routing.py), the recorded rollouts carrying the
+sampler's experts; r2 takes two epochs, so that its second update replays π_old's routing.
 """
 from __future__ import annotations
 
@@ -38,7 +41,8 @@ class ReplaySampler:
         self.recorded = recorded
 
     def generate(self, prompt_ids, *, n=1, greedy=False, request_ids=None) -> Rollouts:
-        out = Rollouts([], [], [], [])
+        routed = self.recorded.get("routed_experts")
+        out = Rollouts([], [], [], [], routed_experts=None if routed is None else [])
         for prompt in prompt_ids:
             index = next(i for i, (ids, _) in enumerate(self.groups) if ids == prompt)
             for row in self.groups.pop(index)[1]:
@@ -46,6 +50,8 @@ class ReplaySampler:
                 out.response_ids.append(self.recorded["response_ids"][row])
                 out.sampler_logprobs.append(torch.tensor(self.recorded["sampler_logprobs"][row]))
                 out.finish_reasons.append("stop")
+                if routed is not None:
+                    out.routed_experts.append(torch.tensor(routed[row], dtype=torch.int16))
         return out
 
     def load_weights(self, state_dict) -> None:
@@ -58,14 +64,17 @@ class ReplaySampler:
         pass
 
 
-def step_on_share(model_path: str, recorded: dict, backend: str, scratch: Path, **values) -> dict[str, torch.Tensor]:
+def step_on_share(model_path: str, recorded: dict, backend: str, scratch: Path, routing: str | None = None,
+                  **values) -> dict[str, torch.Tensor]:
     """This rank's trainer after one step on its share of the recorded prompts (SGD, token-level TIS);
-    `values`: other trainer YAML values (e.g. a token budget)."""
+    `routing`: an MoE model's routing replay (none, r2 with two epochs, r3; None: rlmm's default, none without
+    measuring); `values`: other trainer YAML values (e.g. a token budget)."""
     import torch.distributed as dist
     from transformers import AutoTokenizer
 
     from rlmm.corrections.tis import TokenTIS
     from rlmm.components import Components
+    from rlmm.routing import RoutingReplay
     from rlmm.step import rl_step
     from tests.test_update import GROUP, OPTIONS, OddLengthReward, algo, sgd_trainer
 
@@ -74,9 +83,10 @@ def step_on_share(model_path: str, recorded: dict, backend: str, scratch: Path, 
     examples = {e.prompt: e for e in task.examples("train", 64)}
     prompts = [examples[p] for p in recorded["prompts"]]
     trainer = sgd_trainer(backend, model_path, scratch, **values)
+    replay = RoutingReplay(routing or "none", measure=routing is not None, compare=False).bind(trainer.model)
     c = Components(task=OddLengthReward(task), tokenizer=AutoTokenizer.from_pretrained(model_path),
-                   sampler=ReplaySampler(recorded), trainer=trainer, correction=TokenTIS(cap=2.0), algo=algo(),
-                   sampling=OPTIONS)
+                   sampler=ReplaySampler(recorded), trainer=trainer, correction=TokenTIS(cap=2.0),
+                   algo=algo(epochs=2) if routing == "r2" else algo(), sampling=OPTIONS, routing=replay)
     try:
         metrics = rl_step(c, prompts, ratio_cap=2.0, reuse_training_forward=True)
         assert metrics["train/skipped"] == 0
@@ -95,8 +105,9 @@ def main() -> None:
     init_process_group()
     recorded = json.loads(replay.read_text())
     values = json.loads(sys.argv[4]) if len(sys.argv) > 4 else {}
+    routing = sys.argv[5] if len(sys.argv) > 5 else None
     for backend in BACKENDS:
-        weights = step_on_share(model_path, recorded, backend, out_dir, **values)
+        weights = step_on_share(model_path, recorded, backend, out_dir, routing=routing, **values)
         if dist.get_rank() == 0:
             save_file(weights, out_dir / f"{backend}-{dist.get_world_size()}.safetensors")
 

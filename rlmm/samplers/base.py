@@ -69,6 +69,10 @@ class Rollouts:
     # forward whose *input* was token p (so the last response token, never fed back, and prompt tokens an
     # engine did not compute, e.g. prefix-cached ones, are NO_ROUTE: the trainer's own routing there).
     routed_experts: list[torch.Tensor] | None = None
+    # The experts the trainer's forwards are to send each token to, laid out like `routed_experts` (None: the
+    # trainer routes itself). Only `routing=` sets it (rlmm/routing.py: r3 the sampler's, r2 π_old's own), so
+    # rollouts straight from a sampler are never replayed by accident.
+    replayed_experts: list[torch.Tensor] | None = None
 
     def __len__(self) -> int:
         return len(self.response_ids)
@@ -82,16 +86,20 @@ class Rollouts:
         return Rollouts([self.prompt_ids[i] for i in rows], [self.response_ids[i] for i in rows],
                         [self.sampler_logprobs[i] for i in rows], [self.finish_reasons[i] for i in rows],
                         routed_experts=None if self.routed_experts is None else
-                        [self.routed_experts[i] for i in rows])
+                        [self.routed_experts[i] for i in rows],
+                        replayed_experts=None if self.replayed_experts is None else
+                        [self.replayed_experts[i] for i in rows])
 
     @staticmethod
     def concat(parts: list[Rollouts]) -> Rollouts:
-        routed = [p.routed_experts for p in parts]
-        if any(r is None for r in routed) and not all(r is None for r in routed):
-            raise ValueError("Rollouts.concat: some parts carry routed_experts and some do not")
+        experts = {}
+        for name in ("routed_experts", "replayed_experts"):
+            values = [getattr(p, name) for p in parts]
+            if any(v is None for v in values) and not all(v is None for v in values):
+                raise ValueError(f"Rollouts.concat: some parts carry {name} and some do not")
+            experts[name] = None if not parts or values[0] is None else sum(values, [])
         return Rollouts(*(sum((getattr(p, name) for p in parts), []) for name in
-                          ("prompt_ids", "response_ids", "sampler_logprobs", "finish_reasons")),
-                        routed_experts=None if not parts or routed[0] is None else sum(routed, []))
+                          ("prompt_ids", "response_ids", "sampler_logprobs", "finish_reasons")), **experts)
 
 
 def pad_right(rows: list[torch.Tensor], value: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,13 +1,16 @@
 """`sampler=hf`: transformers `generate` with a KV cache, as a reference engine beside vLLM."""
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 
 from rlmm.devices import select_device
 from rlmm.logprobs import token_logprobs
 from rlmm.models.loading import load_causal_lm, model_precision, padding_id
 from rlmm.precision import SidePrecision
-from rlmm.samplers.base import (Rollouts, SamplingOptions, refuse_dropped_ties, request_seed, tied_aliases,
+from rlmm.routing import hooks_of, routers
+from rlmm.samplers.base import (NO_ROUTE, Rollouts, SamplingOptions, refuse_dropped_ties, request_seed, tied_aliases,
                                 truncate_at_eos)
 from rlmm.samplers.perturb import WeightNoise
 
@@ -27,6 +30,9 @@ class HFSampler:
         prompt_tokens, max_rows: (set by the app) the run's longest prompt and largest call; unused here.
         untie_head: (set by the app) the trainer trains an LM head of its own apart from the input embedding
             (an fp32 head unties a tied one): the model's head is then a parameter of its own here too.
+        capture_routing: (set by the app from `routing=`) return the experts an MoE model routed each token to
+            (`Rollouts.routed_experts`, recorded from generate's own forwards: the prefill's for the prompt,
+            each decode step's for the token it was fed); nothing for a dense model.
 
     Random numbers: one stream per sampling call, from (seed, call, the first request's place in the step),
     so ranks draw different streams; a row's draws depend on the batch it is in (transformers samples the
@@ -38,7 +44,7 @@ class HFSampler:
 
     def __init__(self, model_path: str, precision: SidePrecision, sampling: SamplingOptions, seed: int,
                  batch_size: int, perturb: float, prompt_tokens: int | None = None, max_rows: int | None = None,
-                 untie_head: bool = False):
+                 untie_head: bool = False, capture_routing: bool = False):
         from transformers import AutoTokenizer
 
         self.noise = WeightNoise(perturb, seed)
@@ -54,6 +60,7 @@ class HFSampler:
         eos = self.model.generation_config.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, list) else [eos if eos is not None else tokenizer.eos_token_id])
         self.actual_precision = model_precision(self.model)
+        self.routing = hooks_of(self.model) if capture_routing and routers(self.model) else None
         if perturb > 0:  # the checkpoint as loaded, through the same noise as every later sync
             self.load_weights({name: p.detach() for name, p in self.model.named_parameters()})
 
@@ -74,7 +81,7 @@ class HFSampler:
             torch.manual_seed(request_seed(self.seed, self.calls, request_ids[0] if request_ids else 0))
             self.calls += 1
         step = self.batch_size or len(prompt_ids)
-        out = Rollouts([], [], [], [])
+        out = Rollouts([], [], [], [], routed_experts=None if self.routing is None else [])
         for start in range(0, len(prompt_ids), step):
             self._generate_batch(prompt_ids[start:start + step], config, n, greedy, out)
         return out
@@ -85,9 +92,11 @@ class HFSampler:
         # position ids from the attention mask, so padded rows see the positions vLLM uses.
         ids = torch.tensor([[self.pad_id] * (width - len(p)) + p for p in prompts])
         attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-        result = self.model.generate(input_ids=ids.to(self.device), attention_mask=attention.to(self.device),
-                                     generation_config=config)
+        with self.routing.recording() if self.routing is not None else nullcontext() as calls:
+            result = self.model.generate(input_ids=ids.to(self.device), attention_mask=attention.to(self.device),
+                                         generation_config=config)
         generated = result.sequences[:, width:].cpu()
+        routed = None if calls is None else generate_routing(calls, self.routing.shape.layers, generated.size(0), width)
         logits = torch.stack(result.logits, dim=1).cpu()  # [B*n, T, V], fp32
         options = self.sampling if not greedy else None
         for row in range(generated.size(0)):
@@ -101,6 +110,11 @@ class HFSampler:
             out.response_ids.append(tokens)
             out.sampler_logprobs.append(lp.float())
             out.finish_reasons.append(reason)
+            if routed is not None:
+                prompt, response = routed
+                out.routed_experts.append(torch.cat([
+                    prompt[row, width - len(prompts[row // n]):], response[row, :length - 1],
+                    torch.full((1, *prompt.shape[2:]), NO_ROUTE, dtype=prompt.dtype)]))
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Copy Hugging Face-named weights into the model (cast to each parameter's own dtype), with
@@ -143,4 +157,19 @@ class HFSampler:
         eos = model.generation_config.eos_token_id
         sampler.eos_ids = set(eos if isinstance(eos, list) else [eos if eos is not None else tokenizer.eos_token_id])
         sampler.actual_precision = model_precision(model)
+        sampler.routing = None
         return sampler
+
+
+def generate_routing(calls: list[torch.Tensor], layers: int, rows: int,
+                     width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The router calls of one `generate` (one per MoE layer per forward: the prefill of [rows, width] left-padded
+    prompts, then one decode step per token fed back) as [rows, width, layers, k] prompt routing and [rows,
+    steps, layers, k] routing of the fed-back response tokens (step s: response token s)."""
+    if len(calls) % layers:
+        raise RuntimeError(f"routing: generate made {len(calls)} router calls, not a multiple of {layers} MoE layers")
+    forwards = [torch.stack(calls[i:i + layers], 1) for i in range(0, len(calls), layers)]  # each [tokens, L, k]
+    prompt = forwards[0].view(rows, width, *forwards[0].shape[1:])
+    response = torch.stack([f.view(rows, *f.shape[1:]) for f in forwards[1:]], 1) if len(forwards) > 1 else \
+        prompt.new_empty((rows, 0, *prompt.shape[2:]))
+    return prompt, response

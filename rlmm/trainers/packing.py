@@ -44,6 +44,7 @@ from typing import NamedTuple
 import torch
 
 from rlmm.collectives import all_reduce_max
+from rlmm.samplers.base import NO_ROUTE
 
 log = logging.getLogger(__name__)
 _warned: set[str] = set()  # warnings already given in this process
@@ -63,7 +64,9 @@ class Batch(NamedTuple):
     positions reach the head. Packed (padding-free): `ids` [1, Σ L_i], `attention` None, `positions`
     [1, Σ L_i] restarting at 0 at each sequence, `keep` 0 (every position). `index` [b, T]: where response
     token t of row i is predicted among the kept positions (packed: in the one row); `tokens` [b, T] the
-    response tokens (0 past a row's response, as its index)."""
+    response tokens (0 past a row's response, as its index). `routing`: the experts an MoE model's forward is
+    to send each position to, laid out like `ids` with [MoE layers, top-k] per position (NO_ROUTE at padding and
+    where a row's routing was not captured: the model's own choice there; rlmm/routing.py), or None."""
 
     ids: torch.Tensor
     attention: torch.Tensor | None
@@ -71,11 +74,44 @@ class Batch(NamedTuple):
     keep: int
     index: torch.Tensor
     tokens: torch.Tensor
+    routing: torch.Tensor | None = None
+    rows: tuple[int, ...] | None = None  # the rollout rows the batch holds, in its row order (when known)
+
+    def row_lengths(self) -> list[int]:
+        """Tokens (prompt + response) of each row, in the batch's row order."""
+        if self.positions is None:
+            return self.attention.sum(1).tolist()
+        starts = (self.positions[0] == 0).nonzero().flatten().tolist() + [self.positions.size(1)]
+        return [b - a for a, b in zip(starts, starts[1:])]
+
+    def per_row(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """A [ids.numel(), ...] tensor of one value per input position (a router's choices) cut into each
+        row's [its tokens, ...] (padding dropped)."""
+        lengths = self.row_lengths()
+        if self.positions is None:
+            rows = flat.view(*self.ids.shape, *flat.shape[1:])
+            return [rows[i, :n] for i, n in enumerate(lengths)]
+        return list(flat.split(lengths))
 
 
-def padded_batch(prompts: list[list[int]], responses: list[list[int]], pad_id: int) -> Batch:
+def laid_out_routing(routing: list[torch.Tensor] | None, width: int | None) -> torch.Tensor | None:
+    """Rows' [tokens, layers, k] expert ids as one model input: right-padded with NO_ROUTE to [rows, width,
+    layers, k], or (width None: packed) concatenated to [1, Σ tokens, layers, k]."""
+    if routing is None:
+        return None
+    if width is None:
+        return torch.cat(routing)[None]
+    out = torch.full((len(routing), width, *routing[0].shape[1:]), NO_ROUTE, dtype=routing[0].dtype)
+    for i, row in enumerate(routing):
+        out[i, :len(row)] = row
+    return out
+
+
+def padded_batch(prompts: list[list[int]], responses: list[list[int]], pad_id: int,
+                 routing: list[torch.Tensor] | None = None) -> Batch:
     """`prompt + response` rows right-padded to the longest, so position ids are the plain 0..L-1 the
-    sampler used and padding only follows real tokens (causal attention never looks at it)."""
+    sampler used and padding only follows real tokens (causal attention never looks at it). `routing`: each
+    row's experts to replay ([its tokens, layers, k]), or None."""
     full = [p + r for p, r in zip(prompts, responses)]
     width = max(map(len, full))
     ids = torch.tensor([row + [pad_id] * (width - len(row)) for row in full])
@@ -85,10 +121,11 @@ def padded_batch(prompts: list[list[int]], responses: list[list[int]], pad_id: i
     keep = width - min(len(p) for p in prompts) + 1
     first = [len(p) - 1 - (width - keep) for p in prompts]
     index, tokens = _response_index(first, responses)
-    return Batch(ids, attention, None, keep, index, tokens)
+    return Batch(ids, attention, None, keep, index, tokens, laid_out_routing(routing, width))
 
 
-def packed_batch(prompts: list[list[int]], responses: list[list[int]]) -> Batch:
+def packed_batch(prompts: list[list[int]], responses: list[list[int]],
+                 routing: list[torch.Tensor] | None = None) -> Batch:
     """The rows concatenated into one row [1, Σ L_i] with per-sequence position ids (padding-free)."""
     full = [p + r for p, r in zip(prompts, responses)]
     ids = torch.tensor([[token for row in full for token in row]])
@@ -97,7 +134,7 @@ def packed_batch(prompts: list[list[int]], responses: list[list[int]]) -> Batch:
     for row in full[:-1]:
         starts.append(starts[-1] + len(row))
     index, tokens = _response_index([s + len(p) - 1 for s, p in zip(starts, prompts)], responses)
-    return Batch(ids, None, positions, 0, index, tokens)
+    return Batch(ids, None, positions, 0, index, tokens, laid_out_routing(routing, None))
 
 
 def _response_index(first: list[int], responses: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -209,8 +246,11 @@ class MicroBatching:
                         len(rows), len(groups), self.tokens, count, count)
         return [[rows[i] for i in group] for group in resized_groups(groups, lengths, count)]
 
-    def batch(self, prompts: list[list[int]], responses: list[list[int]], pad_id: int) -> Batch:
-        return packed_batch(prompts, responses) if self.padding_free else padded_batch(prompts, responses, pad_id)
+    def batch(self, prompts: list[list[int]], responses: list[list[int]], pad_id: int,
+              routing: list[torch.Tensor] | None = None) -> Batch:
+        if self.padding_free:
+            return packed_batch(prompts, responses, routing)
+        return padded_batch(prompts, responses, pad_id, routing)
 
     def positions(self, lengths: list[int]) -> int:
         """Positions the forward of a micro-batch of rows of `lengths` tokens computes (padding included)."""

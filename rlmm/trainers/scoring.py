@@ -16,6 +16,7 @@ from typing import Callable
 import torch
 
 from rlmm.models.head import OutputHead
+from rlmm.routing import routed_forward
 from rlmm.trainers.packing import Batch, MicroBatching
 from rlmm.samplers.base import Rollouts, SamplingOptions, pad_right
 
@@ -31,14 +32,19 @@ def model_scores(model: torch.nn.Module, batch: Batch, device: torch.device, val
     inputs = {"input_ids": batch.ids.to(device), "use_cache": False,
               "attention_mask": None if batch.attention is None else batch.attention.to(device),
               "position_ids": None if batch.positions is None else batch.positions.to(device)}
-    if value_model:
+    if value_model:  # the critic routes every token itself (docs/routing.md)
         return model(**inputs).logits[:, -batch.keep:, 0]  # -0: every position
-    return model(**inputs, logits_to_keep=batch.keep).logits
+    with routed_forward(model, batch, device) as replay:
+        return model(**inputs, **replay, logits_to_keep=batch.keep).logits
 
 
 def batch_of(rollouts: Rollouts, rows: list[int], batching: MicroBatching, pad_id: int) -> Batch:
-    """The rollout rows `rows` laid out for one forward (`MicroBatching.batch`)."""
-    return batching.batch([rollouts.prompt_ids[i] for i in rows], [rollouts.response_ids[i] for i in rows], pad_id)
+    """The rollout rows `rows` laid out for one forward (`MicroBatching.batch`), with the experts to replay
+    when the rollouts carry them (`Rollouts.replayed_experts`: the routing replay of rlmm/routing.py)."""
+    routing = None if rollouts.replayed_experts is None else [rollouts.replayed_experts[i] for i in rows]
+    batch = batching.batch([rollouts.prompt_ids[i] for i in rows], [rollouts.response_ids[i] for i in rows], pad_id,
+                           routing)
+    return batch._replace(rows=tuple(rows))
 
 
 def row_tokens(rollouts: Rollouts, rows: list[int]) -> list[int]:
