@@ -296,17 +296,13 @@ class RoutingReplay:
 
     def compared(self, trainer, rollouts, trainer_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor,
                  mask: torch.Tensor, ratio_cap: float) -> dict[str, float]:
-        """The step's mismatch metrics (rlmm/metrics.py) both ways on the same rollouts: with the sampler's
-        routing replayed (routing/replayed/*) and with the trainer's own (routing/own/*), from the π_old
-        scoring already made (`trainer_logprobs`) and one more no-grad scoring with the other routing."""
+        """The step's mismatch metrics (rlmm/metrics.py) both ways on the same rollouts (`scored_both_ways`):
+        routing/replayed/* and routing/own/*."""
         from rlmm.metrics import mismatch_metrics
 
         if self.shape is None or rollouts.routed_experts is None:
             return {}
-        replayed_now = self.mode == "r3"
-        other = trainer.logprobs(replace(rollouts, replayed_experts=None if replayed_now else rollouts.routed_experts))
-        ways = {"replayed": trainer_logprobs if replayed_now else other,
-                "own": other if replayed_now else trainer_logprobs}
+        ways = scored_both_ways(trainer, self.scored(rollouts), trainer_logprobs)
         return {f"routing/{way}/{k}": v for way, lp in ways.items()
                 for k, v in mismatch_metrics(lp, sampler_logprobs, mask, ratio_cap=ratio_cap).items()}
 
@@ -315,6 +311,15 @@ class RoutingReplay:
         if sampler is None or own is None or not self.measure:
             return {}
         return routing_disagreement(sampler, [own[i] for i in range(len(sampler))])
+
+
+def scored_both_ways(trainer, scored, logprobs: torch.Tensor) -> dict[str, torch.Tensor]:
+    """{"replayed": log-probs with the sampler's experts replayed, "own": with the trainer's own routing} of the
+    rollouts `scored` (as π_old's scoring took them, with or without `replayed_experts`), one of them the
+    scoring already made (`logprobs`), the other one more no-grad `trainer.logprobs`."""
+    replayed_now = scored.replayed_experts is not None
+    other = trainer.logprobs(replace(scored, replayed_experts=None if replayed_now else scored.routed_experts))
+    return {"replayed": logprobs if replayed_now else other, "own": other if replayed_now else logprobs}
 
 
 def routing_disagreement(sampler: list[torch.Tensor], trainer: list[torch.Tensor]) -> dict[str, float]:

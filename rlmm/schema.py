@@ -60,6 +60,7 @@ class ProbeConfig:
     sampler: Any = MISSING
     trainer: Any = MISSING
     precision: Any = MISSING
+    routing: Any = MISSING
     logger: Any = MISSING
     seed: int = MISSING
     sampling: SamplingOptions = MISSING

@@ -99,6 +99,13 @@ MUTANTS = [
     Mutant("dapo_keeps_every_group", "algo=dapo's dynamic sampling keeps groups whose rewards are all equal",
            [("rlmm/algos/dapo.py", "return ~(grouped == grouped[:, :1]).all(dim=1)",
              "return (grouped == grouped).all(dim=1)")], tests=("tests/test_algos.py", "tests/test_step.py")),
+    Mutant("replay_wrong_layer", "routing replay gives each MoE layer the next layer's experts",
+           [("rlmm/routing.py", "experts[..., index, :].reshape(-1, experts.size(-1))",
+             "experts[..., (index + 1) % experts.size(-2), :].reshape(-1, experts.size(-1))")],
+           tests=("tests/test_routing.py",)),
+    Mutant("replay_keeps_own_gates", "routing replay sends tokens to the replayed experts but keeps the own top-k's "
+           "gates", [("rlmm/routing.py", "    gates = probs.gather(-1, ids)\n", "    gates = probs.gather(-1, own)\n")],
+           tests=("tests/test_routing.py",)),
     Mutant("gae_without_lambda", "PPO's GAE drops lambda (A_t = delta_t + gamma A_{t+1})",
            [("rlmm/algos/ppo.py", "running = delta + gamma * lam * torch.where(following[:, t], running, 0.0)",
              "running = delta + gamma * torch.where(following[:, t], running, 0.0)")], tests=("tests/test_ppo.py",)),

@@ -302,3 +302,27 @@ def test_r2_and_r3_two_ranks_take_the_one_rank_step_on_every_backend(moe_model_p
     r3 = step_on_share(moe_model_path, recorded_rows, "torch", tmp_path, routing="r3")
     assert relative_error({k: v - initial[k] for k, v in r3.items()},
                           {k: v - initial[k] for k, v in none.items()}) > 1e-3
+
+
+@pytest.mark.parametrize("normalise", [True, False])
+def test_replayed_gates_are_the_routers_softmax_on_the_replayed_experts(normalise):
+    """g_e = p_e / Σ_{e' in E} p_e' (normalised top-k) or p_e, p = softmax(z) of the router's own logits; a token
+    whose replayed ids are NO_ROUTE keeps its own experts and gates; the router gets a gradient through g."""
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
+
+    from rlmm.routing import _replayed
+
+    router = Qwen3MoeTopKRouter(Qwen3MoeConfig(hidden_size=4, num_experts=4, num_experts_per_tok=2,
+                                               norm_topk_prob=normalise))
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0], [0.5, 0.0, 3.0, 1.0]], requires_grad=True)
+    own = torch.tensor([[0, 1], [2, 3]])
+    gates, ids = _replayed(router, logits, own, torch.tensor([[3, 2], [NO_ROUTE, NO_ROUTE]]))
+    p = torch.softmax(logits.detach(), -1)
+    expected = torch.stack([p[0, [3, 2]], p[1, [2, 3]]])
+    if normalise:
+        expected = expected / expected.sum(-1, keepdim=True)
+    assert torch.equal(ids, torch.tensor([[3, 2], [2, 3]]))
+    assert torch.allclose(gates, expected, rtol=0, atol=1e-7)
+    (gates[0] * torch.tensor([1.0, 2.0])).sum().backward()
+    assert logits.grad[0, [2, 3]].abs().min() > 0 and torch.equal(logits.grad[1], torch.zeros(4))

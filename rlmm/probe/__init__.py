@@ -8,6 +8,8 @@ Reads top to bottom:
      micro-batches of trainer.micro_batch_size vs a token budget vs padding-free, `probe.trainer_layouts`);
      sampler vs itself, greedy, with the same prompts alone and inside larger batches (Thinking Machines 2025, "Defeating
      Nondeterminism in LLM Inference": 80 unique completions of 1000 without batch-invariant kernels);
+     with an MoE model, the routing part: how often the two sides route a token differently, and how much of
+     the sampler-vs-trainer gap goes when the trainer replays the sampler's experts (`routing_decomposition`);
   5. print a table, write `probe.json` and `probe.png` into the run directory, log to the logger.
 
 Modules: `checks` (the options before any engine starts, the scored log-probs), `measurements` (each engine
@@ -28,7 +30,8 @@ from rlmm.config import to_container
 from rlmm.logging import redact
 from rlmm.metrics import early_vs_late, mismatch_metrics, position_profile
 from rlmm.probe.checks import check_finite, check_options
-from rlmm.probe.measurements import batch_invariance, trainer_across_layouts, trainer_against_itself
+from rlmm.probe.measurements import (batch_invariance, routing_decomposition, trainer_across_layouts,
+                                     trainer_against_itself)
 from rlmm.probe.plot import plot_probe
 from rlmm.probe.report import print_probe
 from rlmm.timing import timed
@@ -55,7 +58,9 @@ def run_probe(cfg: DictConfig, run_dir: Path, choices: dict[str, str]) -> dict:
     completions = tokenizer.batch_decode(rollouts.response_ids, skip_special_tokens=True)
     rewards = [task.reward(examples[i // options.samples_per_prompt], text) for i, text in enumerate(completions)]
     sampler_logprobs, mask = rollouts.padded_sampler_logprobs()
-    with timed(stage_seconds, "score"):
+    routing = components.routing
+    rollouts = routing.scored(rollouts)  # r3: the trainer replays the sampler's experts in every scoring below
+    with timed(stage_seconds, "score"), routing.recorded(trainer.model) as own_routing:
         train_logprobs = trainer.logprobs(rollouts)
     check_finite({"sampler": sampler_logprobs[mask], "trainer": train_logprobs[mask]}, precision_report,
                  close=(trainer, sampler))
@@ -71,6 +76,9 @@ def run_probe(cfg: DictConfig, run_dir: Path, choices: dict[str, str]) -> dict:
         trainer_vs_itself = trainer_against_itself(trainer, rollouts, options.trainer_micro_batch_sizes,
                                                    options.ratio_cap)
         trainer_vs_itself.update(trainer_across_layouts(trainer, rollouts, layouts, options.ratio_cap))
+    with timed(stage_seconds, "routing"):
+        routing_part = routing_decomposition(routing, trainer, rollouts, own_routing, train_logprobs,
+                                             sampler_logprobs, mask, options.ratio_cap)
     with timed(stage_seconds, "sampler_vs_itself"):
         sampler_vs_itself = batch_invariance(sampler, task, tokenizer, options)
     trainer.close()
@@ -88,6 +96,7 @@ def run_probe(cfg: DictConfig, run_dir: Path, choices: dict[str, str]) -> dict:
         "early_vs_late": same_responses,
         "trainer_vs_itself": trainer_vs_itself,
         "sampler_vs_itself": sampler_vs_itself,
+        "routing": routing_part,
         "seconds": time.perf_counter() - started,
         "stage_seconds": stage_seconds,
         "config": redact(to_container(cfg)),

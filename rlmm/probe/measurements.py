@@ -8,6 +8,7 @@ import torch
 
 from rlmm.metrics import mismatch_metrics
 from rlmm.probe.checks import check_micro_batch_sizes
+from rlmm.routing import routing_disagreement, scored_both_ways
 from rlmm.samplers.base import Rollouts, pad_right
 from rlmm.trainers.packing import MicroBatching
 from rlmm.trainers.scoring import row_tokens
@@ -102,3 +103,26 @@ def batch_invariance(sampler, task, tokenizer, options) -> dict:
         "logprob_abs_diff_mean": prefix_metrics["logprob_abs_diff_mean"],
         "logprob_abs_diff_max": prefix_metrics["logprob_abs_diff_max"],
     }
+
+
+# The gap measures whose share removed by replaying the sampler's routing the probe reports.
+ROUTING_GAP_KEYS = ("logprob_abs_diff_mean", "kl_k3", "prob_abs_diff_mean", "seq_logratio_abs_max")
+
+
+def routing_decomposition(routing, trainer, rollouts: Rollouts, own: dict | None, train_logprobs: torch.Tensor,
+                          sampler_logprobs: torch.Tensor, mask: torch.Tensor, ratio_cap: float) -> dict:
+    """The routing part of the sampler-vs-trainer gap, for an MoE model whose sampler returned its experts ({}
+    otherwise): the routing disagreement (rlmm/routing.py::routing_disagreement), the mismatch with the trainer
+    routing itself (`own`) and replaying the sampler's experts (`replayed`) on the same rollouts (one of the two
+    is the probe's own scoring, `train_logprobs`, under `routing=`), and per gap measure G the share replay
+    removes, 1 - G_replayed / G_own (docs/metrics.md#routing)."""
+    if routing.shape is None or rollouts.routed_experts is None or own is None:
+        return {}
+    ways = scored_both_ways(trainer, rollouts, train_logprobs)
+    gaps = {way: mismatch_metrics(lp, sampler_logprobs, mask, ratio_cap=ratio_cap) for way, lp in ways.items()}
+    removed = {key: 1 - gaps["replayed"][key] / gaps["own"][key] if gaps["own"][key] else 0.0
+               for key in ROUTING_GAP_KEYS}
+    disagreement = routing_disagreement(rollouts.routed_experts, [own[i] for i in range(len(rollouts))])
+    return {"disagreement": {k.removeprefix("routing/"): v for k, v in disagreement.items()},
+            "own": gaps["own"], "replayed": gaps["replayed"], "share_removed": removed,
+            "bytes_per_token": routing.shape.bytes_per_token()}

@@ -40,6 +40,8 @@ def print_probe(record: dict) -> None:
                 table.add_row(name, describe_layout(layout), format_number(itself[f"{name}/logprob_abs_diff_mean"]),
                               format_number(itself[f"{name}/logprob_abs_diff_max"]))
         console.print(table)
+    if routing := record.get("routing"):
+        print_routing(console, routing)
     inv = record["sampler_vs_itself"]
     precision = record["precision"]
     engines = {side: ", ".join(f"{k} {v}" for k, v in precision["actual"][side].items() if k != "engine")
@@ -68,3 +70,23 @@ def describe_layout(layout: dict) -> str:
     tokens = layout["micro_batch_tokens"]
     return (f"{layout['micro_batches']} x " + (f"<={tokens} tok" if tokens else f"{layout['micro_batch_size']} rows")
             + (" packed" if layout["padding_free"] else " padded"))
+
+
+def print_routing(console, routing: dict) -> None:
+    """The routing part (rlmm/probe/measurements.py::routing_decomposition): disagreement, then each gap measure
+    with the trainer's own routing and with the sampler's replayed, and the share replay removes."""
+    from rich.table import Table
+
+    d = routing["disagreement"]
+    layers = sorted(k for k in d if k.startswith("frac_decisions_differ_layer_"))
+    console.print(f"routing: {d['frac_decisions_differ']:.2%} of (token, layer) decisions and "
+                  f"{d['frac_tokens_differ']:.2%} of tokens (in at least one of {len(layers)} MoE layers) differ "
+                  f"between sampler and trainer; per layer "
+                  + ", ".join(f"{d[k]:.2%}" for k in layers))
+    table = Table(title="sampler vs trainer, the trainer routing itself vs replaying the sampler's experts (R3)",
+                  title_justify="left")
+    for column in ("metric", "own routing", "replayed", "share removed"):
+        table.add_column(column, justify="left" if column == "metric" else "right")
+    for key, share in routing["share_removed"].items():
+        table.add_row(key, format_number(routing["own"][key]), format_number(routing["replayed"][key]), f"{share:.1%}")
+    console.print(table)
