@@ -31,11 +31,13 @@ BUILD_TIME_ARGS: dict[str, set[str]] = {
     "model": set(),
     "task": set(),
     "precision": set(),
-    "sampler": {"model_path", "precision", "sampling", "seed", "prompt_tokens", "max_rows", "untie_head"},
+    "sampler": {"model_path", "precision", "sampling", "seed", "prompt_tokens", "max_rows", "untie_head",
+                "capture_routing"},
     "trainer": {"model_path", "precision", "sampling", "value_head"},
     "logger": {"run_config", "run_dir", "sweep"},
     "correction": set(),
     "algo": set(),
+    "routing": set(),
 }
 
 
