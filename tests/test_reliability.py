@@ -100,10 +100,26 @@ def test_sigterm_right_after_step_zero_still_checkpoints(small_model_path, tmp_p
 def test_a_stopped_run_resumes_to_the_uninterrupted_numbers(small_model_path, tmp_path, trainer_name):
     """SIGTERM right after step 0 (a checkpoint of step 1), then a restart: every logged number of the 4
     steps equals those of a run never interrupted (FSDP: its full optimizer state and schedule restored)."""
-    common = ("sampler=hf", f"trainer={trainer_name}", "logger=none", "train.checkpoint_every=0")
+    assert_resume_repeats(small_model_path, tmp_path, "sampler=hf", f"trainer={trainer_name}", "logger=none",
+                          "train.checkpoint_every=0")
+
+
+@pytest.mark.parametrize("routing", [pytest.param("r2", marks=pytest.mark.slow), "r3"])
+def test_a_stopped_moe_run_with_routing_replay_resumes_to_the_uninterrupted_numbers(moe_model_path, tmp_path,
+                                                                                    routing):
+    """The same with an MoE model, its experts in every batch (r3: the sampler's; r2, over two epochs: π_old's)
+    and the routing/ metrics logged."""
+    assert_resume_repeats(moe_model_path, tmp_path, "sampler=hf", "trainer=torch", "logger=none",
+                          "train.checkpoint_every=0", f"routing={routing}", "algo.epochs=2")
+    assert "routing/frac_decisions_differ" in read_steps(tmp_path / "straight")[1]
+
+
+def assert_resume_repeats(model_path, tmp_path, *common):
+    """A run of `common` overrides stopped by SIGTERM right after step 0 and restarted logs what it logs
+    uninterrupted."""
     straight, interrupted = tmp_path / "straight", tmp_path / "interrupted"
     for run_dir, signal_first in ((straight, False), (interrupted, True)):
-        command = train_command(small_model_path, run_dir, *common)
+        command = train_command(model_path, run_dir, *common)
         if signal_first:
             stopped = subprocess.run([sys.executable, "-c", SIGNAL_AFTER_STEP_ZERO, *command[3:]],
                                      capture_output=True, text=True, timeout=600, env=subprocess_env(),
