@@ -18,6 +18,7 @@ from contextlib import contextmanager
 import torch
 
 from rlmm.devices import global_rank, select_device, vllm_executor_backend, world_size
+from rlmm.models.checkpoint_names import CheckpointNames
 from rlmm.precision import SidePrecision, dtype_name
 from rlmm.samplers.base import (Rollouts, SamplingOptions, checkpoint_ties_head, engine_seed, refuse_dropped_ties,
                                 request_seed, tied_aliases, truncate_at_eos)
@@ -139,6 +140,7 @@ class VLLMSampler:
         self.llm = LLM(**kwargs)
         self.eos_ids = self._eos_ids()
         self.aliases = tied_aliases(self._model_runner().get_model())
+        self.checkpoint_names = CheckpointNames(model_path)
         self.actual_precision = self._actual_precision()
         self.actual_precision["batch_invariant"] = str(batch_invariant_mode()).lower()
         # What the engine was started with, for the run's precision/engine report.
@@ -230,7 +232,8 @@ class VLLMSampler:
         runner = self._model_runner()
         model = runner.get_model()
         expected = {name for name, _ in model.named_parameters()}
-        checked = refuse_dropped_ties(state_dict.items(), self.aliases, "sampler=vllm")
+        # The trainer's names for transformers' fused tensors (an MoE's experts) -> the checkpoint's, vLLM's.
+        checked = self.checkpoint_names(refuse_dropped_ties(state_dict.items(), self.aliases, "sampler=vllm"))
         with recording_loaded_names(model) as loaded:
             runner.reload_weights(weights_iterator=self.noise(checked))
         if loaded.complete and expected - loaded.names:
