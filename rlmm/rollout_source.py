@@ -118,18 +118,23 @@ class DelayLine:
     def state_dict(self) -> dict:
         if not self.tracked:
             return {}  # staleness 0: nothing is ever in flight between steps
-        return {"staleness": self.staleness, "decompose": self.decompose, "next_batch": self.next_batch,
+        return {"staleness": self.staleness, "next_batch": self.next_batch,
                 "in_flight": [in_flight_state(waiting) for waiting in self.in_flight]}
 
     def load_state_dict(self, state: dict | None, first_step: int) -> None:
         state = state or {}
-        saved = (state.get("staleness", 0), state.get("decompose", False))
-        if saved != (self.staleness, self.decompose):
-            raise ValueError(f"train.resume: the checkpoint was written with train.staleness={saved[0]} and "
-                             f"train.decompose_staleness={str(saved[1]).lower()}, this run has {self.staleness} and "
-                             f"{str(self.decompose).lower()} (resume with the run's own, or train.resume=false)")
-        self.in_flight = deque(from_in_flight_state(s) for s in state.get("in_flight", []))
-        self.next_batch = state.get("next_batch", first_step)
+        saved = state.get("staleness", 0)
+        if saved != self.staleness:
+            raise ValueError(f"train.resume: the checkpoint was written with train.staleness={saved}, this run has "
+                             f"{self.staleness} (resume with the run's own, or train.resume=false)")
+        in_flight = [from_in_flight_state(s) for s in state.get("in_flight", [])]
+        if self.decompose and any(waiting.batch.stale_logprobs is None for waiting in in_flight):
+            raise ValueError("train.resume: the checkpoint's rollouts in flight were not scored at the weights that "
+                             "sampled them (written with train.decompose_staleness=false): resume with it false, or "
+                             "train.resume=false")
+        for waiting in in_flight:  # without the decomposition, log-probs scored for one are not used
+            waiting.batch.stale_logprobs = waiting.batch.stale_logprobs if self.decompose else None
+        self.in_flight, self.next_batch = deque(in_flight), state.get("next_batch", first_step)
 
 
 def in_flight_state(waiting: InFlight) -> dict:

@@ -17,8 +17,9 @@ from rlmm import checkpoint
 from rlmm.config import from_yaml
 from rlmm.precision import SidePrecision
 from rlmm.records import read_steps
-from rlmm.rollout_source import DelayLine
-from rlmm.step import rl_step, rl_update
+from rlmm.rollout_source import DelayLine, InFlight
+from rlmm.samplers.base import Rollouts
+from rlmm.step import SampledBatch, rl_step, rl_update
 from rlmm.train import refill_prompts
 from tests.conftest import build_trainer, sampling, subprocess_env, torchrun
 from tests.test_reliability import comparable, train_command
@@ -195,11 +196,18 @@ def test_with_weights_standing_still_the_numerical_part_is_the_synchronous_misma
 
 
 def test_a_checkpoint_must_match_the_runs_staleness():
+    """Resuming needs the batches the run's own staleness keeps in flight, scored if it decomposes."""
     line = DelayLine(None, prompts_of([]), staleness=2, decompose=False, last_step=4)
-    with pytest.raises(ValueError, match=r"^train.resume: the checkpoint was written with train.staleness=0 and "
-                                         r"train.decompose_staleness=false, this run has 2 and false"):
+    with pytest.raises(ValueError, match=r"^train.resume: the checkpoint was written with train.staleness=0, this "
+                                         r"run has 2 \(resume with the run's own, or train.resume=false\)$"):
         line.load_state_dict(None, first_step=3)
-    DelayLine(None, prompts_of([]), staleness=0, decompose=False, last_step=4).load_state_dict(None, first_step=3)
+    DelayLine(None, prompts_of([]), staleness=0, decompose=True, last_step=4).load_state_dict(None, first_step=3)
+    unscored = DelayLine(None, prompts_of([]), staleness=1, decompose=False, last_step=4)
+    unscored.in_flight.append(InFlight(3, 1, SampledBatch(Rollouts([[1]], [[2]], [torch.zeros(1)], ["stop"]),
+                                                          torch.zeros(1), {}, {})))
+    with pytest.raises(ValueError, match=r"^train.resume: the checkpoint's rollouts in flight were not scored"):
+        DelayLine(None, prompts_of([]), staleness=1, decompose=True, last_step=4).load_state_dict(
+            unscored.state_dict(), first_step=3)
     with pytest.raises(ValueError, match=r"^train.staleness: must be >= 0, got -1$"):
         DelayLine(None, prompts_of([]), staleness=-1, decompose=False, last_step=4)
 
