@@ -2,7 +2,8 @@
 
     <run dir>/checkpoints/step-000040/model.safetensors  full weights (Hugging Face names), from rank 0
     <run dir>/checkpoints/step-000040/rank0.pt, rank1.pt  per rank: trainer state (optimizer, ZeRO partition,
-                                                          LR schedule, step counters) and torch's RNG state
+                                                          LR schedule, step counters), torch's RNG state and,
+                                                          with train.staleness, the rank's rollouts in flight
     <run dir>/checkpoints/step-000040/shards/            the states' sharded tensors (DTensors: FSDP's optimizer
                                                           moments), written by `torch.distributed.checkpoint`,
                                                           each rank its own shard
@@ -18,7 +19,8 @@ bookkeeping types are rebuilt; no pickled code runs).
 
 What makes a resumed run repeat the uninterrupted one: the prompts of step t are a pure function of
 (seed, t) (the task's example list), the sampler seeds request k of the run with (seed, k), the
-trainer's optimizer and schedule are restored, and torch's global RNG (minibatch shuffles) is restored.
+trainer's optimizer and schedule are restored, and torch's global RNG (minibatch shuffles) is restored;
+with `train.staleness` k the batches sampled for the next k updates come back too (rlmm/rollout_source.py).
 """
 from __future__ import annotations
 
@@ -62,10 +64,12 @@ def latest(run_dir: str | Path) -> Path | None:
 
 
 def save(run_dir: str | Path, step: int, trainer, sampler, critic: Critic = NoCritic(), keep: int = 2,
-         loop: dict | None = None) -> Path:
+         loop: dict | None = None, rollouts: dict | None = None) -> Path:
     """Write a checkpoint of step `step` (every rank calls this together); keep the newest `keep`. `loop`: the
     training loop's own state (JSON: bad-step counts, the monitor's detectors), back as state.json's "loop".
-    A critic with no weights and no state (`NoCritic`) writes nothing."""
+    `rollouts`: this rank's rollouts in flight (`RolloutSource.state_dict()`: tensors and plain values, in its
+    rankN.pt; {} or None writes nothing), back as `load`'s "rollouts". A critic with no weights and no state
+    (`NoCritic`) writes nothing."""
     from safetensors.torch import save_file
 
     rank, world = _rank_and_world()
@@ -85,7 +89,7 @@ def save(run_dir: str | Path, step: int, trainer, sampler, critic: Critic = NoCr
                       path / CRITIC_WEIGHTS)
     _barrier()
     rank_state, shards = split_sharded({"trainer": trainer.checkpoint_state(), "torch_rng": torch.get_rng_state(),
-                                        **critic_entry(critic)})
+                                        **critic_entry(critic), **({"rollouts": rollouts} if rollouts else {})})
     if shards:  # a collective: every rank of a sharded trainer has them
         import torch.distributed.checkpoint as dcp
 
@@ -105,7 +109,8 @@ def save(run_dir: str | Path, step: int, trainer, sampler, critic: Critic = NoCr
 
 
 def load(path: Path, trainer, sampler, critic: Critic = NoCritic()) -> dict:
-    """Restore trainer, sampler, critic and RNG from checkpoint `path`; returns its state.json."""
+    """Restore trainer, sampler, critic and RNG from checkpoint `path`; returns its state.json, with this rank's
+    rollouts in flight under "rollouts" (None when it holds none)."""
     from safetensors.torch import load_file
 
     rank, world = _rank_and_world()
@@ -135,6 +140,7 @@ def load(path: Path, trainer, sampler, critic: Critic = NoCritic()) -> dict:
     torch.set_rng_state(rank_states[rank]["torch_rng"])
     sampler.calls = state["sampler_calls"]
     sampler.load_weights(trainer.state_dict())
+    state["rollouts"] = rank_states[rank].get("rollouts")
     return state
 
 

@@ -34,7 +34,7 @@ import torch
 
 from rlmm.kl import k1, k2, k3
 
-__all__ = ["mismatch_metrics", "position_profile", "early_vs_late", "METRIC_KEYS"]
+__all__ = ["mismatch_metrics", "staleness_decomposition", "position_profile", "early_vs_late", "METRIC_KEYS"]
 
 METRIC_KEYS = (
     "num_tokens",
@@ -199,6 +199,36 @@ def mismatch_metrics(
     # One device->host copy instead of one sync per metric.
     values = torch.stack(list(stats.values())).tolist()
     return {"num_tokens": num_tokens, "num_sequences": num_sequences} | dict(zip(stats, values))
+
+
+def staleness_decomposition(
+    train_logprobs: torch.Tensor,
+    stale_train_logprobs: torch.Tensor,
+    sampler_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    ratio_cap: float = 2.0,
+) -> dict[str, float]:
+    """The mismatch of rollouts sampled with stale weights, split into a numerical and a policy-lag part.
+
+    The sampler drew the tokens with the weights of k updates ago (mu = pi_sampler at v_{u-1-k}); the
+    trainer scores them now (pi_train at v_{u-1}) and scored them with the weights that sampled them
+    (pi_stale = pi_train at v_{u-1-k}). Per token the log-ratio splits exactly:
+
+        delta = log pi_train - log mu = (log pi_stale - log mu) + (log pi_train - log pi_stale)
+                                      =   delta_numerical       +   delta_policy_lag
+
+    ``numerical/<key>`` is :func:`mismatch_metrics` of (pi_stale, mu): the same weights on both sides, so
+    kernels and precision alone (at staleness 0 it is the step's own mismatch); ``policy_lag/<key>`` is
+    :func:`mismatch_metrics` of (pi_train, pi_stale): the same trainer at two weight versions (its
+    ``ppl_sampler`` is the stale trainer's perplexity). The total is :func:`mismatch_metrics` of (pi_train, mu),
+    the step's ``mismatch/`` keys. The metrics linear in delta add up: ``kl_k1``, ``seq_logratio_mean`` and
+    ``seq_geo_logratio_mean`` of the two parts sum to the total's (to float64 rounding), and ``ppl_ratio``
+    multiplies; the others (|delta|, k2, k3, chi^2, ESS) are not additive and are reported per part.
+    """
+    numerical = mismatch_metrics(stale_train_logprobs, sampler_logprobs, mask, ratio_cap=ratio_cap)
+    lag = mismatch_metrics(train_logprobs, stale_train_logprobs, mask, ratio_cap=ratio_cap)
+    return {**{f"numerical/{k}": v for k, v in numerical.items()}, **{f"policy_lag/{k}": v for k, v in lag.items()}}
 
 
 def _positions(mask: torch.Tensor) -> torch.Tensor:

@@ -92,6 +92,8 @@ class TrainOptions:
     resume: bool = MISSING
     max_bad_steps: int = MISSING
     reuse_training_forward: bool = MISSING
+    staleness: int = MISSING
+    decompose_staleness: bool = MISSING
     monitor: MonitorOptions = field(default_factory=MonitorOptions)
 
 

@@ -1,11 +1,14 @@
-"""One RL step, top to bottom (`rl_step`), over the interfaces of rlmm/interfaces.py:
+"""One RL step, top to bottom (`rl_step`: `SampledBatch.now`, then `rl_update`), over the interfaces of
+rlmm/interfaces.py:
 
     sample -> reward -> score (π_old by the trainer) -> mismatch -> correct -> advantages
     -> for epoch, minibatch: for micro-batch: forward, loss, backward; step
     -> weight sync trainer -> sampler -> metrics
 
-Each stage hands the next a typed value (`Rollouts`, then `OldPolicy`), not a dict filled by callbacks,
-and the step never asks which engine, backend, correction or algorithm it holds.
+Each stage hands the next a typed value (`SampledBatch`, then `OldPolicy`), not a dict filled by callbacks,
+and the step never asks which engine, backend, correction or algorithm it holds. With `train.staleness` k >= 1
+the train loop's delay line (rlmm/rollout_source.py) samples and hands `rl_update` a batch sampled k updates
+earlier instead.
 
 The one-pass step: with one epoch over one minibatch (`train.reuse_training_forward`, the default) the
 policy being updated is the one that scores the rollouts, so the update's own forwards give π_old's
@@ -35,7 +38,7 @@ from rlmm.collectives import any_rank, divisor_over_ranks
 from rlmm.components import Components
 from rlmm.corrections.base import CorrectionOutput
 from rlmm.loss_stats import PolicyLossStats, combined_metrics
-from rlmm.metrics import mismatch_metrics
+from rlmm.metrics import mismatch_metrics, staleness_decomposition
 from rlmm.precision import nonfinite_cause
 from rlmm.samplers.base import Rollouts
 from rlmm.timing import timed
@@ -78,15 +81,55 @@ class OldPolicy:
                    mismatch=mismatch, correction_metrics=corrected.metrics, nonfinite=nonfinite, fault=fault)
 
 
+@dataclass
+class SampledBatch:
+    """The rollouts one update trains on, as they were sampled (the sample stage's value): `now` samples them
+    with the sampler's current weights (staleness 0); with `train.staleness` k the train loop's delay line
+    (rlmm/rollout_source.py) hands in a batch it sampled k updates earlier."""
+
+    rollouts: Rollouts
+    task_rewards: torch.Tensor  # [B] the task's rewards, grouped (`sample_groups`)
+    sampling_metrics: dict[str, float]  # `sample_groups`' (sampled_reward_mean; DAPO's refill counts)
+    seconds: dict[str, float]  # what sampling cost in the step that trains on it (generate, reward, ...)
+    staleness: int | None = None  # updates between the weights that sampled it and those it updates (None: untracked)
+    stale_logprobs: torch.Tensor | None = None  # [B, T] the trainer's log-probs at the weights that sampled them
+
+    @classmethod
+    def now(cls, c: Components, prompts: list, refill: Callable[[int], list] | None) -> SampledBatch:
+        """The rollouts of `prompts` (and refills) sampled now with the sampler's weights, and what that cost."""
+        seconds = {}
+        return cls(*sample_groups(c, prompts, refill, seconds), seconds)
+
+    def staleness_metrics(self, trainer_logprobs: torch.Tensor, mask: torch.Tensor,
+                          ratio_cap: float) -> dict[str, float]:
+        """rollout/staleness where it is tracked, and with `stale_logprobs` the mismatch split into its
+        numerical and policy-lag parts (mismatch/numerical/, mismatch/policy_lag/: rlmm/metrics.py::
+        staleness_decomposition); {} for a batch sampled now without the split."""
+        metrics = {} if self.staleness is None else {"rollout/staleness": float(self.staleness)}
+        if self.stale_logprobs is not None:
+            sampler_logprobs, _ = self.rollouts.padded_sampler_logprobs()
+            parts = staleness_decomposition(trainer_logprobs, self.stale_logprobs, sampler_logprobs, mask,
+                                            ratio_cap=ratio_cap)
+            metrics.update({f"mismatch/{k}": v for k, v in parts.items()})
+        return metrics
+
+
 def rl_step(c: Components, prompts: list, ratio_cap: float, reuse_training_forward: bool,
             refill: Callable[[int], list] | None = None) -> dict[str, float]:
-    """One RL step on the step's `prompts` (every rank's: this rank takes its `rank_share`); returns this rank's
-    metrics (rollout/, mismatch/, correction/, loss/, perf/, train/skipped). `refill(round)`: more prompts, as
-    many as `prompts`, for an algorithm that drops groups (DAPO's dynamic sampling); round 1, 2, ... up to
+    """One RL step on the step's `prompts` (every rank's: this rank takes its `rank_share`), sampled now with the
+    sampler's weights; returns this rank's metrics (`rl_update`). `refill(round)`: more prompts, as many as
+    `prompts`, for an algorithm that drops groups (DAPO's dynamic sampling); round 1, 2, ... up to
     `algo.max_sampling_rounds`."""
-    algo, trainer, seconds = c.algo, c.trainer, {}
+    return rl_update(c, SampledBatch.now(c, prompts, refill), ratio_cap, reuse_training_forward)
+
+
+def rl_update(c: Components, batch: SampledBatch, ratio_cap: float, reuse_training_forward: bool) -> dict[str, float]:
+    """The RL step after sampling: one update of the trainer on `batch` (this rank's share of the step's rollouts)
+    and the weight sync; returns this rank's metrics (rollout/, mismatch/, correction/, loss/, perf/,
+    train/skipped)."""
+    algo, trainer, seconds = c.algo, c.trainer, dict(batch.seconds)
     max_length = c.sampling.max_new_tokens
-    rollouts, task_rewards, sampling_metrics = sample_groups(c, prompts, refill, seconds)
+    rollouts, task_rewards, sampling_metrics = batch.rollouts, batch.task_rewards, dict(batch.sampling_metrics)
     # The step's own prompts' mean reward (before any group is dropped): the same statistic for every algorithm.
     sampled_reward = sampling_metrics.pop("sampled_reward_mean")
     c.sampler.sleep()  # the trainer has the accelerator until the weight sync
@@ -171,6 +214,7 @@ def rl_step(c: Components, prompts: list, ratio_cap: float, reuse_training_forwa
             "response_length_mean": lengths.mean().item(),
             "frac_truncated": rollouts.finish_reasons.count("length") / len(rollouts), **sampling_metrics}.items()},
         **{f"mismatch/{k}": v for k, v in old.mismatch.items()},
+        **batch.staleness_metrics(trainer_logprobs, response_mask, ratio_cap),  # with train.staleness or its split
         **{f"correction/{k}": v for k, v in old.correction_metrics.items()},
         **routing_metrics,
         **{f"{'train' if k in LOSS_SCALER_KEYS else 'loss'}/{k}": sum(m[k] for m in losses) / len(losses)

@@ -1,8 +1,9 @@
 """`rlmm train`: the run around the RL step (rlmm/step.py): build the components, resume from the newest
-checkpoint, then for each step: this rank's share of the step's prompts -> `rl_step` -> metrics averaged
-over ranks -> evaluation every `eval_every` steps -> the run record and the logger -> a checkpoint every
-`checkpoint_every` steps or on a stop signal; at the end a summary, then the shutdown (`shutdown`, which
-every way out runs: the last step, a stop, an error), a table and `training.png`.
+checkpoint, then for each step: this rank's share of the step's rollouts (sampled now, or `train.staleness`
+updates ago: rlmm/rollout_source.py's delay line) -> `rl_update` -> metrics averaged over ranks -> evaluation
+every `eval_every` steps -> the run record and the logger -> a checkpoint every `checkpoint_every` steps or
+on a stop signal; at the end a summary, then the shutdown (`shutdown`, which every way out runs: the last
+step, a stop, an error), a table and `training.png`.
 
 Several ranks (`torchrun --nproc_per_node N -m rlmm.cli train ...`, or SLURM tasks): every rank holds
 a full sampler (an in-process vLLM engine, sharing the ranks' process group) and a trainer replica.
@@ -28,7 +29,8 @@ from rlmm.formatting import format_number
 from rlmm.monitor import build_monitor
 from rlmm.records import NullRecord, RunRecord, read_steps
 from rlmm.samplers.base import Rollouts
-from rlmm.step import reward, rl_step
+from rlmm.rollout_source import DelayLine
+from rlmm.step import reward, rl_update
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +41,8 @@ def check_options(options: DictConfig) -> None:
     training prompts, steps x prompts_per_step). 0 means never for the `_every` counts and max_bad_steps."""
     for key, least, zero in (("steps", 1, ""), ("prompts_per_step", 1, ""), ("eval_prompts", 1, ""),
                              ("eval_every", 0, " (0: evaluate only at step 0 and the last step)"),
-                             ("checkpoint_every", 0, " (0: only on a stop signal)"), ("max_bad_steps", 0, " (0: never stop)")):
+                             ("checkpoint_every", 0, " (0: only on a stop signal)"), ("max_bad_steps", 0, " (0: never stop)"),
+                             ("staleness", 0, " (0: each update's rollouts sampled with the weights it updates)")):
         if options[key] < least:
             raise ValueError(f"train.{key}: must be >= {least}, got {options[key]}{zero}")
 
@@ -84,6 +87,14 @@ def run_train(cfg: DictConfig, run_dir: Path, choices: dict[str, str], logger) -
     eval_examples = components.task.examples("test", options.eval_prompts)
 
     evaluate = Evaluation(components, eval_examples, options.eval_trained_weights, rank)
+    # Each update's rollouts: batch j holds step j's prompts (and DAPO's refills of (seed, j, round)), sampled
+    # `train.staleness` updates before the update that trains on it; those in flight come back from the checkpoint.
+    count = options.prompts_per_step
+    rollouts = DelayLine(components, lambda j: (train_examples[(j - 1) * count: j * count],
+                                                partial(refill_prompts, train_examples, cfg.seed, j, count=count)),
+                         options.staleness, options.decompose_staleness, options.steps)
+    if last:
+        rollouts.load_state_dict(resumed["rollouts"], first_step)
 
     # Signals are recorded from before the first logged row: a SIGTERM that lands between step 0's
     # evaluation and the loop must still end in a checkpoint, not in the default handler. The shutdown runs
@@ -99,11 +110,8 @@ def run_train(cfg: DictConfig, run_dir: Path, choices: dict[str, str], logger) -
         bar = tqdm(range(first_step, options.steps + 1), desc="rlmm train", unit="step", initial=first_step - 1,
                    total=options.steps, disable=None if rank == 0 else True)
         for step in bar:
-            step_prompts = train_examples[(step - 1) * options.prompts_per_step: step * options.prompts_per_step]
-            # DAPO's dynamic sampling: refill(round) draws the step's refill prompts (every rank's)
-            refill = partial(refill_prompts, train_examples, cfg.seed, step, count=options.prompts_per_step)
-            metrics = mean_over_ranks(rl_step(components, step_prompts, options.ratio_cap,
-                                              options.reuse_training_forward, refill))
+            metrics = mean_over_ranks(rl_update(components, rollouts.take(step), options.ratio_cap,
+                                                options.reuse_training_forward))
             bad_in_a_row = bad_in_a_row + 1 if metrics["train/skipped"] else 0
             bad_total += bool(metrics["train/skipped"])
             metrics.update({"train/bad_steps": bad_total, "train/bad_steps_in_a_row": bad_in_a_row})
@@ -122,7 +130,8 @@ def run_train(cfg: DictConfig, run_dir: Path, choices: dict[str, str], logger) -
                     or (options.checkpoint_every and step % options.checkpoint_every == 0)):
                 # Bad steps changed no weights: this checkpoint holds the last good state.
                 saved = checkpoint.save(run_dir, step, trainer, sampler, components.critic, loop={
-                    "bad_steps": bad_total, "bad_steps_in_a_row": bad_in_a_row, "monitor": monitor.state_dict()})
+                    "bad_steps": bad_total, "bad_steps_in_a_row": bad_in_a_row, "monitor": monitor.state_dict()},
+                    rollouts=rollouts.state_dict())
             if too_many_bad:
                 raise TrainingStopped(f"{bad_in_a_row} bad steps in a row (train.max_bad_steps="
                                       f"{options.max_bad_steps}) at step {step}; last good state in {saved}")

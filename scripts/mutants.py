@@ -115,6 +115,10 @@ MUTANTS = [
     Mutant("critic_never_steps_its_loss", "the critic's value loss is never backpropagated",
            [("rlmm/critic.py", "            update.backward(loss)\n            parts.append(metrics)\n",
              "            parts.append(metrics)\n")], tests=("tests/test_ppo.py",)),
+    Mutant("no_rollouts_ahead", "the delay line samples nothing ahead: every update trains on rollouts of the "
+           "weights it updates (staleness 0), whatever train.staleness says",
+           [("rlmm/rollout_source.py", "while self.next_batch <= min(step + self.staleness, self.last_step):",
+             "while self.next_batch <= min(step, self.last_step):")], tests=("tests/test_staleness.py",)),
     Mutant("loss_metrics_averaged_over_micro_batches", "the logged loss is the mean of micro-batch shares, not their sum",
            [("rlmm/loss_stats.py", "    loss: Annotated[float, Combine.SUM]  # the value minimised",
              "    loss: Annotated[float, Combine.TOKEN_MEAN]  # the value minimised"),

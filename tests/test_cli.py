@@ -41,6 +41,8 @@ TRAIN_CASES = [
     (["train.steps=-3"], "train.steps: must be >= 1, got -3"),  # not the task's number of examples, -48
     (["train.eval_prompts=0"], "train.eval_prompts: must be >= 1, got 0"),
     (["train.eval_every=-1"], "train.eval_every: must be >= 0, got -1 (0: evaluate only at step 0 and the last step)"),
+    (["train.staleness=-1"], "train.staleness: must be >= 0, got -1 (0: each update's rollouts sampled with the "
+                             "weights it updates)"),
     (["-m", "hydra/launcher=nope"], "unknown hydra/launcher 'nope' (allowed: basic, local, process, slurm,"),
     (["trainer=torch", "trainer.zero_stage=3"], "(allowed: micro_batch_size, micro_batch_tokens, padding_free, lr, weight_decay,"),
 ]

@@ -483,9 +483,21 @@ class ShutdownWatch:
         monkeypatch.setattr(rlmm.train, "build_components", lambda cfg, prompts, max_rows: components)
         monkeypatch.setattr(rlmm.train, "Evaluation", FakeEvaluation)
         monkeypatch.setattr(rlmm.train, "RunRecord", WatchedRecord)
-        monkeypatch.setattr(rlmm.train, "rl_step", step)
+        class NoRollouts:  # the delay line, with nothing to sample: `step` stands for the whole RL step
+            def __init__(self, *args):
+                pass
+
+            def take(self, step):
+                return None
+
+            def state_dict(self):
+                return {}
+
+        monkeypatch.setattr(rlmm.train, "DelayLine", NoRollouts)
+        monkeypatch.setattr(rlmm.train, "rl_update", step)
         monkeypatch.setattr(rlmm.train, "mean_over_ranks", lambda metrics: metrics)
-        monkeypatch.setattr(rlmm.checkpoint, "save", lambda run_dir, step, *parts, loop: events.append("checkpoint"))
+        monkeypatch.setattr(rlmm.checkpoint, "save",
+                            lambda run_dir, step, *parts, loop, rollouts: events.append("checkpoint"))
         self.logger = Logger()
 
     @staticmethod

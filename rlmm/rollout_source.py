@@ -1,0 +1,154 @@
+"""Where the train loop gets each update's rollouts (`train.staleness`): a delay line of rollout batches, in
+one process, deterministic.
+
+Update u takes the trainer's weights v_{u-1} to v_u. With staleness k it trains on rollouts sampled with
+v_{u-1-k}, or with the initial weights v_0 where u-1-k < 0: updates 1 .. k+1 train on rollouts of v_0, every
+later update on rollouts k updates old (`rollout/staleness` = min(u-1, k)). k = 0 is the synchronous step, the
+rollouts sampled with the weights they update: the same calls in the same order as before staleness existed,
+so the same run to the bit.
+
+How: by sampling ahead, as asynchronous systems do (the sampler never goes back to old weights). Batch j holds
+the rollouts of step j's prompts (the task's prompt stream, `train.prompts_per_step` a step; DAPO's refills are
+those of (seed, j, round)). At step u the delay line first samples, with the sampler's current weights v_{u-1},
+every batch up to u + k not yet sampled (at step 1 batches 1 .. k+1, all with v_0; at each later step batch
+u + k; none past the last step), then hands the update batch u, which it sampled at step max(1, u-k). Batches
+are sampled in the order j = 1, 2, ..., so the sampler's request counter, and with it every seed, is that of
+batch j at staleness 0: with weights that stand still, update u trains on the staleness-0 run's rollouts.
+
+In flight between steps: the k sampled batches not yet trained on (this rank's share of each, with their
+rewards, sampling metrics and, for the decomposition, stale log-probs). They are part of the checkpoint
+(`state_dict`, in every rank's rankN.pt), so a resumed run trains on what the uninterrupted one would.
+
+`train.decompose_staleness`: the trainer scores each batch right after it is sampled, when it holds exactly the
+weights that sampled it (the sampler was synced to them at the end of the previous step, or both start from
+the checkpoint), and the batch keeps those log-probs until its update splits its mismatch into a numerical and
+a policy-lag part (rlmm/metrics.py::staleness_decomposition). So no weight version is kept: the cost is one
+no-grad scoring pass over each batch (`perf/stale_trainer_logprobs_seconds`) and, in memory, the log-probs of
+the k+1 batches in flight at most ([rows, T] float32 each: 16 x 8 rows x 8 tokens x 4 bytes = 4 KiB at the
+default), where scoring at training time would hold k copies of the weights (parameters x 4 bytes each in fp32:
+12 MB for the built-in 3M-parameter model, 2 GB for a 0.5B one, per version and, unsharded, per rank).
+
+Another source has the same three calls (`take`, `state_dict`, `load_state_dict`): issue 26's second way, a
+sampler process that runs ahead while the trainer trains, would hand over batches as they arrive; it could not
+score at sampling time (its trainer is elsewhere in its updates by then), so its decomposition would keep the
+weight versions instead.
+"""
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, fields, replace
+from typing import Protocol
+
+from rlmm.components import Components
+from rlmm.samplers.base import Rollouts
+from rlmm.step import SampledBatch
+from rlmm.timing import timed
+
+__all__ = ["DelayLine", "RolloutSource"]
+
+# A batch's prompts: step j's own, and its refill(round) for an algorithm that drops groups (DAPO), or None.
+PromptsOf = Callable[[int], tuple[list, Callable[[int], list] | None]]
+
+
+class RolloutSource(Protocol):
+    """What the train loop asks for each update's rollouts."""
+
+    def take(self, step: int) -> SampledBatch:
+        """The rollouts update `step` trains on (this rank's share), their staleness, and what sampling cost in
+        this step (`SampledBatch.seconds`: the sampling of later batches done now included)."""
+        ...
+
+    def state_dict(self) -> dict:
+        """This rank's rollouts in flight and its place in the prompt stream, for the checkpoint ({}: none)."""
+        ...
+
+    def load_state_dict(self, state: dict | None, first_step: int) -> None:
+        """Continue from a checkpoint's `state_dict()` (None: the checkpoint holds none) at step `first_step`."""
+        ...
+
+
+@dataclass
+class InFlight:
+    """A sampled batch waiting for its update."""
+
+    index: int  # the step whose prompts it holds, which is the update that trains on it
+    version: int  # the updates in the weights that sampled it (v_version)
+    batch: SampledBatch
+
+
+class DelayLine:
+    """`train.staleness` k: update u trains on the rollouts of step u's prompts, sampled with the weights of
+    update max(0, u-1-k) (module docstring). `prompts_of(j)`: batch j's prompts and refill; `last_step`: the
+    run's last step (nothing is sampled for later ones)."""
+
+    def __init__(self, c: Components, prompts_of: PromptsOf, staleness: int, decompose: bool, last_step: int):
+        if staleness < 0:
+            raise ValueError(f"train.staleness: must be >= 0, got {staleness}")
+        self.c, self.prompts_of, self.staleness, self.decompose = c, prompts_of, staleness, decompose
+        self.last_step = last_step
+        self.tracked = staleness > 0 or decompose  # rollout/staleness is logged (not at plain staleness 0)
+        self.in_flight: deque[InFlight] = deque()
+        self.next_batch = 1  # the first batch not yet sampled
+
+    def take(self, step: int) -> SampledBatch:
+        seconds: dict[str, float] = {}
+        fresh = []
+        while self.next_batch <= min(step + self.staleness, self.last_step):
+            prompts, refill = self.prompts_of(self.next_batch)
+            batch = SampledBatch.now(self.c, prompts, refill)
+            for stage, spent in batch.seconds.items():
+                seconds[stage] = seconds.get(stage, 0.0) + spent
+            fresh.append(InFlight(self.next_batch, step - 1, batch))
+            self.next_batch += 1
+        if self.decompose and fresh:
+            # After all of this step's generate calls: vLLM's sleep level 2 would drop the weights they need.
+            self.c.sampler.sleep()
+            with timed(seconds, "stale_trainer_logprobs"):  # the trainer holds v_{step-1}: the sampling weights
+                for waiting in fresh:
+                    waiting.batch.stale_logprobs = self.c.trainer.logprobs(waiting.batch.rollouts)
+        self.in_flight.extend(fresh)
+        if not self.in_flight or self.in_flight[0].index != step:
+            held = [waiting.index for waiting in self.in_flight]
+            raise RuntimeError(f"train.staleness={self.staleness}: step {step} has no rollouts in flight (holding "
+                               f"the batches of steps {held})")
+        due = self.in_flight.popleft()
+        return replace(due.batch, seconds=seconds, staleness=step - 1 - due.version if self.tracked else None)
+
+    def state_dict(self) -> dict:
+        if not self.tracked:
+            return {}  # staleness 0: nothing is ever in flight between steps
+        return {"staleness": self.staleness, "next_batch": self.next_batch,
+                "in_flight": [in_flight_state(waiting) for waiting in self.in_flight]}
+
+    def load_state_dict(self, state: dict | None, first_step: int) -> None:
+        state = state or {}
+        saved = state.get("staleness", 0)
+        if saved != self.staleness:
+            raise ValueError(f"train.resume: the checkpoint was written with train.staleness={saved}, this run has "
+                             f"{self.staleness} (resume with the run's own, or train.resume=false)")
+        in_flight = [from_in_flight_state(s) for s in state.get("in_flight", [])]
+        if self.decompose and any(waiting.batch.stale_logprobs is None for waiting in in_flight):
+            raise ValueError("train.resume: the checkpoint's rollouts in flight were not scored at the weights that "
+                             "sampled them (written with train.decompose_staleness=false): resume with it false, or "
+                             "train.resume=false")
+        for waiting in in_flight:  # without the decomposition, log-probs scored for one are not used
+            waiting.batch.stale_logprobs = waiting.batch.stale_logprobs if self.decompose else None
+        self.in_flight, self.next_batch = deque(in_flight), state.get("next_batch", first_step)
+
+
+def in_flight_state(waiting: InFlight) -> dict:
+    """A batch in flight as tensors, ints, floats, strings, lists and dicts (what `torch.load(weights_only=True)`
+    reads back): every field of its `Rollouts`, its rewards, sampling metrics and stale log-probs."""
+    batch = waiting.batch
+    return {"index": waiting.index, "version": waiting.version,
+            "rollouts": {f.name: getattr(batch.rollouts, f.name) for f in fields(Rollouts)},
+            "task_rewards": batch.task_rewards, "sampling_metrics": dict(batch.sampling_metrics),
+            "stale_logprobs": batch.stale_logprobs}
+
+
+def from_in_flight_state(state: dict) -> InFlight:
+    batch = SampledBatch(Rollouts(**state["rollouts"]), state["task_rewards"], dict(state["sampling_metrics"]), {},
+                         stale_logprobs=state["stale_logprobs"])
+    return InFlight(state["index"], state["version"], batch)
+
