@@ -106,7 +106,8 @@ class DelayLine:
             self.c.sampler.sleep()
             with timed(seconds, "stale_trainer_logprobs"):  # the trainer holds v_{step-1}: the sampling weights
                 for waiting in fresh:
-                    waiting.batch.stale_logprobs = self.c.trainer.logprobs(waiting.batch.rollouts)
+                    # routed as the update will score it (r3: the sampler's experts replayed)
+                    waiting.batch.stale_logprobs = self.c.trainer.logprobs(self.c.routing.scored(waiting.batch.rollouts))
         self.in_flight.extend(fresh)
         if not self.in_flight or self.in_flight[0].index != step:
             held = [waiting.index for waiting in self.in_flight]
