@@ -63,10 +63,16 @@ def routing_engine_args(enabled: bool, cuda: bool) -> dict:
 
 def is_moe(model_path: str) -> bool:
     """Whether the checkpoint has mixture-of-experts layers, by vLLM's own reading of its config
-    (`ModelConfig.get_num_experts`), before an engine starts. A dense model has no routing to capture; routing
-    replay on one is refused by rlmm/routing.py (`RoutingReplay.bind`), so no R3 arm silently replays nothing."""
+    (`ModelConfig.get_num_experts`), before an engine starts; a config that names no experts at all (transformers'
+    reading: no num_experts / num_local_experts / n_routed_experts) is dense without asking vLLM, whose first
+    config reading costs seconds. A dense model has no routing to capture; routing replay on one is refused by
+    rlmm/routing.py (`RoutingReplay.bind`), so no R3 arm silently replays nothing."""
+    from transformers import AutoConfig
     from vllm.engine.arg_utils import EngineArgs
 
+    config = AutoConfig.from_pretrained(model_path).get_text_config()
+    if not any(getattr(config, key, None) for key in ("num_experts", "num_local_experts", "n_routed_experts")):
+        return False
     return EngineArgs(model=model_path).create_model_config().get_num_experts() > 0
 
 
