@@ -161,7 +161,8 @@ def main(argv=None) -> None:
             set_threads(threads_now)
             sampler.llm.generate = llm_generate
         tokens = sum(map(len, rollouts.response_ids))
-        return {"variant": variant, "threads": threads_in_call, "wall": wall, "cpu": cpu, "engine_steps": counted["steps"], "tokens": tokens,
+        return {"variant": variant, "threads": threads_in_call, "wall": wall, "cpu": cpu,
+                "engine_steps": counted["steps"], "tokens": tokens,
                 "wall_per_step": wall / counted["steps"], "cpu_per_step": cpu / counted["steps"],
                 "load_1min": os.getloadavg()[0]}
 

@@ -86,8 +86,8 @@ class VLLMSampler:
                  batch_invariant: bool, kv_cache_gb: float | None, gpu_memory_utilization: float,
                  max_model_len: int | None, enable_prefix_caching: bool | None, enforce_eager: bool | None,
                  seed_per_request: bool, sleep_mode: bool | None, sleep_level: int, perturb: float,
-                 threads: int | None, prompt_tokens: int | None = None, max_rows: int | None = None, untie_head: bool = False,
-                 capture_routing: bool = False):
+                 threads: int | None, prompt_tokens: int | None = None, max_rows: int | None = None,
+                 untie_head: bool = False, capture_routing: bool = False):
         self.noise = WeightNoise(perturb, seed)  # checks the value before the engine starts
         cuda = torch.cuda.is_available()
         if batch_invariant and not cuda:
