@@ -44,3 +44,28 @@ def test_layouts_benchmark_counts_what_each_layout_computes(tmp_path):
     # longest-first grouping pads less than the fixed consecutive rows
     assert summary["budget_128"]["positions_per_minibatch"][0] < summary["padded"]["positions_per_minibatch"][0]
     assert summary["padded"]["cpu_speedup_vs_padded"] == 1.0
+
+
+def test_staleness_benchmark_times_both_arms_in_one_process(tmp_path):
+    """`benchmarks/staleness.py` runs a real train run per arm in one process and times the steps between its
+    logged rows; the staleness-1 arm's timed steps train on rollouts one update old, and `train.overlap` is a row
+    only where the config has the key (else skipped with a line saying so)."""
+    from omegaconf import OmegaConf
+
+    from rlmm.config import CONF_DIR
+
+    out = tmp_path / "staleness.json"
+    result = subprocess.run([sys.executable, "-m", "benchmarks.staleness", "--steps", "4", "--repeats", "1",
+                             "--override", "sampler=hf", "--override", "trainer=torch",
+                             "--override", "train.prompts_per_step=2", "--override", "algo.group_size=2",
+                             "--out", str(out)], capture_output=True, text=True, timeout=600, env=subprocess_env())
+    assert result.returncode == 0, result.stderr[-3000:]
+    record = json.loads(out.read_text())
+    has_overlap = "overlap" in OmegaConf.load(CONF_DIR / "train.yaml").train
+    assert list(record["summary"]) == ["staleness=0", "staleness=1"] + (["overlap"] if has_overlap else [])
+    assert ("overlap" in record["skipped"]) != has_overlap
+    assert record["summary"]["staleness=0"]["vs_staleness_0"] == 1.0
+    for run in record["runs"]:
+        assert sorted(int(s) for s in run["step_seconds"]) == [1, 2, 3, 4]  # step 0's evaluation row first
+        assert all(t > 0 for t in run["step_seconds"].values())
+        assert run["staleness_logged"] == ([1.0, 1.0] if run["arm"] == "staleness=1" else [None, None])

@@ -39,6 +39,29 @@ def test_vllm_rollouts_have_the_interface_shape(vllm_fp32, prompts):
     assert vllm_fp32.actual_precision["dtype"] == "fp32"
 
 
+def test_vllm_sampler_threads_change_no_token_and_are_given_back(vllm_fp32, prompts):
+    """`sampler.threads`: one intra-op thread while generating samples what the process's threads sample (the
+    same seeds, the same tokens and log-probs to the bit here), and the process's count is back afterwards
+    (set through torch._C: vLLM's CPU worker turned `torch.set_num_threads` into a no-op)."""
+    threads = torch.get_num_threads()
+    call = vllm_fp32.calls
+    default = vllm_fp32.generate(prompts, n=4)
+    vllm_fp32.threads, vllm_fp32.calls = 1, call  # the same call: the same seeds
+    try:
+        one = vllm_fp32.generate(prompts, n=4)
+    finally:
+        vllm_fp32.threads = None
+    assert torch.get_num_threads() == threads
+    assert one.response_ids == default.response_ids
+    assert all(torch.equal(a, b) for a, b in zip(one.sampler_logprobs, default.sampler_logprobs))
+    with pytest.raises(ValueError, match="sampler.threads"):
+        from rlmm.samplers.vllm import VLLMSampler
+
+        VLLMSampler("unused", FP32, sampling(), seed=0, batch_invariant=False, kv_cache_gb=None,
+                    gpu_memory_utilization=0.5, max_model_len=None, enable_prefix_caching=None, enforce_eager=None,
+                    seed_per_request=True, sleep_mode=None, sleep_level=2, perturb=0.0, threads=0)
+
+
 def test_vllm_fp32_matches_fp32_trainer_processed(vllm_fp32, small_model_path, prompts):
     trainer = build_trainer("torch", small_model_path, FP32, sampling(**SHARP), micro_batch_size=4)
     rollouts = vllm_fp32.generate(prompts, n=4)

@@ -66,6 +66,11 @@ class VLLMSampler:
             2 x 1 GB at 0.5B, 2 x 15 GB at 7B in bf16), which a step that syncs nothing can reuse.
         perturb: mismatch injection: relative std ε of the Gaussian noise added to every weight the
             sampler loads, at start and at each weight sync (0: off; rlmm/samplers/perturb.py).
+        threads: torch's intra-op (OpenMP) threads while the engine generates, the process's count again after
+            (null: the process's, OMP_NUM_THREADS: every core rlmm may use). On a CPU a small model's decode
+            step is a few hundred small kernels, each a parallel region: on 2 cores shared with other jobs one
+            thread decoded the built-in default 2-2.6x faster than two, with the same tokens and log-probs to
+            the bit (benchmarks/README.md, "Where vLLM-CPU's decode time goes").
         prompt_tokens: (set by the app) the longest prompt of the run, in tokens.
         max_rows: (set by the app) the most sequences one generate call of the run asks for (sizes the KV
             cache when `kv_cache_gb` is null).
@@ -81,8 +86,8 @@ class VLLMSampler:
                  batch_invariant: bool, kv_cache_gb: float | None, gpu_memory_utilization: float,
                  max_model_len: int | None, enable_prefix_caching: bool | None, enforce_eager: bool | None,
                  seed_per_request: bool, sleep_mode: bool | None, sleep_level: int, perturb: float,
-                 prompt_tokens: int | None = None, max_rows: int | None = None, untie_head: bool = False,
-                 capture_routing: bool = False):
+                 threads: int | None, prompt_tokens: int | None = None, max_rows: int | None = None,
+                 untie_head: bool = False, capture_routing: bool = False):
         self.noise = WeightNoise(perturb, seed)  # checks the value before the engine starts
         cuda = torch.cuda.is_available()
         if batch_invariant and not cuda:
@@ -95,6 +100,8 @@ class VLLMSampler:
                              "(allowed here: false, null)")
         if sleep_level not in SLEEP_LEVELS:
             raise ValueError(f"sampler.sleep_level: unknown level {sleep_level} (allowed: 1, 2)")
+        if threads is not None and not (isinstance(threads, int) and threads >= 1):
+            raise ValueError(f"sampler.threads: a thread count >= 1 or null (the process's), got {threads!r}")
         if kv_cache_gb is not None and not kv_cache_gb > 0:
             raise ValueError(f"sampler.kv_cache_gb: must be > 0 or null (derived from the run), got {kv_cache_gb}")
         capture_routing = capture_routing and is_moe(model_path)  # a dense model has no routing to return
@@ -107,6 +114,7 @@ class VLLMSampler:
         self.seed = seed
         self.calls = 0  # sampling calls (greedy ones draw nothing and are not counted)
         self.seed_per_request = seed_per_request
+        self.threads = threads
         self.sleep_mode = cuda if sleep_mode is None else sleep_mode
         self.sleep_level = sleep_level
         self.sleeping: set[str] = set()  # the sleep-mode tags ("weights", "kv_cache") now offloaded or dropped
@@ -155,7 +163,7 @@ class VLLMSampler:
             **{k: v for k, v in engine.items() if k != "max_model_len"},
             "max_model_len": self.llm.llm_engine.model_config.max_model_len,
             "kv_cache_bytes": self.llm.llm_engine.vllm_config.cache_config.kv_cache_memory_bytes,
-            "seed_per_request": self.seed_per_request, "sleep_mode": self.sleep_mode,
+            "seed_per_request": self.seed_per_request, "threads": self.threads, "sleep_mode": self.sleep_mode,
             **({"sleep_level": self.sleep_level} if self.sleep_mode else {}),
             "untied_head": self.untied, "capture_routing": capture_routing,
             "device": str(torch.device("cuda", torch.cuda.current_device())) if cuda else "cpu"}
@@ -216,7 +224,7 @@ class VLLMSampler:
                 n=n, temperature=0.0 if greedy else self.sampling.temperature,
                 top_p=1.0 if greedy else self.sampling.top_p, top_k=0 if greedy else self.sampling.top_k,
                 max_tokens=self.sampling.max_new_tokens, logprobs=0, seed=seed, detokenize=False))
-        with self.routing.recording():
+        with self.routing.recording(), intra_op_threads(self.threads):
             outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids], params, use_tqdm=False)
         rollouts = Rollouts([], [], [], [])
         lengths = []  # prompt + kept response, per completion: the length of its routing row
@@ -353,6 +361,22 @@ def repack_cpu_experts(model: torch.nn.Module) -> int:
         experts.process_weights_after_loading(module)
         repacked += 1
     return repacked
+
+
+@contextmanager
+def intra_op_threads(count: int | None):
+    """While inside, torch runs `count` intra-op threads (None: unchanged). Through `torch._C.set_num_threads`:
+    vLLM-CPU 0.32's worker replaces `torch.set_num_threads` with a no-op that logs a warning, for the whole
+    process, when its engine starts (vllm/v1/worker/cpu_worker.py, `CPUWorker.init_device`)."""
+    if count is None:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch._C.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch._C.set_num_threads(before)
 
 
 def batch_invariant_mode() -> bool:
