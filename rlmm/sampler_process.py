@@ -104,7 +104,9 @@ class SamplerProcess:
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
         env = {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(local_world),
                "LOCAL_RANK": str(sampler_local_rank(local_rank(), local_world, torch.cuda.is_available())),
-               "MASTER_ADDR": os.environ.get("MASTER_ADDR", "127.0.0.1"), "MASTER_PORT": str(samplers_port())}
+               "MASTER_ADDR": os.environ.get("MASTER_ADDR", "127.0.0.1"), "MASTER_PORT": str(samplers_port()),
+               # torchrun's ranks join its agent's store; the samplers' rank 0 serves their own
+               "TORCHELASTIC_USE_AGENT_STORE": "False"}
         context = mp.get_context("spawn")
         self.requests, self.responses = context.Queue(), context.Queue()
         # As many threads as the trainer: CPU kernels may round differently with another count.
