@@ -134,8 +134,8 @@ class Overlapped:
     weights sent before it was asked for, v_{max(0, j-1-k)} for batch j, with the delay line's seeds: the same
     records (tests/test_overlap.py). k >= 1 (at 0 the update waits for its own batch: nothing overlaps) and no
     decomposition (the trainer has trained past a batch's weights by the time it arrives): rlmm/train.py's
-    `check_options` refuses both. The checkpoint's state is the delay line's, so either mode resumes the
-    other's run."""
+    `check_options` refuses both. The checkpoint's state is the delay line's (so either mode can resume the
+    other's run)."""
 
     def __init__(self, sampler, staleness: int, last_step: int):
         if staleness < 1:
