@@ -102,6 +102,10 @@ class SamplerProcess:
 
         rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+        if torch.cuda.is_available() and torch.cuda.device_count() < 2 * local_world:
+            raise ValueError(f"train.overlap=true on GPUs: each sampler process takes a GPU beside its trainer's, so "
+                             f"{local_world} rank(s) on a node need {2 * local_world} visible GPUs; this node has "
+                             f"{torch.cuda.device_count()}")
         env = {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(local_world),
                "LOCAL_RANK": str(sampler_local_rank(local_rank(), local_world, torch.cuda.is_available())),
                "MASTER_ADDR": os.environ.get("MASTER_ADDR", "127.0.0.1"), "MASTER_PORT": str(samplers_port()),
@@ -109,10 +113,11 @@ class SamplerProcess:
                "TORCHELASTIC_USE_AGENT_STORE": "False"}
         context = mp.get_context("spawn")
         self.requests, self.responses = context.Queue(), context.Queue()
+        self.stopping = context.Event()  # set by `close`: what is still queued is not served
         # As many threads as the trainer: CPU kernels may round differently with another count.
         self.process = context.Process(target=serve, name=f"rlmm-sampler-{rank}", daemon=True,
                                        args=(cfg, engine_args, env, torch.get_num_threads(), self.requests,
-                                             self.responses))
+                                             self.responses, self.stopping))
         self.process.start()
         self.arrived: dict[int, object] = {}  # batches received before they were asked for
         self._actual_precision = None
@@ -164,6 +169,7 @@ class SamplerProcess:
         if self.closed:
             return
         self.closed = True
+        self.stopping.set()
         if self.process.is_alive():
             self.requests.put(("close",))
             self.process.join(timeout=60)
@@ -210,8 +216,8 @@ class SamplerProcess:
             return value
 
 
-def serve(cfg, engine_args: dict, env: dict, threads: int, requests, responses) -> None:
-    """The sampler process: build, then serve requests in order until "close" (module docstring)."""
+def serve(cfg, engine_args: dict, env: dict, threads: int, requests, responses, stopping) -> None:
+    """The sampler process: build, then serve requests in order until "close" or `stopping` (module docstring)."""
     import multiprocessing
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -242,7 +248,7 @@ def serve(cfg, engine_args: dict, env: dict, threads: int, requests, responses) 
                 if parent is not None and not parent.is_alive():
                     return
                 continue
-            if kind == "close":
+            if kind == "close" or stopping.is_set():  # batches asked for but no longer wanted are not sampled
                 return
             value = value[0]
             try:

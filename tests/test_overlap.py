@@ -20,13 +20,16 @@ from tests.conftest import subprocess_env, torchrun
 from tests.test_reliability import comparable, train_command
 from tests.test_staleness import SIGNAL_AFTER_STEP_TWO
 
-COMMON = ("sampler=hf", "trainer=torch", "logger=none", "train.checkpoint_every=0", "train.steps=4",
-          "train.staleness=1")
+# trainer.lr 1e-3: every update moves the weights well beyond rounding, so a batch sampled with other weights
+# than the delay line's shows in its tokens and log-probs.
+COMMON = ("sampler=hf", "trainer=torch", "trainer.lr=1e-3", "logger=none", "train.checkpoint_every=0",
+          "train.steps=4", "train.staleness=1")
+PARITY = "task._target_=tests.recording.ParityArithmetic"  # rewards that vary inside groups: the weights move
 
 
 def rlmm_train(model_path, run_dir, *overrides):
-    result = subprocess.run(train_command(model_path, run_dir, *COMMON, *overrides), capture_output=True, text=True,
-                            timeout=600, env=subprocess_env(), stdin=subprocess.DEVNULL)
+    result = subprocess.run(train_command(model_path, run_dir, *COMMON, PARITY, *overrides), capture_output=True,
+                            text=True, timeout=600, env=subprocess_env(), stdin=subprocess.DEVNULL)
     assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
     return read_steps(run_dir)
 
@@ -47,6 +50,7 @@ def test_overlapped_sampler_gives_the_delay_lines_records(small_model_path, dela
     assert comparable(rows) == comparable(delay_line_rows)
     assert all("perf/rollout_wait_seconds" in row and "perf/generate_seconds" not in row for row in rows[1:])
     assert all("perf/generate_seconds" in row for row in delay_line_rows[1:4])
+    assert all(row["loss/pg_loss"] != 0 for row in delay_line_rows[1:])  # every update moved the weights
 
 
 def test_overlapped_run_stopped_by_sigterm_resumes_to_the_uninterrupted_numbers(small_model_path, delay_line_rows,
@@ -54,7 +58,7 @@ def test_overlapped_run_stopped_by_sigterm_resumes_to_the_uninterrupted_numbers(
     """SIGTERM after step 2: the checkpoint waits for the batch in flight (batch 3, sampled with v_1) and holds it
     with the sampler's call count, as the delay line's would; the resumed overlapped run repeats the uninterrupted
     in-process one."""
-    command = train_command(small_model_path, tmp_path, *COMMON, "train.overlap=true")
+    command = train_command(small_model_path, tmp_path, *COMMON, PARITY, "train.overlap=true")
     stopped = subprocess.run([sys.executable, "-c", SIGNAL_AFTER_STEP_TWO, *command[3:]], capture_output=True,
                              text=True, timeout=600, env=subprocess_env(), stdin=subprocess.DEVNULL)
     assert stopped.returncode == 128 + signal.SIGTERM, (stopped.stdout + stopped.stderr)[-3000:]
