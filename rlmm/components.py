@@ -46,11 +46,12 @@ class Components:
 
 
 def build_components(cfg: DictConfig, prompts: Callable[[object], list], max_rows: int,
-                     seconds: dict[str, float] | None = None) -> Components:
+                     seconds: dict[str, float] | None = None, sampler_process: bool = False) -> Components:
     """Build the app's components from `cfg`. `prompts(task)`: every example the app will sample from (its
     longest prompt sizes the sampler's context); `max_rows`: the most sequences one of its generate calls
     asks for (with the context, the sampler's KV cache). `seconds`: when given, the model, sampler and
-    trainer build times are added to it."""
+    trainer build times are added to it. `sampler_process` (`train.overlap`): the sampler is this rank's
+    sampler process (rlmm/sampler_process.py), its engine built there with the same arguments."""
     from transformers import AutoTokenizer
 
     seconds = {} if seconds is None else seconds
@@ -68,9 +69,15 @@ def build_components(cfg: DictConfig, prompts: Callable[[object], list], max_row
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     with timed(seconds, "sampler_init"):
         # A trainer with an fp32 head trains it apart from a tied input embedding: the sampler must hold both.
-        sampler = build(cfg.sampler, model_path=model_path, precision=precision.sampler, sampling=sampling,
-                        seed=cfg.seed, prompt_tokens=longest_prompt(tokenizer, prompts(task)), max_rows=max_rows,
-                        untie_head=precision.trainer.fp32_head, capture_routing=routing.capture)
+        engine_args = dict(model_path=model_path, precision=precision.sampler, sampling=sampling, seed=cfg.seed,
+                           prompt_tokens=longest_prompt(tokenizer, prompts(task)), max_rows=max_rows,
+                           untie_head=precision.trainer.fp32_head, capture_routing=routing.capture)
+        if sampler_process:  # the engine is built there, while the trainer is built here
+            from rlmm.sampler_process import SamplerProcess
+
+            sampler = SamplerProcess(cfg, engine_args)
+        else:
+            sampler = build(cfg.sampler, **engine_args)
     with timed(seconds, "trainer_init"):
         try:
             trainer = build(cfg.trainer, model_path=model_path, precision=precision.trainer, sampling=sampling)

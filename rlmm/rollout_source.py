@@ -28,10 +28,11 @@ the k+1 batches in flight at most ([rows, T] float32 each: 16 x 8 rows x 8 token
 default), where scoring at training time would hold k copies of the weights (parameters x 4 bytes each in fp32:
 12 MB for the built-in 3M-parameter model, 2 GB for a 0.5B one, per version and, unsharded, per rank).
 
-Another source has the same three calls (`take`, `state_dict`, `load_state_dict`): issue 26's second way, a
-sampler process that runs ahead while the trainer trains, would hand over batches as they arrive; it could not
-score at sampling time (its trainer is elsewhere in its updates by then), so its decomposition would keep the
-weight versions instead.
+`Overlapped` (`train.overlap`), issue 26's second way, has the same three calls: a sampler process of the rank's
+own samples the same batches at the same points with the same weights while the trainer trains, and hands them
+over as they arrive (rlmm/sampler_process.py), so the records are the delay line's. It cannot score at sampling
+time (its trainer is past those weights by then), and keeping the weight versions to score later is not done:
+with it the decomposition is refused (the delay line measures it for the same records).
 """
 from __future__ import annotations
 
@@ -45,7 +46,7 @@ from rlmm.samplers.base import Rollouts
 from rlmm.step import SampledBatch
 from rlmm.timing import timed
 
-__all__ = ["DelayLine", "RolloutSource"]
+__all__ = ["DelayLine", "Overlapped", "RolloutSource"]
 
 # A batch's prompts: step j's own, and its refill(round) for an algorithm that drops groups (DAPO), or None.
 PromptsOf = Callable[[int], tuple[list, Callable[[int], list] | None]]
@@ -74,7 +75,7 @@ class InFlight:
 
     index: int  # the step whose prompts it holds, which is the update that trains on it
     version: int  # the updates in the weights that sampled it (v_version)
-    batch: SampledBatch
+    batch: SampledBatch | None  # None: asked of the sampler process, not yet arrived (`Overlapped`)
 
 
 class DelayLine:
@@ -123,19 +124,69 @@ class DelayLine:
                 "in_flight": [in_flight_state(waiting) for waiting in self.in_flight]}
 
     def load_state_dict(self, state: dict | None, first_step: int) -> None:
-        state = state or {}
-        saved = state.get("staleness", 0)
-        if saved != self.staleness:
-            raise ValueError(f"train.resume: the checkpoint was written with train.staleness={saved}, this run has "
-                             f"{self.staleness} (resume with the run's own, or train.resume=false)")
-        in_flight = [from_in_flight_state(s) for s in state.get("in_flight", [])]
-        if self.decompose and any(waiting.batch.stale_logprobs is None for waiting in in_flight):
-            raise ValueError("train.resume: the checkpoint's rollouts in flight were not scored at the weights that "
-                             "sampled them (written with train.decompose_staleness=false): resume with it false, or "
-                             "train.resume=false")
-        for waiting in in_flight:  # without the decomposition, log-probs scored for one are not used
-            waiting.batch.stale_logprobs = waiting.batch.stale_logprobs if self.decompose else None
-        self.in_flight, self.next_batch = deque(in_flight), state.get("next_batch", first_step)
+        self.in_flight, self.next_batch = loaded_in_flight(state, first_step, self.staleness, self.decompose)
+
+
+class Overlapped:
+    """`train.overlap`: the delay line's batches, sampled by this rank's sampler process
+    (rlmm/sampler_process.py) while the trainer trains. `take(u)` asks for the same batches at the same points
+    as `DelayLine.take` (every batch up to u + k not yet asked for), but waits only for batch u: batch u + k is
+    sampled while update u trains. The process answers requests in order, so each batch is sampled with the
+    weights sent before it was asked for, v_{max(0, j-1-k)} for batch j, with the delay line's seeds: the same
+    records (tests/test_overlap.py). k >= 1 (at 0 the update waits for its own batch: nothing overlaps) and no
+    decomposition (the trainer has trained past a batch's weights by the time it arrives): rlmm/train.py's
+    `check_options` refuses both. The checkpoint's state is the delay line's (so either mode can resume the
+    other's run)."""
+
+    def __init__(self, sampler, staleness: int, last_step: int):
+        if staleness < 1:
+            raise ValueError(f"train.overlap: needs train.staleness >= 1, got {staleness}")
+        self.sampler, self.staleness, self.last_step = sampler, staleness, last_step
+        self.in_flight: deque[InFlight] = deque()  # asked for; `batch` is None until it has arrived
+        self.next_batch = 1  # the first batch not yet asked for
+
+    def take(self, step: int) -> SampledBatch:
+        seconds: dict[str, float] = {}
+        with timed(seconds, "rollout_wait"):  # what the trainer waited; the sampling itself ran beside it
+            while self.next_batch <= min(step + self.staleness, self.last_step):
+                self.sampler.request_batch(self.next_batch)
+                self.in_flight.append(InFlight(self.next_batch, step - 1, None))
+                self.next_batch += 1
+            if not self.in_flight or self.in_flight[0].index != step:
+                held = [waiting.index for waiting in self.in_flight]
+                raise RuntimeError(f"train.staleness={self.staleness}: step {step} has no rollouts in flight "
+                                   f"(holding the batches of steps {held})")
+            due = self.in_flight.popleft()
+            batch = due.batch or self.sampler.receive_batch(due.index)
+        return replace(batch, seconds=seconds, staleness=step - 1 - due.version)
+
+    def state_dict(self) -> dict:
+        """The delay line's state: every batch asked for is waited for first."""
+        for waiting in self.in_flight:
+            waiting.batch = waiting.batch or self.sampler.receive_batch(waiting.index)
+        return {"staleness": self.staleness, "next_batch": self.next_batch,
+                "in_flight": [in_flight_state(waiting) for waiting in self.in_flight]}
+
+    def load_state_dict(self, state: dict | None, first_step: int) -> None:
+        self.in_flight, self.next_batch = loaded_in_flight(state, first_step, self.staleness, decompose=False)
+
+
+def loaded_in_flight(state: dict | None, first_step: int, staleness: int,
+                     decompose: bool) -> tuple[deque[InFlight], int]:
+    """A checkpoint's batches in flight and next batch, checked against the run's staleness and decomposition."""
+    state = state or {}
+    saved = state.get("staleness", 0)
+    if saved != staleness:
+        raise ValueError(f"train.resume: the checkpoint was written with train.staleness={saved}, this run has "
+                         f"{staleness} (resume with the run's own, or train.resume=false)")
+    in_flight = [from_in_flight_state(s) for s in state.get("in_flight", [])]
+    if decompose and any(waiting.batch.stale_logprobs is None for waiting in in_flight):
+        raise ValueError("train.resume: the checkpoint's rollouts in flight were not scored at the weights that "
+                         "sampled them (written with train.decompose_staleness=false): resume with it false, or "
+                         "train.resume=false")
+    for waiting in in_flight:  # without the decomposition, log-probs scored for one are not used
+        waiting.batch.stale_logprobs = waiting.batch.stale_logprobs if decompose else None
+    return deque(in_flight), state.get("next_batch", first_step)
 
 
 def in_flight_state(waiting: InFlight) -> dict:

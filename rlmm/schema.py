@@ -94,6 +94,7 @@ class TrainOptions:
     reuse_training_forward: bool = MISSING
     staleness: int = MISSING
     decompose_staleness: bool = MISSING
+    overlap: bool = MISSING
     monitor: MonitorOptions = field(default_factory=MonitorOptions)
 
 

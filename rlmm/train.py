@@ -6,7 +6,8 @@ on a stop signal; at the end a summary, then the shutdown (`shutdown`, which eve
 step, a stop, an error), a table and `training.png`.
 
 Several ranks (`torchrun --nproc_per_node N -m rlmm.cli train ...`, or SLURM tasks): every rank holds
-a full sampler (an in-process vLLM engine, sharing the ranks' process group) and a trainer replica.
+a full sampler (an in-process vLLM engine, sharing the ranks' process group; with `train.overlap` one in a process of
+its own: rlmm/sampler_process.py) and a trainer replica.
 Only rank 0 evaluates, logs and writes the record; logged metrics are means over ranks.
 Metric namespaces: rollout/, mismatch/, correction/, loss/, perf/, eval/, train/.
 """
@@ -29,7 +30,7 @@ from rlmm.formatting import format_number
 from rlmm.monitor import build_monitor
 from rlmm.records import NullRecord, RunRecord, read_steps
 from rlmm.samplers.base import Rollouts
-from rlmm.rollout_source import DelayLine
+from rlmm.rollout_source import DelayLine, Overlapped
 from rlmm.step import reward, rl_update
 
 log = logging.getLogger(__name__)
@@ -45,6 +46,13 @@ def check_options(options: DictConfig) -> None:
                              ("staleness", 0, " (0: each update's rollouts sampled with the weights it updates)")):
         if options[key] < least:
             raise ValueError(f"train.{key}: must be >= {least}, got {options[key]}{zero}")
+    if options.overlap and options.staleness < 1:
+        raise ValueError(f"train.overlap=true needs train.staleness >= 1, got {options.staleness} (at 0 each update "
+                         f"waits for rollouts of its own weights: nothing to sample while it trains)")
+    if options.overlap and options.decompose_staleness:
+        raise ValueError("train.overlap=true with train.decompose_staleness=true: the overlapped trainer has trained "
+                         "past the weights that sampled a batch by the time it arrives, so it cannot score it there "
+                         "(run the split with train.overlap=false: the same records)")
 
 
 def run_train(cfg: DictConfig, run_dir: Path, choices: dict[str, str], logger) -> dict:
@@ -68,7 +76,7 @@ def run_train(cfg: DictConfig, run_dir: Path, choices: dict[str, str], logger) -
     components = build_components(cfg, lambda task: (task.examples("train", options.steps * options.prompts_per_step)
                                                      + task.examples("test", options.eval_prompts)),
                                   max_rows=max(options.prompts_per_step // world_size() * cfg.algo.group_size,
-                                               options.eval_prompts))
+                                               options.eval_prompts), sampler_process=options.overlap)
     trainer, sampler, precision_report = components.trainer, components.sampler, components.precision_report
     rank, world = dist.get_rank(), dist.get_world_size()
     last = checkpoint.latest(run_dir) if options.resume else None
@@ -88,11 +96,11 @@ def run_train(cfg: DictConfig, run_dir: Path, choices: dict[str, str], logger) -
 
     evaluate = Evaluation(components, eval_examples, options.eval_trained_weights, rank)
     # Each update's rollouts: batch j holds step j's prompts (and DAPO's refills of (seed, j, round)), sampled
-    # `train.staleness` updates before the update that trains on it; those in flight come back from the checkpoint.
-    count = options.prompts_per_step
-    rollouts = DelayLine(components, lambda j: (train_examples[(j - 1) * count: j * count],
-                                                partial(refill_prompts, train_examples, cfg.seed, j, count=count)),
-                         options.staleness, options.decompose_staleness, options.steps)
+    # `train.staleness` updates before the update that trains on it, here or (`train.overlap`) by this rank's
+    # sampler process while the trainer trains; those in flight come back from the checkpoint.
+    rollouts = (Overlapped(sampler, options.staleness, options.steps) if options.overlap else
+                DelayLine(components, prompt_stream(train_examples, cfg.seed, options.prompts_per_step),
+                          options.staleness, options.decompose_staleness, options.steps))
     if last:
         rollouts.load_state_dict(resumed["rollouts"], first_step)
 
@@ -169,6 +177,12 @@ def shutdown(record, logger, evaluation: Evaluation, components: Components) -> 
     for close in (components.close, evaluation.close, logger.finish, record.close):  # run last to first
         stack.callback(close)
     return stack
+
+
+def prompt_stream(examples: list, seed: int, count: int):
+    """Batch j's prompts (step j's `count` of the run's training `examples`) and its refill (`refill_prompts`):
+    a function of j alone, dealt alike in the train loop and in a sampler process (`train.overlap`)."""
+    return lambda j: (examples[(j - 1) * count: j * count], partial(refill_prompts, examples, seed, j, count=count))
 
 
 def refill_prompts(pool: list, seed: int, step: int, sampling_round: int, count: int) -> list:

@@ -119,6 +119,15 @@ MUTANTS = [
            "weights it updates (staleness 0), whatever train.staleness says",
            [("rlmm/rollout_source.py", "while self.next_batch <= min(step + self.staleness, self.last_step):",
              "while self.next_batch <= min(step, self.last_step):")], tests=("tests/test_staleness.py",)),
+    Mutant("weights_one_update_late", "train.overlap sends the sampler process each update's weights one update "
+           "late (the weights of update u reach it at the end of update u+1)",
+           [("rlmm/sampler_process.py",
+             'self._send("weights", {name: torch.empty_like(tensor, device="cpu").copy_(tensor.detach())',
+             'late, self.late = getattr(self, "late", None), {name: torch.empty_like(tensor, device="cpu").copy_('
+             'tensor.detach())'),
+            ("rlmm/sampler_process.py", "for name, tensor in state_dict.items()})",
+             "for name, tensor in state_dict.items()}\n        if late is not None:\n"
+             "            self._send(\"weights\", late)")], tests=("tests/test_overlap.py",)),
     Mutant("loss_metrics_averaged_over_micro_batches", "the logged loss is the mean of micro-batch shares, not their sum",
            [("rlmm/loss_stats.py", "    loss: Annotated[float, Combine.SUM]  # the value minimised",
              "    loss: Annotated[float, Combine.TOKEN_MEAN]  # the value minimised"),

@@ -58,3 +58,12 @@ class RepeatedPromptDraws(ArithmeticTask):
         with self.record.open("a") as out:
             out.write(f"{example.prompt}\t{completion!r}\n")
         return super().reward(example, completion)
+
+
+class ParityArithmetic(ArithmeticTask):
+    """Arithmetic prompts rewarded by the completion's parity (odd lengths win; selected with
+    `task._target_=tests.recording.ParityArithmetic`): rewards that vary inside most groups, so a CLI run of the
+    tests' model moves its weights at every update (the arithmetic reward is nearly always 0 for it)."""
+
+    def reward(self, example, completion):
+        return float(len(completion) % 2)

@@ -43,6 +43,11 @@ TRAIN_CASES = [
     (["train.eval_every=-1"], "train.eval_every: must be >= 0, got -1 (0: evaluate only at step 0 and the last step)"),
     (["train.staleness=-1"], "train.staleness: must be >= 0, got -1 (0: each update's rollouts sampled with the "
                              "weights it updates)"),
+    (["train.overlap=true"], "train.overlap=true needs train.staleness >= 1, got 0 (at 0 each update waits for "
+                             "rollouts of its own weights: nothing to sample while it trains)"),
+    (["train.overlap=true", "train.staleness=1", "train.decompose_staleness=true"],
+     "train.overlap=true with train.decompose_staleness=true: the overlapped trainer has trained past the weights"),
+    (["train.overlap=maybe"], "Value 'maybe' is not a valid bool"),
     (["-m", "hydra/launcher=nope"], "unknown hydra/launcher 'nope' (allowed: basic, local, process, slurm,"),
     (["trainer=torch", "trainer.zero_stage=3"], "(allowed: micro_batch_size, micro_batch_tokens, padding_free, lr, weight_decay,"),
 ]

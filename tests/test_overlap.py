@@ -1,0 +1,114 @@
+"""`train.overlap` (rlmm/sampler_process.py, rlmm/rollout_source.py's `Overlapped`): each rank's sampler in a
+process of its own, sampling the next batches while the trainer trains, gives the delay line's records on the same
+`train.staleness` (sampler=hf, trainer=torch, fp32 on CPU: every number but the timings, bit for bit), on one rank
+and on two, and through a SIGTERM and a resume; the combinations it cannot run are refused in one line. Every run
+goes through `rlmm train` (about a minute each on 2 busy cores)."""
+import json
+import signal
+import subprocess
+import sys
+from collections import Counter
+
+import pytest
+from omegaconf import OmegaConf
+
+from rlmm import checkpoint
+from rlmm.config import CONF_DIR
+from rlmm.records import read_steps
+from rlmm.train import check_options
+from tests.conftest import subprocess_env, torchrun
+from tests.test_reliability import comparable, train_command
+from tests.test_staleness import SIGNAL_AFTER_STEP_TWO
+
+# trainer.lr 1e-3: every update moves the weights well beyond rounding, so a batch sampled with other weights
+# than the delay line's shows in its tokens and log-probs.
+COMMON = ("sampler=hf", "trainer=torch", "trainer.lr=1e-3", "logger=none", "train.checkpoint_every=0",
+          "train.steps=4", "train.staleness=1")
+PARITY = "task._target_=tests.recording.ParityArithmetic"  # rewards that vary inside groups: the weights move
+
+
+def rlmm_train(model_path, run_dir, *overrides):
+    result = subprocess.run(train_command(model_path, run_dir, *COMMON, PARITY, *overrides), capture_output=True,
+                            text=True, timeout=600, env=subprocess_env(), stdin=subprocess.DEVNULL)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    return read_steps(run_dir)
+
+
+@pytest.fixture(scope="module")
+def delay_line_rows(small_model_path, tmp_path_factory):
+    """The in-process delay line's record of the run every overlapped one must repeat."""
+    return rlmm_train(small_model_path, tmp_path_factory.mktemp("delay_line"))
+
+
+def test_overlapped_sampler_gives_the_delay_lines_records(small_model_path, delay_line_rows, tmp_path):
+    """k = 1, one rank: the sampler process samples batch u + 1 with v_{u-1} while update u trains, with the delay
+    line's seeds and rewards: every logged number but the timings is the in-process run's, evaluations included
+    (the process's engine generates them). The trainer's only sampling time is what it waited."""
+    rows = rlmm_train(small_model_path, tmp_path, "train.overlap=true")
+    assert [row["step"] for row in rows] == list(range(5))
+    assert [row["rollout/staleness"] for row in rows[1:]] == [0, 1, 1, 1]
+    assert comparable(rows) == comparable(delay_line_rows)
+    assert all("perf/rollout_wait_seconds" in row and "perf/generate_seconds" not in row for row in rows[1:])
+    assert all("perf/generate_seconds" in row for row in delay_line_rows[1:4])
+    assert all(row["loss/pg_loss"] != 0 for row in delay_line_rows[1:])  # every update moved the weights
+
+
+def test_overlapped_run_stopped_by_sigterm_resumes_to_the_uninterrupted_numbers(small_model_path, delay_line_rows,
+                                                                               tmp_path):
+    """SIGTERM after step 2: the checkpoint waits for the batch in flight (batch 3, sampled with v_1) and holds it
+    with the sampler's call count, as the delay line's would; the resumed overlapped run repeats the uninterrupted
+    in-process one."""
+    command = train_command(small_model_path, tmp_path, *COMMON, PARITY, "train.overlap=true")
+    stopped = subprocess.run([sys.executable, "-c", SIGNAL_AFTER_STEP_TWO, *command[3:]], capture_output=True,
+                             text=True, timeout=600, env=subprocess_env(), stdin=subprocess.DEVNULL)
+    assert stopped.returncode == 128 + signal.SIGTERM, (stopped.stdout + stopped.stderr)[-3000:]
+    last = checkpoint.latest(tmp_path)
+    state = json.loads((last / "state.json").read_text())
+    assert state["step"] == 2 and state["sampler_calls"] == 3  # batches 1, 2, 3: one generate call each
+    import torch
+
+    in_flight = torch.load(last / "rank0.pt", weights_only=True)["rollouts"]["in_flight"]
+    assert [(b["index"], b["version"]) for b in in_flight] == [(3, 1)]
+
+    resumed = subprocess.run(command, capture_output=True, text=True, timeout=600, env=subprocess_env(),
+                             stdin=subprocess.DEVNULL)
+    assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-3000:]
+    assert comparable(read_steps(tmp_path)) == comparable(delay_line_rows)
+
+
+def test_two_ranks_each_with_its_sampler_process_give_the_delay_lines_records(small_model_path, tmp_path):
+    """Two trainer ranks (gloo), each with its sampler process (the two processes in a group of their own): the
+    records of the two-rank delay line, and each rank's sampler process rewards that rank's prompts."""
+    runs = {}
+    for overlap in (False, True):
+        records = tmp_path / f"rewarded-{overlap}"
+        records.mkdir()
+        torchrun(["-m", "rlmm.cli", "train", "model=hf", f"model.path={small_model_path}", "precision=fp32",
+                  "task._target_=tests.recording.RecordedArithmetic", f"+task.record_dir={records}",
+                  "train.eval_every=4", "train.eval_prompts=8", "train.prompts_per_step=4", "algo.group_size=4",
+                  *COMMON, f"train.overlap={str(overlap).lower()}", f"hydra.run.dir={tmp_path / str(overlap)}"])
+        runs[overlap] = (read_steps(tmp_path / str(overlap)),
+                         [Counter((records / f"rank{r}.txt").read_text().split()) for r in (0, 1)])
+    (rows, rewarded), (delay_rows, delay_rewarded) = runs[True], runs[False]
+    assert [row["step"] for row in rows] == list(range(5))
+    assert comparable(rows) == comparable(delay_rows)
+    assert rewarded == delay_rewarded and not set(rewarded[0]) & set(rewarded[1])
+
+
+def train_options(**values):
+    options = OmegaConf.load(CONF_DIR / "train.yaml").train
+    options.update(values)
+    return options
+
+
+def test_what_cannot_overlap_is_refused_in_one_line():
+    """At staleness 0 every update waits for rollouts of its own weights (nothing to overlap); the decomposition
+    needs the trainer at a batch's sampling weights, which the overlapped trainer has left when it arrives."""
+    with pytest.raises(ValueError, match=r"^train.overlap=true needs train.staleness >= 1, got 0 \(at 0 each update "
+                                         r"waits for rollouts of its own weights: nothing to sample while it trains\)$"):
+        check_options(train_options(overlap=True))
+    with pytest.raises(ValueError, match=r"^train.overlap=true with train.decompose_staleness=true: .*\(run the "
+                                         r"split with train.overlap=false: the same records\)$"):
+        check_options(train_options(overlap=True, staleness=2, decompose_staleness=True))
+    check_options(train_options(overlap=True, staleness=1))
+    check_options(train_options(decompose_staleness=True))
