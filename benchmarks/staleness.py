@@ -29,7 +29,7 @@ from pathlib import Path
 from benchmarks.common import ROOT, machine_info, set_runtime_env
 
 ARMS = {"staleness=0": ["train.staleness=0"], "staleness=1": ["train.staleness=1"],
-        "overlap": ["train.staleness=0", "train.overlap=true"]}
+        "overlap": ["train.staleness=1", "train.overlap=true"]}
 
 
 class StepClock:

@@ -117,8 +117,8 @@ MUTANTS = [
              "            parts.append(metrics)\n")], tests=("tests/test_ppo.py",)),
     Mutant("no_rollouts_ahead", "the delay line samples nothing ahead: every update trains on rollouts of the "
            "weights it updates (staleness 0), whatever train.staleness says",
-           [("rlmm/rollout_source.py", "while self.next_batch <= min(step + self.staleness, self.last_step):",
-             "while self.next_batch <= min(step, self.last_step):")], tests=("tests/test_staleness.py",)),
+           [("rlmm/rollout_source.py", "\n        while self.next_batch <= min(step + self.staleness, self.last_step):",
+             "\n        while self.next_batch <= min(step, self.last_step):")], tests=("tests/test_staleness.py",)),
     Mutant("weights_one_update_late", "train.overlap sends the sampler process each update's weights one update "
            "late (the weights of update u reach it at the end of update u+1)",
            [("rlmm/sampler_process.py",

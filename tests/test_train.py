@@ -480,7 +480,7 @@ class ShutdownWatch:
         components = Part("components")
         components.task, components.trainer, components.sampler = Task(), None, None
         components.critic, components.precision_report = None, {}
-        monkeypatch.setattr(rlmm.train, "build_components", lambda cfg, prompts, max_rows: components)
+        monkeypatch.setattr(rlmm.train, "build_components", lambda cfg, prompts, max_rows, **kwargs: components)
         monkeypatch.setattr(rlmm.train, "Evaluation", FakeEvaluation)
         monkeypatch.setattr(rlmm.train, "RunRecord", WatchedRecord)
         class NoRollouts:  # the delay line, with nothing to sample: `step` stands for the whole RL step
