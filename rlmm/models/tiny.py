@@ -6,10 +6,11 @@ policy's. A short supervised warm start on the task's training split makes the d
 measured where it matters: on confident tokens. The result is a normal Hugging Face checkpoint
 directory that vLLM and transformers both load, cached under a hash of everything that determines it.
 
-The default configuration's model ships with rlmm (rlmm/models/builtin/tiny-<key>/, its files' SHA-256
-in rlmm/models/builtin/SHA256SUMS) and is used in place instead of being built: the warm start's bytes
-depend on the CPU's kernels (AVX2 and AVX-512 machines give different models, with different start
-accuracies), so a model built on each machine would make every measured figure machine-specific.
+The default configuration's model ships with rlmm (rlmm/models/builtin/tiny-<key>/, and the MoE twin's,
+rlmm/models/tiny_moe.py, in tiny_moe-<key>/; their files' SHA-256 in rlmm/models/builtin/SHA256SUMS)
+and is used in place instead of being built: the warm start's bytes depend on the CPU's kernels (AVX2
+and AVX-512 machines give different models, with different start accuracies), so a model built on
+each machine would make every measured figure machine-specific.
 `rebuild: true` builds it on this machine anyway, compares the bytes with the shipped ones, and uses
 this machine's build.
 """
@@ -96,7 +97,7 @@ class TinyModel:
     """Build (once) and cache the built-in tiny Qwen2 model, warm-started on the run's task.
 
     `TinyMoeModel` (rlmm/models/tiny_moe.py) builds its mixture-of-experts twin with this machinery: it
-    replaces `prefix`, `_new_model` and `_warm_start_forward`.
+    replaces `prefix`, `_new_model` and `_warm_start_objective`.
 
     Args:
         hidden_size, num_layers, num_heads, num_kv_heads, intermediate_size, max_position: the
@@ -182,7 +183,7 @@ class TinyModel:
         tokenizer = build_char_tokenizer()
         torch.manual_seed(self.seed)
         model = self._new_model(tokenizer)
-        report = warm_start(model, tokenizer, task, seed=self.seed, forward=self._warm_start_forward(),
+        report = warm_start(model, tokenizer, task, seed=self.seed, objective=self._warm_start_objective(),
                             **self.warm_start)
         model.generation_config.pad_token_id = tokenizer.pad_token_id
         model.save_pretrained(out)
@@ -206,9 +207,9 @@ class TinyModel:
 
         return Qwen2ForCausalLM(Qwen2Config(**self._config_values(tokenizer)))
 
-    def _warm_start_forward(self) -> dict:
-        """Extra arguments of the model's forward during the warm start (none for the dense model)."""
-        return {}
+    def _warm_start_objective(self):
+        """What the warm start minimises (`warm_start`'s `objective`): the dense model's is the LM loss."""
+        return lm_objective
 
 
 def check_warm_start(report: dict, path: Path) -> None:
@@ -223,12 +224,16 @@ def check_warm_start(report: dict, path: Path) -> None:
                          "model.warm_start_steps, or the task")
 
 
-def warm_start(model, tokenizer, task, *, steps: int, lr: float, batch_size: int, seed: int,
-               forward: dict) -> dict:
+def lm_objective(model, input_ids, attention_mask, labels):
+    """The causal LM loss (mean cross-entropy over the labelled tokens), and no other term to report."""
+    return model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss, {}
+
+
+def warm_start(model, tokenizer, task, *, steps: int, lr: float, batch_size: int, seed: int, objective) -> dict:
     """Supervised fine-tuning on `prompt + target + <eos>`, loss on the target tokens only.
 
-    `forward`: extra arguments of the model's forward (the MoE model's `output_router_logits=True`, whose
-    returned loss then adds router_aux_loss_coef x the load-balancing loss, reported as `router_aux_loss`)."""
+    `objective(model, input_ids, attention_mask, labels)` returns the loss to minimise and a dict of other
+    terms, whose moving averages the report adds (`lm_objective`; the MoE model's adds its balance loss)."""
     from tqdm.auto import tqdm
 
     if steps <= 0:
@@ -241,14 +246,12 @@ def warm_start(model, tokenizer, task, *, steps: int, lr: float, batch_size: int
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / steps))))
     model.train()
-    loss_ema, initial_loss, last_losses, aux_ema = None, None, [], None
+    loss_ema, initial_loss, last_losses, terms_ema = None, None, [], {}
     bar = tqdm(range(steps), desc="warm start", leave=False, disable=None)
     for step in bar:
         batch = [examples[i] for i in order[step * batch_size:(step + 1) * batch_size]]
         input_ids, labels = _sft_batch(tokenizer, task, batch)
-        out = model(input_ids=input_ids, attention_mask=(input_ids != tokenizer.pad_token_id).long(),
-                    labels=labels, **forward)
-        loss = out.loss
+        loss, terms = objective(model, input_ids, (input_ids != tokenizer.pad_token_id).long(), labels)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -256,17 +259,14 @@ def warm_start(model, tokenizer, task, *, steps: int, lr: float, batch_size: int
         schedule.step()
         initial_loss = loss.item() if initial_loss is None else initial_loss
         loss_ema = loss.item() if loss_ema is None else 0.95 * loss_ema + 0.05 * loss.item()
-        if getattr(out, "aux_loss", None) is not None:
-            aux = out.aux_loss.item()
-            aux_ema = aux if aux_ema is None else 0.95 * aux_ema + 0.05 * aux
+        for name, value in terms.items():
+            terms_ema[name] = value if name not in terms_ema else 0.95 * terms_ema[name] + 0.05 * value
         if step >= steps - max(1, steps // 10):
             last_losses.append(loss.item())
         bar.set_postfix(loss=f"{loss_ema:.3f}")
     model.eval()
-    report = {"initial_loss": initial_loss, "warm_start_loss": loss_ema, "final_loss": sum(last_losses) / len(last_losses)}
-    if aux_ema is not None:
-        report["router_aux_loss"] = aux_ema
-    return report
+    return {"initial_loss": initial_loss, "warm_start_loss": loss_ema, "final_loss": sum(last_losses) / len(last_losses),
+            **terms_ema}
 
 
 def _sft_batch(tokenizer, task, batch):
