@@ -6,10 +6,11 @@ policy's. A short supervised warm start on the task's training split makes the d
 measured where it matters: on confident tokens. The result is a normal Hugging Face checkpoint
 directory that vLLM and transformers both load, cached under a hash of everything that determines it.
 
-The default configuration's model ships with rlmm (rlmm/models/builtin/tiny-<key>/, its files' SHA-256
-in rlmm/models/builtin/SHA256SUMS) and is used in place instead of being built: the warm start's bytes
-depend on the CPU's kernels (AVX2 and AVX-512 machines give different models, with different start
-accuracies), so a model built on each machine would make every measured figure machine-specific.
+The default configuration's model ships with rlmm (rlmm/models/builtin/tiny-<key>/, and the MoE twin's,
+rlmm/models/tiny_moe.py, in tiny_moe-<key>/; their files' SHA-256 in rlmm/models/builtin/SHA256SUMS)
+and is used in place instead of being built: the warm start's bytes depend on the CPU's kernels (AVX2
+and AVX-512 machines give different models, with different start accuracies), so a model built on
+each machine would make every measured figure machine-specific.
 `rebuild: true` builds it on this machine anyway, compares the bytes with the shipped ones, and uses
 this machine's build.
 """
@@ -95,6 +96,9 @@ def build_char_tokenizer():
 class TinyModel:
     """Build (once) and cache the built-in tiny Qwen2 model, warm-started on the run's task.
 
+    `TinyMoeModel` (rlmm/models/tiny_moe.py) builds its mixture-of-experts twin with this machinery: it
+    replaces `prefix`, `_new_model` and `_warm_start_objective`.
+
     Args:
         hidden_size, num_layers, num_heads, num_kv_heads, intermediate_size, max_position: the
             Qwen2 architecture (conf/model/tiny.yaml's values give about 3M parameters).
@@ -123,6 +127,9 @@ class TinyModel:
         self.cache_dir = Path(cache_dir) if cache_dir else default_cache_dir()
         self.rebuild = rebuild
 
+    # Builds are named <prefix>-<cache_key>, in the cache and in rlmm/models/builtin/.
+    prefix = "tiny"
+
     def cache_key(self, task_config: dict) -> str:
         blob = json.dumps({"arch": self.arch, "seed": self.seed, "warm_start": self.warm_start,
                            "task": task_config, "version": BUILDER_VERSION}, sort_keys=True)
@@ -131,7 +138,7 @@ class TinyModel:
     def resolve(self, task, task_config: dict) -> str:
         """Return the checkpoint directory: the shipped one (checked against its SHA-256) when this
         configuration's model ships with rlmm, else the cached build, building it if there is none."""
-        name = f"tiny-{self.cache_key(task_config)}"
+        name = f"{self.prefix}-{self.cache_key(task_config)}"
         shipped = shipped_digests().get(name)
         if shipped is not None and not self.rebuild:
             verify(BUILTIN_DIR / name, shipped)
@@ -153,7 +160,7 @@ class TinyModel:
         if (path / "rlmm_model.json").exists():
             check_warm_start(json.loads((path / "rlmm_model.json").read_text()), path)  # one cached before the check
             return str(path)
-        log.info("building the tiny model in %s (cached for later runs)", path)
+        log.info("building the %s model in %s (cached for later runs)", self.prefix, path)
         path.parent.mkdir(parents=True, exist_ok=True)
         # Build in a temporary directory and rename, so concurrent runs never see half a model.
         tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=".building-"))
@@ -173,24 +180,36 @@ class TinyModel:
         return str(path)
 
     def _build(self, task, out: Path) -> dict:
-        from transformers import Qwen2Config, Qwen2ForCausalLM
-
         tokenizer = build_char_tokenizer()
         torch.manual_seed(self.seed)
-        config = Qwen2Config(
+        model = self._new_model(tokenizer)
+        report = warm_start(model, tokenizer, task, seed=self.seed, objective=self._warm_start_objective(),
+                            **self.warm_start)
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
+        model.save_pretrained(out)
+        tokenizer.save_pretrained(out)
+        report["num_parameters"] = sum(p.numel() for p in model.parameters())
+        return report
+
+    def _config_values(self, tokenizer) -> dict:
+        """The Hugging Face config's values every built-in architecture shares."""
+        return dict(
             vocab_size=len(tokenizer), hidden_size=self.arch["hidden_size"],
             intermediate_size=self.arch["intermediate_size"], num_hidden_layers=self.arch["num_layers"],
             num_attention_heads=self.arch["num_heads"], num_key_value_heads=self.arch["num_kv_heads"],
             max_position_embeddings=self.arch["max_position"], tie_word_embeddings=False,
             bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
             pad_token_id=tokenizer.pad_token_id, torch_dtype="float32")
-        model = Qwen2ForCausalLM(config)
-        report = warm_start(model, tokenizer, task, seed=self.seed, **self.warm_start)
-        model.generation_config.pad_token_id = tokenizer.pad_token_id
-        model.save_pretrained(out)
-        tokenizer.save_pretrained(out)
-        report["num_parameters"] = sum(p.numel() for p in model.parameters())
-        return report
+
+    def _new_model(self, tokenizer):
+        """The randomly initialised model (under the seed `_build` set)."""
+        from transformers import Qwen2Config, Qwen2ForCausalLM
+
+        return Qwen2ForCausalLM(Qwen2Config(**self._config_values(tokenizer)))
+
+    def _warm_start_objective(self):
+        """What the warm start minimises (`warm_start`'s `objective`): the dense model's is the LM loss."""
+        return lm_objective
 
 
 def check_warm_start(report: dict, path: Path) -> None:
@@ -205,8 +224,16 @@ def check_warm_start(report: dict, path: Path) -> None:
                          "model.warm_start_steps, or the task")
 
 
-def warm_start(model, tokenizer, task, *, steps: int, lr: float, batch_size: int, seed: int) -> dict:
-    """Supervised fine-tuning on `prompt + target + <eos>`, loss on the target tokens only."""
+def lm_objective(model, input_ids, attention_mask, labels):
+    """The causal LM loss (mean cross-entropy over the labelled tokens), and no other term to report."""
+    return model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss, {}
+
+
+def warm_start(model, tokenizer, task, *, steps: int, lr: float, batch_size: int, seed: int, objective) -> dict:
+    """Supervised fine-tuning on `prompt + target + <eos>`, loss on the target tokens only.
+
+    `objective(model, input_ids, attention_mask, labels)` returns the loss to minimise and a dict of other
+    terms, whose moving averages the report adds (`lm_objective`; the MoE model's adds its balance loss)."""
     from tqdm.auto import tqdm
 
     if steps <= 0:
@@ -219,13 +246,12 @@ def warm_start(model, tokenizer, task, *, steps: int, lr: float, batch_size: int
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / steps))))
     model.train()
-    loss_ema, initial_loss, last_losses = None, None, []
+    loss_ema, initial_loss, last_losses, terms_ema = None, None, [], {}
     bar = tqdm(range(steps), desc="warm start", leave=False, disable=None)
     for step in bar:
         batch = [examples[i] for i in order[step * batch_size:(step + 1) * batch_size]]
         input_ids, labels = _sft_batch(tokenizer, task, batch)
-        loss = model(input_ids=input_ids, attention_mask=(input_ids != tokenizer.pad_token_id).long(),
-                     labels=labels).loss
+        loss, terms = objective(model, input_ids, (input_ids != tokenizer.pad_token_id).long(), labels)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -233,11 +259,14 @@ def warm_start(model, tokenizer, task, *, steps: int, lr: float, batch_size: int
         schedule.step()
         initial_loss = loss.item() if initial_loss is None else initial_loss
         loss_ema = loss.item() if loss_ema is None else 0.95 * loss_ema + 0.05 * loss.item()
+        for name, value in terms.items():
+            terms_ema[name] = value if name not in terms_ema else 0.95 * terms_ema[name] + 0.05 * value
         if step >= steps - max(1, steps // 10):
             last_losses.append(loss.item())
         bar.set_postfix(loss=f"{loss_ema:.3f}")
     model.eval()
-    return {"initial_loss": initial_loss, "warm_start_loss": loss_ema, "final_loss": sum(last_losses) / len(last_losses)}
+    return {"initial_loss": initial_loss, "warm_start_loss": loss_ema, "final_loss": sum(last_losses) / len(last_losses),
+            **terms_ema}
 
 
 def _sft_batch(tokenizer, task, batch):
