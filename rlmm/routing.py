@@ -324,7 +324,8 @@ def scored_both_ways(trainer, scored, logprobs: torch.Tensor) -> dict[str, torch
 
 def routing_disagreement(sampler: list[torch.Tensor], trainer: list[torch.Tensor]) -> dict[str, float]:
     """How often two sides' routings of the same tokens differ (docs/metrics.md#routing), over the (position,
-    MoE layer) decisions both sides made (not NO_ROUTE); each row is [tokens, layers, top-k]. A decision
+    MoE layer) decisions both sides made (not NO_ROUTE) at every position but a row's last; each row is
+    [tokens, layers, top-k]. A decision
     differs when its two top-k *sets* differ (the order within a top-k changes no expert's input):
 
         frac_decisions_differ   = Σ_{t,l} 1[S_{t,l} ≠ T_{t,l}] / #decisions          (and _layer_{l} per layer)
@@ -333,7 +334,9 @@ def routing_disagreement(sampler: list[torch.Tensor], trainer: list[torch.Tensor
 
     Ma et al. 2025 report about 10% of decisions and 94% of tokens differing (Qwen3-30B-A3B, per forward).
     """
-    s, t = torch.cat(sampler).long(), torch.cat(trainer).long()
+    # A row's last position feeds no scored log-prob (its output would predict past the response, and no later
+    # position attends to it), so its routing changes nothing the step uses: not counted.
+    s, t = torch.cat([r[:-1] for r in sampler]).long(), torch.cat([r[:-1] for r in trainer]).long()
     if s.shape != t.shape:
         raise ValueError(f"routing: the sampler's routing has shape {tuple(s.shape)}, the trainer's "
                          f"{tuple(t.shape)} (the same tokens, MoE layers and top-k expected)")

@@ -168,8 +168,9 @@ def test_the_captured_experts_line_up_with_the_trainers_positions(moe_model_path
 
 def test_routing_disagreement_on_a_hand_example():
     """Two tokens, two layers, top-2: sets compared (order ignored); NO_ROUTE decisions not counted."""
-    sampler = [torch.tensor([[[0, 1], [2, 3]], [[4, 5], [NO_ROUTE, NO_ROUTE]]], dtype=torch.int16)]
-    trainer = [torch.tensor([[[1, 0], [2, 6]], [[4, 5], [7, 0]]], dtype=torch.int16)]
+    last = [[1, 2], [3, 4]]  # a row's last position: never counted (no scored log-prob depends on it)
+    sampler = [torch.tensor([[[0, 1], [2, 3]], [[4, 5], [NO_ROUTE, NO_ROUTE]], last], dtype=torch.int16)]
+    trainer = [torch.tensor([[[1, 0], [2, 6]], [[4, 5], [7, 0]], [[5, 6], [7, 0]]], dtype=torch.int16)]
     m = routing_disagreement(sampler, trainer)
     assert m["routing/frac_decisions_differ"] == pytest.approx(1 / 3)  # (t0,l1) of 3 counted decisions
     assert m["routing/frac_tokens_differ"] == pytest.approx(1 / 2)
