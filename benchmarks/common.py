@@ -228,6 +228,16 @@ def read_job() -> dict:
     return json.loads(Path(sys.argv[1]).read_text())
 
 
+def write_record(name: str, record: dict, out: str | None) -> Path:
+    """A benchmark's run record as JSON at `out`, or benchmarks/results/<name>_<date>_<time>.json; its path."""
+    import time
+
+    path = Path(out) if out else ROOT / "benchmarks" / "results" / f"{name}_{time.strftime('%Y-%m-%d_%H-%M-%S')}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=2))
+    return path
+
+
 def write_result(result: dict) -> None:
     result.setdefault("peak_rss_mib", peak_rss_mib())
     result.setdefault("gpu_peak_mib", gpu_peak_mib())

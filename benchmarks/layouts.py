@@ -31,7 +31,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.common import ROOT, WORKLOADS, forced_lengths, machine_info, set_runtime_env
+from benchmarks.common import WORKLOADS, forced_lengths, machine_info, set_runtime_env, write_record
 
 
 def rss_kib(field: str) -> int:
@@ -176,9 +176,7 @@ def main(argv=None) -> None:
               "summary": summary, "runs": runs,
               "command": "python -m benchmarks.layouts " + " ".join(sys.argv[1:] if argv is None else argv)}
     print(json.dumps(summary, indent=1))
-    out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / f"layouts_{time.strftime('%Y-%m-%d_%H-%M-%S')}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(record, indent=2))
+    write_record("layouts", record, args.out)
     trainer.close()
 
 

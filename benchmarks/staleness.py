@@ -26,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import ROOT, machine_info, set_runtime_env
+from benchmarks.common import ROOT, machine_info, set_runtime_env, write_record
 
 ARMS = {"staleness=0": ["train.staleness=0"], "staleness=1": ["train.staleness=1"],
         "overlap": ["train.staleness=1", "train.overlap=true"]}
@@ -130,9 +130,7 @@ def main(argv=None) -> None:
         print(f"{arm:<14}{why}")
     record = {"machine": machine_info(), "summary": summary, "skipped": skipped, "runs": runs, "order": order,
               "command": "python -m benchmarks.staleness " + " ".join(sys.argv[1:] if argv is None else argv)}
-    out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / f"staleness_{time.strftime('%Y-%m-%d_%H-%M-%S')}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(record, indent=2))
+    write_record("staleness", record, args.out)
 
 
 if __name__ == "__main__":

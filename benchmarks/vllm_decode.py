@@ -35,7 +35,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.common import ROOT, machine_info, set_runtime_env
+from benchmarks.common import machine_info, set_runtime_env, write_record
 
 GROUP, PROMPTS = 8, 16  # conf/train.yaml: algo.group_size, train.prompts_per_step
 
@@ -207,9 +207,7 @@ def main(argv=None) -> None:
               "command": "python -m benchmarks.vllm_decode " + " ".join(sys.argv[1:] if argv is None else argv)}
     print(json.dumps({"summary": summary, "profile": profile and {k: profile[k] for k in
                       ("calls", "engine_steps", "wall", "parts_share_of_rlmm_generate")}}, indent=1))
-    out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / f"vllm_decode_{time.strftime('%Y-%m-%d_%H-%M-%S')}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(record, indent=2))
+    write_record("vllm_decode", record, args.out)
     sampler.close()
 
 
