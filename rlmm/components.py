@@ -46,12 +46,14 @@ class Components:
 
 
 def build_components(cfg: DictConfig, prompts: Callable[[object], list], max_rows: int,
-                     seconds: dict[str, float] | None = None, sampler_process: bool = False) -> Components:
+                     seconds: dict[str, float] | None = None,
+                     sampler_factory: Callable[[DictConfig, dict], Sampler] | None = None) -> Components:
     """Build the app's components from `cfg`. `prompts(task)`: every example the app will sample from (its
     longest prompt sizes the sampler's context); `max_rows`: the most sequences one of its generate calls
     asks for (with the context, the sampler's KV cache). `seconds`: when given, the model, sampler and
-    trainer build times are added to it. `sampler_process` (`train.overlap`): the sampler is this rank's
-    sampler process (rlmm/sampler_process.py), its engine built there with the same arguments."""
+    trainer build times are added to it. `sampler_factory(cfg, engine_args)`: what stands in for the
+    sampler instead of building it here (`train.overlap`: rlmm/sampler_process.py's `SamplerProcess`, its engine
+    built in that process with the same arguments)."""
     from transformers import AutoTokenizer
 
     seconds = {} if seconds is None else seconds
@@ -72,10 +74,8 @@ def build_components(cfg: DictConfig, prompts: Callable[[object], list], max_row
         engine_args = dict(model_path=model_path, precision=precision.sampler, sampling=sampling, seed=cfg.seed,
                            prompt_tokens=longest_prompt(tokenizer, prompts(task)), max_rows=max_rows,
                            untie_head=precision.trainer.fp32_head, capture_routing=routing.capture)
-        if sampler_process:  # the engine is built there, while the trainer is built here
-            from rlmm.sampler_process import SamplerProcess
-
-            sampler = SamplerProcess(cfg, engine_args)
+        if sampler_factory is not None:  # e.g. the engine built in a process of its own while the trainer is here
+            sampler = sampler_factory(cfg, engine_args)
         else:
             sampler = build(cfg.sampler, **engine_args)
     with timed(seconds, "trainer_init"):

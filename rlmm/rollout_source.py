@@ -39,6 +39,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
+from functools import partial
 from typing import Protocol
 
 from rlmm.components import Components
@@ -204,3 +205,17 @@ def from_in_flight_state(state: dict) -> InFlight:
                          stale_logprobs=state["stale_logprobs"])
     return InFlight(state["index"], state["version"], batch)
 
+
+def prompt_stream(examples: list, seed: int, count: int):
+    """Batch j's prompts (step j's `count` of the run's training `examples`) and its refill (`refill_prompts`):
+    a function of j alone, dealt alike in the train loop and in a sampler process (`train.overlap`)."""
+    return lambda j: (examples[(j - 1) * count: j * count], partial(refill_prompts, examples, seed, j, count=count))
+
+
+def refill_prompts(pool: list, seed: int, step: int, sampling_round: int, count: int) -> list:
+    """`count` prompts drawn from the run's training prompts for a step's refill round (an algorithm that
+    drops groups): a function of (seed, step, round) alone, so two arms of one seed that both refill
+    draw the same prompts, and a resumed run draws what the uninterrupted one did."""
+    import random
+
+    return random.Random(f"{seed}/{step}/{sampling_round}").sample(pool, count)

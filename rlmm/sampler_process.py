@@ -277,14 +277,14 @@ def serve(cfg, engine_args: dict, env: dict, threads: int, requests, responses, 
 
 
 def build_sampling_side(cfg, engine_args: dict):
-    """The sampler process's task, tokenizer, algorithm and engine, and its prompt stream (rlmm/train.py's),
+    """The sampler process's task, tokenizer, algorithm and engine, and its prompt stream (rlmm/rollout_source.py's `prompt_stream`),
     from the run's config; its own process group first (the sampler processes', module docstring)."""
     from hydra.utils import instantiate
     from transformers import AutoTokenizer
 
     from rlmm.config import build
     from rlmm.devices import init_process_group, select_device
-    from rlmm.train import prompt_stream
+    from rlmm.rollout_source import prompt_stream
 
     select_device()
     init_process_group()

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import time
-from functools import partial
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
@@ -30,7 +29,8 @@ from rlmm.formatting import format_number
 from rlmm.monitor import build_monitor
 from rlmm.records import NullRecord, RunRecord, read_steps
 from rlmm.samplers.base import Rollouts
-from rlmm.rollout_source import DelayLine, Overlapped
+from rlmm.rollout_source import DelayLine, Overlapped, prompt_stream
+from rlmm.sampler_process import SamplerProcess
 from rlmm.step import reward, rl_update
 
 log = logging.getLogger(__name__)
@@ -76,7 +76,7 @@ def run_train(cfg: DictConfig, run_dir: Path, choices: dict[str, str], logger) -
     components = build_components(cfg, lambda task: (task.examples("train", options.steps * options.prompts_per_step)
                                                      + task.examples("test", options.eval_prompts)),
                                   max_rows=max(options.prompts_per_step // world_size() * cfg.algo.group_size,
-                                               options.eval_prompts), sampler_process=options.overlap)
+                                               options.eval_prompts), sampler_factory=SamplerProcess if options.overlap else None)
     trainer, sampler, precision_report = components.trainer, components.sampler, components.precision_report
     rank, world = dist.get_rank(), dist.get_world_size()
     last = checkpoint.latest(run_dir) if options.resume else None
@@ -177,21 +177,6 @@ def shutdown(record, logger, evaluation: Evaluation, components: Components) -> 
     for close in (components.close, evaluation.close, logger.finish, record.close):  # run last to first
         stack.callback(close)
     return stack
-
-
-def prompt_stream(examples: list, seed: int, count: int):
-    """Batch j's prompts (step j's `count` of the run's training `examples`) and its refill (`refill_prompts`):
-    a function of j alone, dealt alike in the train loop and in a sampler process (`train.overlap`)."""
-    return lambda j: (examples[(j - 1) * count: j * count], partial(refill_prompts, examples, seed, j, count=count))
-
-
-def refill_prompts(pool: list, seed: int, step: int, sampling_round: int, count: int) -> list:
-    """`count` prompts drawn from the run's training prompts for a step's refill round (an algorithm that
-    drops groups): a function of (seed, step, round) alone, so two arms of one seed that both refill
-    draw the same prompts, and a resumed run draws what the uninterrupted one did."""
-    import random
-
-    return random.Random(f"{seed}/{step}/{sampling_round}").sample(pool, count)
 
 
 class Evaluation:

@@ -8,7 +8,6 @@ import json
 import signal
 import subprocess
 import sys
-from functools import partial
 
 import pytest
 import torch
@@ -20,7 +19,7 @@ from rlmm.records import read_steps
 from rlmm.rollout_source import DelayLine, InFlight
 from rlmm.samplers.base import Rollouts
 from rlmm.step import SampledBatch, rl_step, rl_update
-from rlmm.train import refill_prompts
+from rlmm.rollout_source import prompt_stream
 from tests.conftest import build_trainer, sampling, subprocess_env, torchrun
 from tests.test_reliability import comparable, train_command
 from tests.test_train import ALGO, ParityTask
@@ -54,8 +53,8 @@ def components(model_path, task, algo=None, **trainer_values):
 
 
 def prompts_of(pool, seed=0, count=PROMPTS_PER_STEP):
-    """Batch j's prompts and refill, as the train loop deals them (rlmm/train.py)."""
-    return lambda j: (pool[(j - 1) * count: j * count], partial(refill_prompts, pool, seed, j, count=count))
+    """Batch j's prompts and refill, as the train loop deals them."""
+    return prompt_stream(pool, seed, count)
 
 
 def run(c, task, steps, staleness, decompose=False, reuse_training_forward=True):
