@@ -70,6 +70,9 @@ class MoEShape:
     layers: int
     experts: int
     top_k: int
+    # Whether the last MoE layer is the model's last decoder layer: then its output at a position feeds only
+    # that position's next-token logits (no later attention reads it).
+    last_layer_is_final: bool = True
 
     def bytes_per_token(self) -> int:
         """What one token's routing costs kept as `ID_DTYPE` ids: layers x top-k x 2 bytes."""
@@ -100,7 +103,11 @@ def moe_shape(model: nn.Module) -> MoEShape | None:
     found = routers(model)
     if not found:
         return None
-    return MoEShape(layers=len(found), experts=found[0].num_experts, top_k=found[0].top_k)
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    decoder_layers = [m for m in unwrap(model).modules() if isinstance(m, GradientCheckpointingLayer)]
+    final = bool(decoder_layers) and any(m is found[-1] for m in decoder_layers[-1].modules())
+    return MoEShape(layers=len(found), experts=found[0].num_experts, top_k=found[0].top_k, last_layer_is_final=final)
 
 
 class RoutingHooks:
@@ -350,3 +357,23 @@ def routing_disagreement(sampler: list[torch.Tensor], trainer: list[torch.Tensor
     for layer in range(s.size(1)):
         out[f"frac_decisions_differ_layer_{layer}"] = (differ[:, layer].sum() / valid[:, layer].sum().clamp(min=1)).item()
     return {f"routing/{k}": v for k, v in out.items()}
+
+
+def differing_decisions(sampler: list[torch.Tensor], trainer: list[torch.Tensor], prompt_lengths: list[int],
+                        last_layer_is_final: bool) -> dict[str, int]:
+    """How many (position, MoE layer) decisions differ between the two sides (counted as in
+    `routing_disagreement`), and how many of them can move a scored log-prob. A decision at position t < P - 1
+    (a prompt token's, P the prompt length) in the last MoE layer, when that is the model's last decoder
+    layer, cannot: its output only predicts prompt token t + 1, and no later position's attention reads it.
+    Every other decision can (through attention, or as a response prediction). When none can, replaying the
+    sampler's routing changes no scored log-prob, and the share of the gap it removes is 0 by construction."""
+    differ = reaching = 0
+    for s, t, prompt in zip(sampler, trainer, prompt_lengths):
+        s, t = s[:-1].long(), t[:-1].long()
+        valid = (s != NO_ROUTE).all(-1) & (t != NO_ROUTE).all(-1)
+        rows = (s.sort(-1).values != t.sort(-1).values).any(-1) & valid  # [positions, layers]
+        differ += int(rows.sum())
+        if last_layer_is_final:
+            rows[: max(prompt - 1, 0), -1] = False
+        reaching += int(rows.sum())
+    return {"differing_decisions": differ, "differing_decisions_reaching_scores": reaching}

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from rlmm.precision import SidePrecision
-from rlmm.routing import (REPLAY_KWARG, RoutingReplay, hooks_of, moe_shape, recorded_routing, routers,
-                          routing_disagreement)
+from rlmm.routing import (REPLAY_KWARG, RoutingReplay, differing_decisions, hooks_of, moe_shape, recorded_routing,
+                          routers, routing_disagreement)
 from rlmm.samplers.base import NO_ROUTE, Rollouts
 from rlmm.trainers.update import minibatch_step
 from tests.conftest import build_trainer, sampling, torchrun
@@ -92,6 +92,20 @@ def test_replaying_other_experts_changes_exactly_the_tokens_they_reach(moe_model
     moved = (other - plain).abs().amax(-1)
     assert moved[0, :position].max() < 1e-6 and moved[1].max() < 1e-6
     assert (moved[0, position:] > 1e-4).all()
+    # In the last MoE layer (here the last decoder layer) it reaches its own position's logits only: a prompt
+    # position's decision there moves no scored log-prob (`differing_decisions`, the probe's routing part).
+    last = hooks.shape.layers - 1
+    assert hooks.shape.last_layer_is_final
+    changed = own.clone()
+    changed[0, position, last, 1] = [e for e in range(hooks.shape.experts) if e not in own[0, position, last].tolist()][0]
+    with torch.no_grad():
+        moved = (model(input_ids=ids, use_cache=False, **{REPLAY_KWARG: changed}).logits - plain).abs().amax(-1)
+    assert moved[0, position] > 1e-4
+    assert moved[0, :position].max() < 1e-6 and moved[0, position + 1:].max() < 1e-6 and moved[1].max() < 1e-6
+    counted = differing_decisions([own[0]], [changed[0]], [position + 2], last_layer_is_final=True)
+    assert counted == {"differing_decisions": 1, "differing_decisions_reaching_scores": 0}
+    counted = differing_decisions([own[0]], [changed[0]], [position + 1], last_layer_is_final=True)
+    assert counted["differing_decisions_reaching_scores"] == 1  # position P - 1 predicts the first response token
     # NO_ROUTE keeps the model's own choice at that position.
     unrouted = own.clone()
     unrouted[:, :3] = NO_ROUTE

@@ -8,7 +8,7 @@ import torch
 
 from rlmm.metrics import mismatch_metrics
 from rlmm.probe.checks import check_micro_batch_sizes
-from rlmm.routing import routing_disagreement, scored_both_ways
+from rlmm.routing import differing_decisions, routing_disagreement, scored_both_ways
 from rlmm.samplers.base import Rollouts, pad_right
 from rlmm.trainers.packing import MicroBatching
 from rlmm.trainers.scoring import row_tokens
@@ -122,7 +122,10 @@ def routing_decomposition(routing, trainer, rollouts: Rollouts, own: dict | None
     gaps = {way: mismatch_metrics(lp, sampler_logprobs, mask, ratio_cap=ratio_cap) for way, lp in ways.items()}
     removed = {key: 1 - gaps["replayed"][key] / gaps["own"][key] if gaps["own"][key] else 0.0
                for key in ROUTING_GAP_KEYS}
-    disagreement = routing_disagreement(rollouts.routed_experts, [own[i] for i in range(len(rollouts))])
-    return {"disagreement": {k.removeprefix("routing/"): v for k, v in disagreement.items()},
+    own_rows = [own[i] for i in range(len(rollouts))]
+    disagreement = routing_disagreement(rollouts.routed_experts, own_rows)
+    counts = differing_decisions(rollouts.routed_experts, own_rows, [len(p) for p in rollouts.prompt_ids],
+                                 routing.shape.last_layer_is_final)
+    return {"disagreement": {k.removeprefix("routing/"): v for k, v in disagreement.items()} | counts,
             "own": gaps["own"], "replayed": gaps["replayed"], "share_removed": removed,
             "bytes_per_token": routing.shape.bytes_per_token()}
