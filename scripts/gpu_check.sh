@@ -6,7 +6,9 @@
 #   probe  rlmm probe in bf16, fp16, fp32 and bf16_fp32head (~5 min: 4 vLLM starts, eager, ~70 s each)
 #   train  3 steps of rlmm train (bf16), then standalone vLLM on the same prompts (~3 min)
 #   sweep  a 2-job sweep through hydra/launcher=process (bf16, fp32) (~2.5 min)
-# Without --part all four run in turn (10-12 minutes after setup). Writes scale_check.json (scale_check_<part>.json
+#   routing  the shipped MoE model (model=tiny_moe): vLLM's routed-experts capture on CUDA and the trainer's
+#          replay (routing=r3): a probe and 2 train steps (~3 min; docs/routing.md)
+# Without --part all of them run in turn (10-12 minutes after setup). Writes scale_check.json (scale_check_<part>.json
 # for one part: mismatch per precision, step time by stage, peak GPU memory, tokens/s against standalone vLLM)
 # into $OUT/scale_check when OUT is set, else benchmarks/results/scale_gpu_<date>/ (pass --out DIR to put the
 # parts side by side).
@@ -24,15 +26,15 @@ part=all
 while [ $# -gt 0 ]; do
   case "$1" in
     --dry-run) dry_run=1 ;;
-    --part) part=${2:?--part needs one of setup, probe, train, sweep}; shift ;;
+    --part) part=${2:?--part needs one of setup, probe, train, sweep, routing}; shift ;;
     --part=*) part=${1#--part=} ;;
     *) args+=("$1") ;;
   esac
   shift
 done
 case "$part" in
-  all|setup|probe|train|sweep) ;;
-  *) echo "gpu_check.sh: --part $part (allowed: setup, probe, train, sweep)" >&2; exit 2 ;;
+  all|setup|probe|train|sweep|routing) ;;
+  *) echo "gpu_check.sh: --part $part (allowed: setup, probe, train, sweep, routing)" >&2; exit 2 ;;
 esac
 out=()
 [ -n "${OUT:-}" ] && out=(--out "$OUT/scale_check")

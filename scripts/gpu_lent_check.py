@@ -22,7 +22,9 @@ was lent when this was written; the first run's figures, docs/precision.md "What
                             other (~35 s each: ~20 s to start, DeepSpeed's init of 0.5B ~5-10 s, ~4 s a step)
   probe    120 s    100 s   `rlmm probe sampler=hf trainer=fsdp|torch` in bf16, fp16, fp32, bf16_fp32head on the
                             first run's workload (32 prompts x 4 samples x 64 tokens, micro-batches 1 vs 32),
-                            4 runs at a time (30-58 s each alone in the first run): the 8 runs in ~2 waves
+                            4 runs at a time (30-58 s each alone in the first run): the 8 runs in ~2 waves;
+                            then routing replay on CUDA (`model=tiny_moe routing=r3`, sampler=hf, trainer=torch),
+                            if the part's limit leaves time
   layouts   90 s     60 s   benchmarks/layouts.py --workload varlen-gpu --device cuda --precision bf16
                             --trainer fsdp --budget 4096,8192,16384 --repeats 2
 
@@ -538,8 +540,29 @@ class Check:
 
         with ThreadPoolExecutor(max_workers=jobs) as pool:
             runs = list(pool.map(one, [(t, p) for p in PROBE_PRECISIONS for t in PROBE_TRAINERS]))
+        runs.append(self.routing_probe(deadline))
         return {"workload": {**w, "bi": list(w["bi"])}, "jobs_at_once": jobs, "runs": runs,
                 "torch_vs_fsdp": compare_trainers(runs, first_run=None if self.dry else FIRST_RUN)}
+
+    def routing_probe(self, deadline: float) -> dict:
+        """Routing replay on CUDA (issue 25): the shipped MoE model (`model=tiny_moe`), the transformers sampler's
+        captured experts replayed by the torch trainer (routing=r3), bf16 sampler against an fp32 trainer."""
+        name = "probe-routing-r3"
+        left = deadline - time.monotonic()
+        if left < 5:
+            return not_started(name)
+        run_dir = self.work / "runs" / name
+        row = self.runner.run(name, self.rlmm("probe", "model=tiny_moe", "routing=r3", "sampler=hf", "trainer=torch",
+                                              "precision=bf16_sampler_fp32_trainer", "logger=none",
+                                              "probe.num_prompts=16", "probe.batch_invariance.num_prompts=2",
+                                              "probe.batch_invariance.num_completions=2",
+                                              "probe.batch_invariance.max_batch_size=4", f"hydra.run.dir={run_dir}"),
+                              min(left, self.args.run_timeout))
+        if "failed" not in row:
+            row.update(probe_figures(run_dir))
+            routing = json.loads((run_dir / "probe.json").read_text())["routing"]
+            row["routing"] = {"disagreement": routing["disagreement"], "share_removed": routing["share_removed"]}
+        return row
 
     # -- layouts
     def layouts(self, deadline: float) -> dict:

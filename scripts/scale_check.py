@@ -212,7 +212,7 @@ def cpu_check(args, out: Path) -> dict:
     return {"model": model, "rows": rows, "limit_gib": args.limit_gib}
 
 
-GPU_PARTS = ("probe", "train", "sweep")
+GPU_PARTS = ("probe", "train", "sweep", "routing")
 
 
 def gpu_check(args, out: Path) -> dict:
@@ -241,6 +241,8 @@ def gpu_check(args, out: Path) -> dict:
         rows += train_and_standalone(args, out, model, work, prompts, samples, tokens, gpu)
     if "sweep" in parts:
         rows.append(sweep(args, out, work, probe, gpu))
+    if "routing" in parts:
+        rows += routing_replay(args, out, probe, gpu)
     return {"model": model, "dry_run": dry, "part": args.part,
             "workload": {"prompts": prompts, "samples": samples, "tokens": tokens}, "rows": rows}
 
@@ -269,6 +271,32 @@ def train_and_standalone(args, out: Path, model: str, work: list[str], prompts: 
         trained = rows[0]
         if "generate_tokens_per_second" in trained:
             row["rlmm_over_standalone"] = trained["generate_tokens_per_second"] / row["tokens_per_second"]
+    rows.append(row)
+    return rows
+
+
+def routing_replay(args, out: Path, probe: list[str], gpu: bool) -> list[dict]:
+    """The routing part (issue 25): the shipped MoE model (`model=tiny_moe`, no hub needed) through vLLM's own
+    routed-experts capture on CUDA (`enable_return_routed_experts`; hooks on a CPU, the dry run) and the trainer
+    replaying it: a probe with routing=r3 (the routing part of the gap) and 2 train steps with routing=r3."""
+    work = ["model=tiny_moe", "sampler=vllm", "trainer=deepspeed", "logger=none", "routing=r3",
+            "precision=bf16_sampler_fp32_trainer", *args.overrides]
+    rows = []
+    run_dir = out / "runs" / "probe-routing-r3"
+    row = run("probe-routing-r3", rlmm("probe", *work, *probe, f"hydra.run.dir={run_dir}"), out / "logs", None,
+              gpu, args.timeout)
+    if "failed" not in row:
+        row.update(probe_figures(run_dir))
+        record = json.loads((run_dir / "probe.json").read_text())["routing"]
+        row.update({"routing_frac_decisions_differ": record["disagreement"]["frac_decisions_differ"],
+                    "routing_share_removed_kl_k3": record["share_removed"]["kl_k3"]})
+    rows.append(row)
+    run_dir = out / "runs" / "train-routing-r3"
+    row = run("train-routing-r3", rlmm("train", *work, "train.steps=2", "train.prompts_per_step=8",
+                                       "train.eval_prompts=8", "train.eval_every=2", "train.checkpoint_every=0",
+                                       f"hydra.run.dir={run_dir}"), out / "logs", None, gpu, args.timeout)
+    if "failed" not in row:
+        row.update(train_figures(run_dir, 64))
     rows.append(row)
     return rows
 
