@@ -298,6 +298,7 @@ def test_probe_sweep(tmp_path):
     assert table.default_metrics(runs) == ["mismatch/kl_k3", "mismatch/logprob_abs_diff_mean", "mismatch/prob_pearson"]
     assert runs["sampler_vs_itself/unique_greedy_completions:final"].iloc[0] == 1
     assert runs["rollout/reward_mean:final"].tolist()[:2] == [0.5, 0.6]
+    assert "routing/frac_decisions_differ:final" not in runs  # a dense model's probe has no routing part
     agg = table.aggregate(runs, table.default_metrics(runs))
     kl = agg[agg["metric"] == "mismatch/kl_k3"].set_index("precision")
     # seeds 0, 1: kl = K and 2K -> mean 1.5 K, s = K / sqrt(2), ci = 12.7062 * s / sqrt(2) = 6.3531 K
@@ -309,6 +310,18 @@ def test_probe_sweep(tmp_path):
     assert {p.name for p in (sweep / "table").iterdir()} == {"table.md", "table.csv", "table.tex", "bars.png"}
     md = (sweep / "table" / "table.md").read_text()
     assert "| fp32 | 2 ok, 1 failed | 1.500e-12 ± " in md and "mismatch/prob_pearson (final)" in md
+
+
+def test_an_moe_probes_routing_part_reads_under_the_names_train_logs(tmp_path):
+    record = probe_record("bf16", 0) | {"routing": {
+        "disagreement": {"frac_decisions_differ": 0.02, "frac_tokens_differ": 0.1, "differing_decisions": 7},
+        "own": {"kl_k3": 2e-4}, "replayed": {"kl_k3": 1e-4}, "share_removed": {"kl_k3": 0.5}, "bytes_per_token": 16}}
+    write_overrides(tmp_path / "0", ["routing=r3"])
+    (tmp_path / "0" / "probe.json").write_text(json.dumps(record))
+    run = table.load_runs(tmp_path).iloc[0]
+    assert run["routing/frac_decisions_differ:final"] == 0.02 and run["routing/differing_decisions:final"] == 7
+    assert (run["routing/own/kl_k3:final"], run["routing/replayed/kl_k3:final"],
+            run["routing/share_removed/kl_k3:final"]) == (2e-4, 1e-4, 0.5)
 
 
 def one_line_error(result: subprocess.CompletedProcess) -> str:

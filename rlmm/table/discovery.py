@@ -96,6 +96,16 @@ def probe_values(record: dict) -> dict[str, float]:
         for key, value in record.get(section, {}).items():
             if is_number(value):
                 values[f"{prefix}/{key}"] = number(value)
+    # An MoE probe's routing part, under the names `rlmm train` logs: routing/<disagreement key>, and
+    # routing/own|replayed|share_removed/<gap key> (rlmm/probe/measurements.py::routing_decomposition).
+    routing = record.get("routing") or {}
+    for key, value in routing.get("disagreement", {}).items():
+        if is_number(value):
+            values[f"routing/{key}"] = number(value)
+    for part in ("own", "replayed", "share_removed"):
+        for key, value in routing.get(part, {}).items():
+            if is_number(value):
+                values[f"routing/{part}/{key}"] = number(value)
     for key, value in record.get("rollouts", {}).items():
         if key in PROBE_ROLLOUTS and is_number(value):
             values[f"rollout/{PROBE_ROLLOUTS[key]}"] = number(value)
