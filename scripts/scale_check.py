@@ -289,6 +289,9 @@ def routing_replay(args, out: Path, probe: list[str], gpu: bool) -> list[dict]:
         row.update(probe_figures(run_dir))
         record = json.loads((run_dir / "probe.json").read_text())["routing"]
         row.update({"routing_frac_decisions_differ": record["disagreement"]["frac_decisions_differ"],
+                    "routing_differing_decisions": record["disagreement"]["differing_decisions"],
+                    "routing_differing_decisions_reaching_scores":
+                        record["disagreement"]["differing_decisions_reaching_scores"],
                     "routing_share_removed_kl_k3": record["share_removed"]["kl_k3"]})
     rows.append(row)
     run_dir = out / "runs" / "train-routing-r3"

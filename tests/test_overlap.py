@@ -53,6 +53,7 @@ def test_overlapped_sampler_gives_the_delay_lines_records(small_model_path, dela
     assert all(row["loss/pg_loss"] != 0 for row in delay_line_rows[1:])  # every update moved the weights
 
 
+@pytest.mark.slow  # torchrun or a stop and resume: minutes (docs/testing.md)
 def test_overlapped_run_stopped_by_sigterm_resumes_to_the_uninterrupted_numbers(small_model_path, delay_line_rows,
                                                                                tmp_path):
     """SIGTERM after step 2: the checkpoint waits for the batch in flight (batch 3, sampled with v_1) and holds it
@@ -76,6 +77,7 @@ def test_overlapped_run_stopped_by_sigterm_resumes_to_the_uninterrupted_numbers(
     assert comparable(read_steps(tmp_path)) == comparable(delay_line_rows)
 
 
+@pytest.mark.slow  # torchrun or a stop and resume: minutes (docs/testing.md)
 def test_two_ranks_each_with_its_sampler_process_give_the_delay_lines_records(small_model_path, tmp_path):
     """Two trainer ranks (gloo), each with its sampler process (the two processes in a group of their own): the
     records of the two-rank delay line, and each rank's sampler process rewards that rank's prompts."""

@@ -283,6 +283,7 @@ def test_dapo_and_ppo_train_with_staleness_1(small_model_path, arithmetic_task, 
         assert all("loss/pg_loss" in m for m in metrics[1:])
 
 
+@pytest.mark.slow  # torchrun or a stop and resume: minutes (docs/testing.md)
 def test_two_ranks_with_staleness_1(small_model_path, tmp_path):
     """Two ranks (gloo), k = 1 with the decomposition: each rank samples its share ahead and keeps its own batches
     in flight; every prompt of every step is still rewarded on exactly one rank, group_size times."""
