@@ -79,7 +79,8 @@ def shortened(name: str, combinations: int, model_path: str, cache_dir: Path) ->
     grid = [f"{key}={','.join(str(cfg.hydra.sweeper.params[key]).split(',')[:combinations if i == 0 else 1])}"
             for i, key in enumerate(keys)]
     choices = cfg.hydra.runtime.choices
-    model = SMALL_TINY + [f"model.cache_dir={cache_dir}"] if choices.model == "tiny" else [f"model.path={model_path}"]
+    model = {"tiny": SMALL_TINY + [f"model.cache_dir={cache_dir}"],
+             "tiny_moe": []}.get(choices.model, [f"model.path={model_path}"])  # tiny_moe: the shipped one, 38 MB
     task = [f"task.path={GSM8K_SAMPLE}"] if choices.task == "gsm8k" and not (REPO / cfg.task.path).is_file() else []
     return app, [f"experiment={name}", *grid, *on_this_machine(name), *model, *task, f"debug={app}"]
 
