@@ -17,7 +17,7 @@ import time
 
 from benchmarks.common import machine_info, set_runtime_env, write_record
 
-KERNELS = ("eager", "grouped_mm")  # "batched_mm" ran 75x slower than eager here: not worth its minutes
+KERNELS = ("eager", "grouped_mm")  # "batched_mm" ran 60-100x slower than eager here: not worth its minutes
 
 
 def main(argv: list[str] | None = None) -> dict:
