@@ -69,3 +69,17 @@ def test_staleness_benchmark_times_both_arms_in_one_process(tmp_path):
         assert sorted(int(s) for s in run["step_seconds"]) == [1, 2, 3, 4]  # step 0's evaluation row first
         assert all(t > 0 for t in run["step_seconds"].values())
         assert run["staleness_logged"] == ([1.0, 1.0] if run["arm"] in ("staleness=1", "overlap") else [None, None])
+
+
+def test_moe_expert_kernel_benchmark_times_both_kernels_on_the_same_logits(tmp_path):
+    """`benchmarks/moe_experts.py` on a small batch: both kernels timed, and the same logits (what lets the
+    loaders pick either on speed alone)."""
+    out = tmp_path / "moe_experts.json"
+    result = subprocess.run([sys.executable, "-m", "benchmarks.moe_experts", "--repeats", "1", "--rows", "4",
+                             "--tokens", "6", "--out", str(out)], capture_output=True, text=True,
+                            timeout=600, env=subprocess_env(), stdin=subprocess.DEVNULL)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    summary = json.loads(out.read_text())["summary"]
+    assert set(summary) == {"eager", "grouped_mm"}
+    assert all(s["forward"] > 0 and s["forward_backward"] > 0 for s in summary.values())
+    assert summary["grouped_mm"]["max_abs_logit_diff_vs_eager"] < 1e-4
