@@ -1,7 +1,8 @@
 """RL step time at `train.staleness=0` and `train.staleness=1` (and `train.overlap=true` where the config has it),
 in one process, on the built-in default.
 
-    .venv/bin/python -m benchmarks.staleness [--steps 8] [--repeats 2] [--override KEY=VALUE ...] [--out FILE.json]
+    .venv/bin/python -m benchmarks.staleness [--steps 8] [--repeats 2] [--override KEY=VALUE ...] [--device cuda]
+        [--out FILE.json]
 
 Each arm is a real `rlmm train` run (`rlmm.train.run_train` on conf/train.yaml as `rlmm train` composes it, the
 arm's key set, `logger=none`, `train.eval_every=0`, `train.eval_prompts=16`), one after another in this process
@@ -62,11 +63,13 @@ def main(argv=None) -> None:
     parser.add_argument("--arms", default=",".join(ARMS))
     parser.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
                         help="a Hydra override for every arm (e.g. sampler=hf)")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="cuda: the engines on GPUs (the overlap arm needs 2 per trainer rank: its sampler's own)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     if args.steps < 4:
         parser.error("--steps: at least 4 (step 1 and the last step are not timed)")
-    set_runtime_env("cpu")
+    set_runtime_env(args.device)
     from omegaconf import OmegaConf
 
     from benchmarks.rlmm_step import compose_train_config
@@ -82,6 +85,10 @@ def main(argv=None) -> None:
             parser.error(f"--arms: unknown arm {arm!r} (known: {', '.join(ARMS)})")
         if arm == "overlap" and "overlap" not in OmegaConf.load(ROOT / "conf" / "train.yaml").train:
             skipped[arm] = "train.overlap is not in this tree's conf/train.yaml yet: row skipped"
+            print(f"{arm}: {skipped[arm]}", flush=True)
+            continue
+        if arm == "overlap" and args.device == "cuda" and gpu_count() < 2:
+            skipped[arm] = f"the overlapped sampler needs a GPU of its own: {gpu_count()} visible, 2 needed"
             print(f"{arm}: {skipped[arm]}", flush=True)
             continue
         arms.append(arm)
@@ -131,6 +138,12 @@ def main(argv=None) -> None:
     record = {"machine": machine_info(), "summary": summary, "skipped": skipped, "runs": runs, "order": order,
               "command": "python -m benchmarks.staleness " + " ".join(sys.argv[1:] if argv is None else argv)}
     write_record("staleness", record, args.out)
+
+
+def gpu_count() -> int:
+    import torch
+
+    return torch.cuda.device_count()
 
 
 if __name__ == "__main__":

@@ -8,6 +8,8 @@
 #   sweep  a 2-job sweep through hydra/launcher=process (bf16, fp32) (~2.5 min)
 #   routing  the shipped MoE model (model=tiny_moe): vLLM's routed-experts capture on CUDA and the trainer's
 #          replay (routing=r3): a probe and 2 train steps (~3 min; docs/routing.md)
+#   staleness  benchmarks/staleness.py: the step at staleness 0, 1, and 1 overlapped (the sampler on a GPU of its
+#          own: needs 2 GPUs, else that row is skipped) (~4 min; issue 26)
 # Without --part all of them run in turn (10-12 minutes after setup). Writes scale_check.json (scale_check_<part>.json
 # for one part: mismatch per precision, step time by stage, peak GPU memory, tokens/s against standalone vLLM)
 # into $OUT/scale_check when OUT is set, else benchmarks/results/scale_gpu_<date>/ (pass --out DIR to put the
@@ -26,15 +28,15 @@ part=all
 while [ $# -gt 0 ]; do
   case "$1" in
     --dry-run) dry_run=1 ;;
-    --part) part=${2:?--part needs one of setup, probe, train, sweep, routing}; shift ;;
+    --part) part=${2:?--part needs one of setup, probe, train, sweep, routing, staleness}; shift ;;
     --part=*) part=${1#--part=} ;;
     *) args+=("$1") ;;
   esac
   shift
 done
 case "$part" in
-  all|setup|probe|train|sweep|routing) ;;
-  *) echo "gpu_check.sh: --part $part (allowed: setup, probe, train, sweep, routing)" >&2; exit 2 ;;
+  all|setup|probe|train|sweep|routing|staleness) ;;
+  *) echo "gpu_check.sh: --part $part (allowed: setup, probe, train, sweep, routing, staleness)" >&2; exit 2 ;;
 esac
 out=()
 [ -n "${OUT:-}" ] && out=(--out "$OUT/scale_check")

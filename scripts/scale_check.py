@@ -12,9 +12,10 @@ embeddings; random init, built here with a tokenizer that fills every row), run 
 process tree's RSS every 0.2 s and stops it past `--limit-gib` (16): peak RSS, time and the run's own
 figures per row.
 
-`gpu`: three parts, all of them unless `--part` names one: `probe`, `rlmm probe` in bf16, fp16, fp32 and
+`gpu`: five parts, all of them unless `--part` names one: `probe`, `rlmm probe` in bf16, fp16, fp32 and
 bf16_fp32head; `train`, 3 steps of `rlmm train` (DeepSpeed, bf16) and standalone vLLM on the same prompts;
-`sweep`, a 2-job sweep through the per-job process launcher. Figures: mismatch per precision, step time
+`sweep`, a 2-job sweep through the per-job process launcher; `routing`, routing replay on the shipped MoE model;
+`staleness`, benchmarks/staleness.py's step at staleness 0, 1 and 1 overlapped. Figures: mismatch per precision, step time
 by stage, peak GPU memory (nvidia-smi, sampled), peak RSS, rlmm's generation tokens/s against standalone
 vLLM's. `--dry-run` runs them on the CPU with a tiny model of the same shape family (tied embeddings, a
 padded vocabulary), in a few minutes.
@@ -212,7 +213,7 @@ def cpu_check(args, out: Path) -> dict:
     return {"model": model, "rows": rows, "limit_gib": args.limit_gib}
 
 
-GPU_PARTS = ("probe", "train", "sweep", "routing")
+GPU_PARTS = ("probe", "train", "sweep", "routing", "staleness")
 
 
 def gpu_check(args, out: Path) -> dict:
@@ -243,6 +244,8 @@ def gpu_check(args, out: Path) -> dict:
         rows.append(sweep(args, out, work, probe, gpu))
     if "routing" in parts:
         rows += routing_replay(args, out, probe, gpu)
+    if "staleness" in parts:
+        rows.append(staleness_step(args, out, work, prompts, samples, gpu))
     return {"model": model, "dry_run": dry, "part": args.part,
             "workload": {"prompts": prompts, "samples": samples, "tokens": tokens}, "rows": rows}
 
@@ -302,6 +305,23 @@ def routing_replay(args, out: Path, probe: list[str], gpu: bool) -> list[dict]:
         row.update(train_figures(run_dir, 64))
     rows.append(row)
     return rows
+
+
+def staleness_step(args, out: Path, work: list[str], prompts: int, samples: int, gpu: bool) -> dict:
+    """The staleness part (issue 26): benchmarks/staleness.py's step time at staleness 0, at 1 in one process,
+    and at 1 with the sampler in its own process on a GPU of its own (train.overlap; skipped with one GPU): does
+    the overlap hide generation behind the update where the two do not share a device?"""
+    record_path = out / "staleness_benchmark.json"
+    steps = 4 if args.dry_run else 8
+    overrides = [*work, f"train.prompts_per_step={prompts}", f"algo.group_size={samples}"]
+    command = [str(ROOT / ".venv" / "bin" / "python"), "-m", "benchmarks.staleness", "--steps", str(steps),
+               "--repeats", "1" if args.dry_run else "2", "--device", "cuda" if gpu else "cpu",
+               "--out", str(record_path)] + [f"--override={o}" for o in overrides if o != "logger=none"]
+    row = run("staleness-step", command, out / "logs", None, gpu, args.timeout)
+    if "failed" not in row:
+        record = json.loads(record_path.read_text())
+        row.update({"summary": record["summary"], "skipped": record["skipped"]})
+    return row
 
 
 def sweep(args, out: Path, work: list[str], probe: list[str], gpu: bool) -> dict:

@@ -22,7 +22,7 @@ def test_gpu_check_dry_run(tmp_path):
     # every probe runs the same code, and each costs a vLLM start (~20 s) of CI's time.
     rows, outputs = {}, ""
     for part, extra in (("probe", ["--precisions", "bf16", "bf16_fp32head"]), ("train", []), ("sweep", []),
-                        ("routing", [])):
+                        ("routing", []), ("staleness", [])):
         result = subprocess.run(["bash", "scripts/gpu_check.sh", "--dry-run", "--part", part, *extra], cwd=ROOT,
                                 capture_output=True, text=True, timeout=1500, env=env)
         record = json.loads((tmp_path / "scale_check" / f"scale_check_{part}.json").read_text())
@@ -31,7 +31,8 @@ def test_gpu_check_dry_run(tmp_path):
         rows.update({row["name"]: row for row in record["rows"]})
         outputs += result.stdout
     assert set(rows) == {"probe-bf16", "probe-bf16_fp32head", "train-bf16", "sweep-process-launcher",
-                         "standalone-vllm", "probe-routing-r3", "train-routing-r3"}
+                         "standalone-vllm", "probe-routing-r3", "train-routing-r3", "staleness-step"}
+    assert set(rows["staleness-step"]["summary"]) == {"staleness=0", "staleness=1", "overlap"}
     assert 0 <= rows["probe-routing-r3"]["routing_differing_decisions_reaching_scores"] <= \
         rows["probe-routing-r3"]["routing_differing_decisions"]
     assert rows["train-routing-r3"]["steps"] == 2 and rows["train-routing-r3"]["skipped"] == 0
@@ -43,7 +44,7 @@ def test_gpu_check_dry_run(tmp_path):
     assert rows["sweep-process-launcher"]["jobs_with_record"] == 2
     assert rows["standalone-vllm"]["tokens"] > 0 and rows["standalone-vllm"]["rlmm_over_standalone"] > 0
     assert all(row["peak_rss_gib"] > 0 for row in rows.values())
-    assert outputs.count("scale check") == 4
+    assert outputs.count("scale check") == 5
     assert not (tmp_path / "scale_check" / "scale_check.json").exists()  # one part writes only its own file
 
 
