@@ -81,7 +81,8 @@ class Part:
 
 # The dry run's setup allows for DeepSpeed building its CPU shared-memory op (1-3 min on 2 cores) when this
 # venv has not built it yet.
-PARTS = {"setup": Part(80, 45, 240), "train": Part(170, 140, 240), "probe": Part(120, 100, 240),
+# probe's dry limit: the 8 grid runs and the routing probe
+PARTS = {"setup": Part(80, 45, 240), "train": Part(170, 140, 240), "probe": Part(120, 100, 360),
          "layouts": Part(90, 60, 150)}
 TRAIN_GRID = [("bf16", 0), ("fp16", 0), ("bf16", 2), ("bf16_fp32head", 0)]  # most wanted first
 PROBE_PRECISIONS = ["bf16", "fp16", "fp32", "bf16_fp32head"]
@@ -539,10 +540,11 @@ class Check:
             return row
 
         with ThreadPoolExecutor(max_workers=jobs) as pool:
-            runs = list(pool.map(one, [(t, p) for p in PROBE_PRECISIONS for t in PROBE_TRAINERS]))
-        runs.append(self.routing_probe(deadline))
-        return {"workload": {**w, "bi": list(w["bi"])}, "jobs_at_once": jobs, "runs": runs,
-                "torch_vs_fsdp": compare_trainers(runs, first_run=None if self.dry else FIRST_RUN)}
+            grid = list(pool.map(one, [(t, p) for p in PROBE_PRECISIONS for t in PROBE_TRAINERS]))
+        # the routing probe is no cell of the trainer x precision grid that compare_trainers pairs up
+        return {"workload": {**w, "bi": list(w["bi"])}, "jobs_at_once": jobs,
+                "runs": grid + [self.routing_probe(deadline)],
+                "torch_vs_fsdp": compare_trainers(grid, first_run=None if self.dry else FIRST_RUN)}
 
     def routing_probe(self, deadline: float) -> dict:
         """Routing replay on CUDA (issue 25): the shipped MoE model (`model=tiny_moe`), the transformers sampler's

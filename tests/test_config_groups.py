@@ -157,7 +157,8 @@ def test_each_gpu_experiment_is_its_cpu_counterpart_at_scale_gpu(name):
         assert app_of(name) == app_of(name.removesuffix("_gpu"))
         counterpart = composed(app_of(name), [f"experiment={name.removesuffix('_gpu')}"])[1].runtime.choices
         # an MoE experiment (model=tiny_moe on CPU) needs a real MoE checkpoint at scale
-        expected = "allenai/OLMoE-1B-7B-0125-Instruct" if counterpart.model == "tiny_moe" else "Qwen/Qwen2.5-0.5B-Instruct"
+        expected = ("allenai/OLMoE-1B-7B-0125-Instruct" if counterpart.model == "tiny_moe"
+                    else "Qwen/Qwen2.5-0.5B-Instruct")
         assert hydra.runtime.choices.scale == "gpu" and cfg.model.path == expected
     else:
         assert hydra.runtime.choices.scale == "cpu"

@@ -36,7 +36,8 @@ def main(sweep: str) -> None:
     runs = runs[runs.status == "complete"]
     none, r3 = (runs[runs.routing == mode].set_index(["precision.sampler_dtype", "seed"]) for mode in ("none", "r3"))
     shared = none.index.intersection(r3.index)
-    for gap in GAPS if len(shared) else ():  # a sweep of routing=none alone (each probe scores both ways) has none  # the two runs of a seed score the same tokens with the same experts: the same numbers
+    # a sweep of routing=none alone (each probe scores both ways) has no pairs to check
+    for gap in GAPS if len(shared) else ():  # the two runs of a seed score the same tokens with the same experts: the same numbers
         check = np.abs(r3.loc[shared, f"mismatch/{gap}:final"] - none.loc[shared, f"routing/replayed/{gap}:final"])
         print(f"check {gap}: r3 run's own scoring vs none run's replayed scoring, max |difference| {check.max():.3g}")
 
