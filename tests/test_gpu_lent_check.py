@@ -63,8 +63,15 @@ def test_gpu_lent_check_dry_run(tmp_path):
 
     # probe: both trainers in every precision, compared directly
     probe = parts["probe"]
-    assert {(run["trainer"], run["precision"]) for run in probe["runs"] if "sampler_vs_trainer" in run} == {
+    grid = [run for run in probe["runs"] if run["name"] != "probe-routing-r3"]
+    assert {(run["trainer"], run["precision"]) for run in grid if "sampler_vs_trainer" in run} == {
         (t, p) for t in ("fsdp", "torch") for p in ("bf16", "fp16", "fp32", "bf16_fp32head")}
+    # then routing replay on the shipped MoE model (issue 25): the probe's routing part
+    routing = next(r for r in probe["runs"] if r["name"] == "probe-routing-r3")
+    assert "failed" not in routing, routing
+    assert 0 <= routing["routing"]["disagreement"]["differing_decisions_reaching_scores"] <= \
+        routing["routing"]["disagreement"]["differing_decisions"]
+    assert "kl_k3" in routing["routing"]["share_removed"]
     compared = probe["torch_vs_fsdp"]
     assert set(compared) == {"bf16", "fp16", "fp32", "bf16_fp32head"}
     for precision, row in compared.items():
