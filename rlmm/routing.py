@@ -72,7 +72,7 @@ class MoEShape:
     top_k: int
     # Whether the last MoE layer is the model's last decoder layer: then its output at a position feeds only
     # that position's next-token logits (no later attention reads it).
-    last_layer_is_final: bool = True
+    last_layer_is_final: bool
 
     def bytes_per_token(self) -> int:
         """What one token's routing costs kept as `ID_DTYPE` ids: layers x top-k x 2 bytes."""
@@ -103,11 +103,21 @@ def moe_shape(model: nn.Module) -> MoEShape | None:
     found = routers(model)
     if not found:
         return None
+    layers = decoder_layers(model)
+    return MoEShape(layers=len(found), experts=found[0].num_experts, top_k=found[0].top_k,
+                    last_layer_is_final=bool(layers) and layer_of(found[-1], layers) is layers[-1])
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The model's decoder layers in model order (transformers' `GradientCheckpointingLayer`s)."""
     from transformers.modeling_layers import GradientCheckpointingLayer
 
-    decoder_layers = [m for m in unwrap(model).modules() if isinstance(m, GradientCheckpointingLayer)]
-    final = bool(decoder_layers) and any(m is found[-1] for m in decoder_layers[-1].modules())
-    return MoEShape(layers=len(found), experts=found[0].num_experts, top_k=found[0].top_k, last_layer_is_final=final)
+    return [m for m in unwrap(model).modules() if isinstance(m, GradientCheckpointingLayer)]
+
+
+def layer_of(module: nn.Module, layers: list[nn.Module]) -> nn.Module | None:
+    """The decoder layer among `layers` that holds `module` (None: none does)."""
+    return next((layer for layer in layers if any(child is module for child in layer.modules())), None)
 
 
 class RoutingHooks:
@@ -116,8 +126,6 @@ class RoutingHooks:
     carries `REPLAY_KWARG` or a `recording()` is open."""
 
     def __init__(self, model: nn.Module):
-        from transformers.modeling_layers import GradientCheckpointingLayer
-
         self.routers = routers(model)
         if not self.routers:
             raise ValueError(f"routing: {type(unwrap(model)).__name__} has no mixture-of-experts router "
@@ -127,16 +135,11 @@ class RoutingHooks:
         self._replay: dict[int, torch.Tensor | None] = {}  # router index -> the ids its next forward replays
         self._records: list[torch.Tensor] | None = None  # the open recording's own ids, one per router call
         self.rows: dict[int, torch.Tensor] | None = None  # an open `recorded_routing`: rollout row -> its routing
-        parents = {id(router): None for router in self.routers}
-        for module in unwrap(model).modules():
-            if isinstance(module, GradientCheckpointingLayer):
-                for index, router in enumerate(self.routers):
-                    if any(child is router for child in module.modules()):
-                        parents[id(router)] = (module, index)
+        layers = decoder_layers(model)
         for index, router in enumerate(self.routers):
-            if parents[id(router)] is None:
+            layer = layer_of(router, layers)
+            if layer is None:
                 raise ValueError(f"routing: router {index} ({type(router).__name__}) is in no decoder layer")
-            layer, _ = parents[id(router)]
             layer.register_forward_pre_hook(self._layer_pre_hook(index), with_kwargs=True)
             router.register_forward_hook(self._router_hook(index))
 
@@ -347,8 +350,7 @@ def routing_disagreement(sampler: list[torch.Tensor], trainer: list[torch.Tensor
     if s.shape != t.shape:
         raise ValueError(f"routing: the sampler's routing has shape {tuple(s.shape)}, the trainer's "
                          f"{tuple(t.shape)} (the same tokens, MoE layers and top-k expected)")
-    valid = (s != NO_ROUTE).all(-1) & (t != NO_ROUTE).all(-1)  # [tokens, layers]
-    differ = (s.sort(-1).values != t.sort(-1).values).any(-1) & valid
+    differ, valid = decisions_differ(s, t)
     overlap = (s[..., :, None] == t[..., None, :]).any(-1).sum(-1)  # [tokens, layers]: |S ∩ T|
     decisions, tokens = valid.sum().clamp(min=1), valid.any(-1).sum().clamp(min=1)
     out = {"frac_decisions_differ": (differ.sum() / decisions).item(),
@@ -357,6 +359,13 @@ def routing_disagreement(sampler: list[torch.Tensor], trainer: list[torch.Tensor
     for layer in range(s.size(1)):
         out[f"frac_decisions_differ_layer_{layer}"] = (differ[:, layer].sum() / valid[:, layer].sum().clamp(min=1)).item()
     return {f"routing/{k}": v for k, v in out.items()}
+
+
+def decisions_differ(s: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For two sides' routings of the same positions ([positions, layers, top-k]): which (position, layer)
+    decisions differ as top-k *sets*, among those both sides made (`valid`: neither is NO_ROUTE)."""
+    valid = (s != NO_ROUTE).all(-1) & (t != NO_ROUTE).all(-1)
+    return (s.sort(-1).values != t.sort(-1).values).any(-1) & valid, valid
 
 
 def differing_decisions(sampler: list[torch.Tensor], trainer: list[torch.Tensor], prompt_lengths: list[int],
@@ -369,9 +378,7 @@ def differing_decisions(sampler: list[torch.Tensor], trainer: list[torch.Tensor]
     sampler's routing changes no scored log-prob, and the share of the gap it removes is 0 by construction."""
     differ = reaching = 0
     for s, t, prompt in zip(sampler, trainer, prompt_lengths):
-        s, t = s[:-1].long(), t[:-1].long()
-        valid = (s != NO_ROUTE).all(-1) & (t != NO_ROUTE).all(-1)
-        rows = (s.sort(-1).values != t.sort(-1).values).any(-1) & valid  # [positions, layers]
+        rows, _ = decisions_differ(s[:-1].long(), t[:-1].long())  # [positions, layers]
         differ += int(rows.sum())
         if last_layer_is_final:
             rows[: max(prompt - 1, 0), -1] = False

@@ -83,10 +83,9 @@ def print_routing(console, routing: dict) -> None:
                   f"{d['frac_tokens_differ']:.2%} of tokens (in at least one of {len(layers)} MoE layers) differ "
                   f"between sampler and trainer; per layer "
                   + ", ".join(f"{d[k]:.2%}" for k in layers))
-    if "differing_decisions" in d:
-        console.print(f"{d['differing_decisions_reaching_scores']} of the {d['differing_decisions']} differing decisions "
-                      f"can move a scored log-prob (not the last MoE layer's at a prompt position before the last)"
-                      + ("; so replay cannot change this gap" if d["differing_decisions_reaching_scores"] == 0 else ""))
+    console.print(f"{d['differing_decisions_reaching_scores']} of the {d['differing_decisions']} differing decisions "
+                  f"can move a scored log-prob (not the last MoE layer's at a prompt position before the last)"
+                  + ("; so replay cannot change this gap" if d["differing_decisions_reaching_scores"] == 0 else ""))
     table = Table(title="sampler vs trainer, the trainer routing itself vs replaying the sampler's experts (R3)",
                   title_justify="left")
     for column in ("metric", "own routing", "replayed", "share removed"):
