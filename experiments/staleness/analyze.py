@@ -15,15 +15,16 @@ experiment's sweep(s):
 """
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
-import yaml
 from scipy import stats
 
 from rlmm.records import read_steps
+from rlmm.table.discovery import read_overrides
 
 PARTS = {"logprob_abs_diff_mean": "mean |δ|", "kl_k3": "KL k3"}
 ACCURACY = {"eval_accuracy_trained_end": "trained weights", "eval_accuracy_end": "deployed sampler"}
@@ -33,9 +34,9 @@ def runs_of(sweeps: list[str]) -> pd.DataFrame:
     rows = []
     for sweep in sweeps:
         for run in sorted(p for p in Path(sweep).iterdir() if (p / "summary.json").exists()):
-            overrides = dict(o.split("=", 1) for o in yaml.safe_load((run / ".hydra" / "overrides.yaml").read_text()))
+            overrides = read_overrides(run)
             k = int(overrides["train.staleness"])
-            summary = yaml.safe_load((run / "summary.json").read_text())  # JSON is YAML
+            summary = json.loads((run / "summary.json").read_text())
             steps = [s for s in read_steps(run) if "mismatch/numerical/kl_k3" in s]
             at_k = [s for s in steps if s.get("rollout/staleness", 0) == k] or steps
             row = {"k": k, "correction": overrides["correction"], "seed": int(overrides["seed"]), "run": str(run)}
@@ -51,9 +52,9 @@ def paired(a: pd.Series, b: pd.Series) -> str:
     d = (a - b).dropna()
     if len(d) < 2:
         return f"{d.mean():+.4f} (n={len(d)})"
-    low, high = stats.ttest_1samp(d, 0).confidence_interval(0.95)
-    p = stats.ttest_1samp(d, 0).pvalue
-    return f"{d.mean():+.4f} [{low:+.4f}, {high:+.4f}] p={p:.2g}"
+    test = stats.ttest_1samp(d, 0)
+    low, high = test.confidence_interval(0.95)
+    return f"{d.mean():+.4f} [{low:+.4f}, {high:+.4f}] p={test.pvalue:.2g}"
 
 
 def main(sweeps: list[str]) -> None:
