@@ -202,3 +202,69 @@ def test_activation_budget_checkpoints_and_scores_first_only_when_needed(monkeyp
     assert budget.room() == 8e9 and budget.checkpointing(4400) is False
     forced = memory.ActivationBudget(config, torch.bfloat16, torch.device("cpu"), False, pending_bytes=0)
     assert forced.checkpointing(10**9) is False
+
+
+def saved_activation_bytes_per_token_and_layer(model, tokens: int = 32, rows: int = 2) -> float:
+    """What a forward through the decoder (no LM head) saves for its backward: the storages of the floating
+    tensors autograd keeps that are not parameters (nor views of one: an expert's slice of a stacked weight)."""
+    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if tensor.is_floating_point() and storage.data_ptr() not in parameters:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    ids = torch.randint(0, 100, (rows, tokens), generator=torch.Generator().manual_seed(0))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        model.model(input_ids=ids)
+    return sum(saved.values()) / (rows * tokens) / model.config.num_hidden_layers
+
+
+@pytest.mark.parametrize("layout", ["qwen2_dense", "qwen3_moe", "olmoe", "mixtral", "qwen2_moe_shared_expert"])
+def test_activation_estimate_is_what_a_forward_saves_for_dense_and_moe_layers(layout):
+    """The activation estimate that decides gradient checkpointing and the one-pass step, against the bytes a
+    real forward keeps (fp32, sdpa attention, transformers' default grouped_mm experts). Counting a sparse
+    layer as one dense MLP put OLMoE's layout at 0.22 of them (k = 8 experts per token) and Qwen3-MoE's at
+    0.67: a micro-batch 4x too large for memory would have gone unchecked."""
+    import transformers
+
+    from rlmm.trainers import memory
+
+    common = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=64, pad_token_id=0, eos_token_id=1, bos_token_id=1)
+    config = {
+        "qwen2_dense": lambda: transformers.Qwen2Config(intermediate_size=176, **common),
+        "qwen3_moe": lambda: transformers.Qwen3MoeConfig(intermediate_size=176, moe_intermediate_size=88,
+                                                         num_experts=8, num_experts_per_tok=2, **common),
+        "olmoe": lambda: transformers.OlmoeConfig(intermediate_size=32, num_experts=16, num_experts_per_tok=8,
+                                                  **common),
+        "mixtral": lambda: transformers.MixtralConfig(intermediate_size=224, num_local_experts=8,
+                                                      num_experts_per_tok=2, **common),
+        "qwen2_moe_shared_expert": lambda: transformers.Qwen2MoeConfig(
+            intermediate_size=176, moe_intermediate_size=44, shared_expert_intermediate_size=176, num_experts=8,
+            num_experts_per_tok=4, **common),
+    }[layout]()
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).train()
+    measured = saved_activation_bytes_per_token_and_layer(model)
+    estimate = memory.activation_bytes_per_token(config, torch.float32, False) / config.num_hidden_layers
+    assert 0.75 <= estimate / measured <= 1.1, (layout, estimate, measured)
+
+
+def test_only_the_sparse_layers_count_experts():
+    """`decoder_sparse_step`, `mlp_only_layers` and `first_k_dense_replace` keep some layers dense."""
+    from types import SimpleNamespace
+
+    from rlmm.trainers.memory import mlp_elements_per_token
+
+    qwen3_moe = SimpleNamespace(hidden_size=64, intermediate_size=176, moe_intermediate_size=88, num_experts=8,
+                                num_experts_per_tok=2, decoder_sparse_step=2, mlp_only_layers=[3])
+    assert [mlp_elements_per_token(qwen3_moe, layer) for layer in range(4)] == [
+        4 * 176, 2 * 8 + 2 * (2 * 64 + 4 * 88), 4 * 176, 4 * 176]
+    deepseek = SimpleNamespace(hidden_size=64, intermediate_size=176, moe_intermediate_size=32, n_routed_experts=16,
+                               num_experts_per_tok=4, n_shared_experts=2, first_k_dense_replace=1)
+    assert [mlp_elements_per_token(deepseek, layer) for layer in range(2)] == [
+        4 * 176, 2 * 16 + 4 * (2 * 64 + 4 * 32) + 4 * 2 * 32]

@@ -13,10 +13,22 @@ Activations a decoder layer keeps per token for the backward pass (Korthikanti e
 Activation Recomputation in Large Transformer Models", counted for a gated MLP and fused attention that
 keeps no score matrix):
 
-    bytes/token ≈ layers x (8 h + 4 i) x bytes per element      (h hidden, i MLP intermediate size)
+    bytes/token ≈ Σ_layers (8 h + MLP) x bytes per element       (h hidden size)
+      MLP of a dense layer:  4 i                                 (i its intermediate size)
+      MLP of a sparse layer: 2 E + k (2 h + 4 i_e) + 4 i_s       (E experts, k of them per token, i_e each
+                                                                  one's width, i_s a shared expert's, if any)
     with gradient checkpointing: layers x h x bytes per element  (each layer's input only)
 
-e.g. Qwen2.5-0.5B in bf16: 24 x (8·896 + 4·4864) x 2 = 1.3 MB per token; 32 rows of 650 tokens = 27 GB.
+A sparse layer keeps, for each of a token's k experts, the token's gathered input and the expert's output
+(the routing weight's gradient needs it) besides the expert's own 4 i_e, and the router's logits and
+probabilities (2 E). Counting it as a dense MLP of `intermediate_size` undercounts OLMoE's layers 4x (k = 8
+experts of 1024 against one MLP of 1024) and the GPU experiment's micro-batches would have gone unchecked into
+an out-of-memory. tests/test_head.py measures the bytes a forward saves for its backward
+(`torch.autograd.graph.saved_tensors_hooks`) on dense and MoE layouts of transformers' models; the estimate is
+0.8-0.95 of them.
+
+e.g. Qwen2.5-0.5B in bf16: 24 x (8·896 + 4·4864) x 2 = 1.3 MB per token; 32 rows of 650 tokens = 27 GB;
+OLMoE-1B-7B in bf16: 16 x (8·2048 + 2·64 + 8 (2·2048 + 4·1024)) x 2 = 2.6 MB per token.
 "Fits" means at most half of the memory free now, less what the optimizer has yet to allocate (AdamW's
 moments and the gradient buffers appear at the first update: `pending_bytes` until one has completed).
 """
@@ -33,11 +45,34 @@ log = logging.getLogger(__name__)
 
 def activation_bytes_per_token(config, dtype: torch.dtype, gradient_checkpointing: bool) -> int:
     """Estimated bytes of activations one token keeps for the backward pass (see the module docstring)."""
-    hidden = config.hidden_size
-    intermediate = getattr(config, "intermediate_size", None) or 4 * hidden
+    hidden, layers = config.hidden_size, config.num_hidden_layers
     per_element = torch.finfo(dtype).bits // 8
-    per_layer = hidden if gradient_checkpointing else 8 * hidden + 4 * intermediate
-    return config.num_hidden_layers * per_layer * per_element
+    if gradient_checkpointing:
+        return layers * hidden * per_element
+    return sum(8 * hidden + mlp_elements_per_token(config, layer) for layer in range(layers)) * per_element
+
+
+def mlp_elements_per_token(config, layer: int) -> int:
+    """The MLP's share of one token's activations in decoder layer `layer` (elements; module docstring).
+
+    Reads the names transformers' MoE configs use: Qwen2/3-MoE (`num_experts`, `moe_intermediate_size`,
+    `decoder_sparse_step`, `mlp_only_layers`, `shared_expert_intermediate_size`), Mixtral and OLMoE
+    (`num_local_experts` / `num_experts` with `intermediate_size` per expert), DeepSeek (`n_routed_experts`,
+    `n_shared_experts`, `first_k_dense_replace`)."""
+    hidden = config.hidden_size
+    dense = getattr(config, "intermediate_size", None) or 4 * hidden
+    experts = next((value for name in ("num_experts", "num_local_experts", "n_routed_experts")
+                    if (value := getattr(config, name, None))), 0)
+    top_k = getattr(config, "num_experts_per_tok", None) or 0
+    sparse = (experts > 0 and top_k > 0 and layer not in (getattr(config, "mlp_only_layers", None) or [])
+              and (layer + 1) % (getattr(config, "decoder_sparse_step", None) or 1) == 0
+              and layer >= (getattr(config, "first_k_dense_replace", None) or 0))
+    if not sparse:
+        return 4 * dense
+    expert_width = getattr(config, "moe_intermediate_size", None) or dense
+    shared = (getattr(config, "shared_expert_intermediate_size", None)
+              or (getattr(config, "n_shared_experts", None) or 0) * expert_width)
+    return 2 * experts + top_k * (2 * hidden + 4 * expert_width) + 4 * shared
 
 
 def free_bytes(device: torch.device) -> int:
@@ -53,7 +88,7 @@ class ActivationBudget:
     """Per update: whether to checkpoint, and whether the one-pass step may hold every graph.
 
     Args:
-        config: the model's (hidden_size, intermediate_size, num_hidden_layers).
+        config: the model's (hidden_size, num_hidden_layers, its MLP's sizes: `mlp_elements_per_token`).
         dtype: the trainer's body dtype.
         device: where the activations live.
         checkpointing: None (decide per update), True or False (always, never).
