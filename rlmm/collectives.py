@@ -2,8 +2,9 @@
 
 DeepSpeed and FSDP reduce their own gradients; rlmm adds only these few: the torch backend's gradient mean
 (`average_over_ranks`), the stop, fault and refill flags (`any_rank`), the loss normaliser
-(rlmm/step.py), the micro-batch count under a token budget (rlmm/trainers/packing.py) and the weight sync's
-NaN guard (rlmm/trainers/weight_sync.py).
+(rlmm/step.py), the micro-batch count under a token budget (rlmm/trainers/packing.py), the weight sync's
+NaN guard (rlmm/trainers/weight_sync.py), and the step's whole batch for its mismatch and correction metrics
+(`rows_of_every_rank`).
 
 Each `all_reduce_*` takes a tensor and returns it reduced over the ranks: in place, as torch.distributed
 does, so the tensor returned is the one passed in. Without a process group, or with one rank, it is returned
@@ -17,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["all_reduce_max", "all_reduce_mean", "all_reduce_min", "any_rank", "average_over_ranks", "divisor_over_ranks",
-           "mean_over_ranks"]
+           "mean_over_ranks", "rows_of_every_rank"]
 
 
 def _several_ranks() -> bool:
@@ -76,3 +77,34 @@ def divisor_over_ranks(local: float) -> float:
     divisor. Token-level: each rank divides by (all ranks' kept tokens) / ranks, not by its own count,
     which would weight a token of a rank with short responses more than one of a rank with long ones."""
     return mean_over_ranks({"divisor": local})["divisor"]
+
+
+def rows_of_every_rank(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Each [B_r, T_r] tensor (this rank's rows, right-padded) with every rank's rows: [Σ B_r, max T_r], rank 0's
+    rows first, each rank's padded with zeros (False for a bool mask) to the longest width, on every rank; the
+    tensors as they are with one rank. All of them must have this rank's shape.
+
+    For the metrics of the step's whole batch: a maximum, a standard deviation or a token mean over several
+    ranks is not the mean of the ranks' own (`mean_over_ranks`): the mean of 8 ranks' largest |δ| is well
+    below the largest, and ranks with unequal token counts weight their tokens unequally."""
+    if not _several_ranks():
+        return tensors
+    rows, width = tensors[0].shape
+    if any(tensor.shape != (rows, width) for tensor in tensors):
+        raise ValueError(f"rows_of_every_rank: shapes {[tuple(t.shape) for t in tensors]} differ")
+    world = dist.get_world_size()
+    shapes = torch.tensor([rows, width], dtype=torch.int64)
+    every_shape = [torch.zeros_like(shapes) for _ in range(world)]
+    dist.all_gather(every_shape, shapes)
+    most_rows, most_width = (max(int(s[i]) for s in every_shape) for i in (0, 1))
+    out = []
+    for tensor in tensors:
+        sent = tensor.detach().cpu()
+        sent = sent.to(torch.uint8) if sent.dtype == torch.bool else sent  # gloo has no bool
+        padded = sent.new_zeros(most_rows, most_width)
+        padded[:rows, :width] = sent
+        gathered = [torch.zeros_like(padded) for _ in range(world)]
+        dist.all_gather(gathered, padded)
+        whole = torch.cat([g[:int(s[0])] for g, s in zip(gathered, every_shape)])
+        out.append((whole.bool() if tensor.dtype == torch.bool else whole).to(tensor.device))
+    return tuple(out)

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from rlmm.collectives import any_rank, divisor_over_ranks
+from rlmm.collectives import any_rank, divisor_over_ranks, rows_of_every_rank
 from rlmm.components import Components
 from rlmm.corrections.base import CorrectionOutput
 from rlmm.loss_stats import PolicyLossStats, combined_metrics
@@ -73,12 +73,16 @@ class OldPolicy:
         checked = {"rewards": rewards, "trainer_logprobs": trainer_logprobs[mask],
                    "sampler_logprobs": sampler_logprobs[mask]}
         fault = fault_on_any_rank(first_fault(**checked, **also_checked))
-        nonfinite = {side: 1 - torch.isfinite(lp[mask]).float().mean().item()
-                     for side, lp in (("trainer", trainer_logprobs), ("sampler", sampler_logprobs))}
-        mismatch = mismatch_metrics(trainer_logprobs, sampler_logprobs, mask, ratio_cap=ratio_cap)
         corrected: CorrectionOutput = correction(trainer_logprobs, sampler_logprobs, mask)
+        # The metrics are the step's whole batch's, every rank's rows (the same on every rank): a mean over ranks
+        # of each rank's maximum or token mean would not be (rlmm/collectives.py::rows_of_every_rank).
+        every = rows_of_every_rank(trainer_logprobs, sampler_logprobs, mask)
+        nonfinite = {side: 1 - torch.isfinite(lp[every[2]]).float().mean().item()
+                     for side, lp in (("trainer", every[0]), ("sampler", every[1]))}
+        mismatch = mismatch_metrics(*every, ratio_cap=ratio_cap)
+        metrics = corrected.metrics if every[0] is trainer_logprobs else correction(*every).metrics
         return cls(logprobs=corrected.old_logprobs, weights=corrected.weights, mask=corrected.mask,
-                   mismatch=mismatch, correction_metrics=corrected.metrics, nonfinite=nonfinite, fault=fault)
+                   mismatch=mismatch, correction_metrics=metrics, nonfinite=nonfinite, fault=fault)
 
 
 @dataclass
@@ -108,8 +112,8 @@ class SampledBatch:
         metrics = {} if self.staleness is None else {"rollout/staleness": float(self.staleness)}
         if self.stale_logprobs is not None:
             sampler_logprobs, _ = self.rollouts.padded_sampler_logprobs()
-            parts = staleness_decomposition(trainer_logprobs, self.stale_logprobs, sampler_logprobs, mask,
-                                            ratio_cap=ratio_cap)
+            parts = staleness_decomposition(*rows_of_every_rank(trainer_logprobs, self.stale_logprobs,
+                                                                sampler_logprobs, mask), ratio_cap=ratio_cap)
             metrics.update({f"mismatch/{k}": v for k, v in parts.items()})
         return metrics
 

@@ -1,6 +1,6 @@
 """One `rl_step` on replayed rollouts, each rank on its share of the prompts (`rank_share`), on every trainer
 backend; rank 0 writes the new weights. Run under torchrun by test_update (2 ranks) and called in-process
-by it (1 rank): the two must give the same update.
+by it (1 rank): the two must give the same update and log the same mismatch and correction metrics.
 
     torchrun --nproc_per_node 2 tests/ranks_step.py MODEL_PATH ROLLOUTS_JSON OUT_DIR [TRAINER_VALUES_JSON [ROUTING]]
 
@@ -65,15 +65,17 @@ class ReplaySampler:
 
 
 def step_on_share(model_path: str, recorded: dict, backend: str, scratch: Path, routing: str | None = None,
-                  **values) -> dict[str, torch.Tensor]:
+                  metrics: dict | None = None, **values) -> dict[str, torch.Tensor]:
     """This rank's trainer after one step on its share of the recorded prompts (SGD, token-level TIS);
     `routing`: an MoE model's routing replay (none, r2 with two epochs, r3; None: rlmm's default, none without
-    measuring); `values`: other trainer YAML values (e.g. a token budget)."""
+    measuring); `metrics`: a dict that receives the step's metrics as `rlmm train` logs them (averaged over the
+    ranks); `values`: other trainer YAML values (e.g. a token budget)."""
     import torch.distributed as dist
     from transformers import AutoTokenizer
 
-    from rlmm.corrections.tis import TokenTIS
+    from rlmm.collectives import mean_over_ranks
     from rlmm.components import Components
+    from rlmm.corrections.tis import TokenTIS
     from rlmm.routing import RoutingReplay
     from rlmm.step import rl_step
     from tests.test_update import GROUP, OPTIONS, OddLengthReward, algo, sgd_trainer
@@ -88,8 +90,10 @@ def step_on_share(model_path: str, recorded: dict, backend: str, scratch: Path, 
                    sampler=ReplaySampler(recorded), trainer=trainer, correction=TokenTIS(cap=2.0),
                    algo=algo(epochs=2) if routing == "r2" else algo(), sampling=OPTIONS, routing=replay)
     try:
-        metrics = rl_step(c, prompts, ratio_cap=2.0, reuse_training_forward=True)
-        assert metrics["train/skipped"] == 0
+        logged = mean_over_ranks(rl_step(c, prompts, ratio_cap=2.0, reuse_training_forward=True))  # as rlmm.train
+        assert logged["train/skipped"] == 0
+        if metrics is not None:
+            metrics.update(logged)
         return {k: v.detach().clone().contiguous() for k, v in trainer.state_dict().items()}
     finally:
         trainer.close()
@@ -107,9 +111,11 @@ def main() -> None:
     values = json.loads(sys.argv[4]) if len(sys.argv) > 4 else {}
     routing = sys.argv[5] if len(sys.argv) > 5 else None
     for backend in BACKENDS:
-        weights = step_on_share(model_path, recorded, backend, out_dir, routing=routing, **values)
+        metrics = {}
+        weights = step_on_share(model_path, recorded, backend, out_dir, routing=routing, metrics=metrics, **values)
         if dist.get_rank() == 0:
             save_file(weights, out_dir / f"{backend}-{dist.get_world_size()}.safetensors")
+            (out_dir / f"{backend}-{dist.get_world_size()}.json").write_text(json.dumps(metrics))
 
 
 if __name__ == "__main__":

@@ -355,7 +355,10 @@ def test_epochs_and_minibatches_take_the_hand_computed_steps(small_model_path, a
 
 def test_two_ranks_take_the_one_rank_step_on_the_same_rows(small_model_path, arithmetic_task, tmp_path):
     """torchrun, 2 gloo ranks, each with its share of the prompts' rollouts (unequal token counts): the
-    averaged update equals one rank's update on all the rows, on every backend (tests/ranks_step.py)."""
+    averaged update equals one rank's update on all the rows, on every backend (tests/ranks_step.py), and the
+    mismatch and correction metrics logged are the whole batch's, as one rank computes them: averaging the
+    ranks' own had logged the mean of their maxima as `logprob_abs_diff_max` and `ratio_max`, and token means
+    that weight the ranks' tokens unequally."""
     from safetensors.torch import load_file
 
     from rlmm.step import rank_share
@@ -376,10 +379,19 @@ def test_two_ranks_take_the_one_rank_step_on_the_same_rows(small_model_path, ari
     torchrun(["tests/ranks_step.py", small_model_path, str(replay), str(tmp_path)], timeout=600)
     initial = load_file(Path(small_model_path) / "model.safetensors")
     for backend in BACKENDS:
-        one = {k: v - initial[k] for k, v in step_on_share(small_model_path, recorded, backend, tmp_path).items()}
+        one_metrics = {}
+        one = {k: v - initial[k] for k, v in step_on_share(small_model_path, recorded, backend, tmp_path,
+                                                           metrics=one_metrics).items()}
         two = {k: v - initial[k] for k, v in load_file(tmp_path / f"{backend}-2.safetensors").items()}
         assert max(v.abs().max().item() for v in one.values()) > 0
         assert relative_error(two, one) < 1e-4, backend
+        two_metrics = json.loads((tmp_path / f"{backend}-2.json").read_text())
+        whole_batch = [k for k in one_metrics if k.startswith(("mismatch/", "correction/"))]
+        assert "mismatch/logprob_abs_diff_max" in whole_batch and "correction/ratio_max" in whole_batch
+        assert one_metrics["mismatch/logprob_abs_diff_max"] > 1e-3  # the sampler's perturbed weights: a max the ranks' mean misses
+        differing = {k: (two_metrics[k], one_metrics[k]) for k in whole_batch
+                     if not math.isclose(two_metrics[k], one_metrics[k], rel_tol=1e-3, abs_tol=1e-7)}
+        assert not differing, (backend, differing)
 
 
 # -- the step learns ----------------------------------------------------------------------------------------
