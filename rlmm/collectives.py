@@ -4,7 +4,7 @@ DeepSpeed and FSDP reduce their own gradients; rlmm adds only these few: the tor
 (`average_over_ranks`), the stop, fault and refill flags (`any_rank`), the loss normaliser
 (rlmm/step.py), the micro-batch count under a token budget (rlmm/trainers/packing.py), the weight sync's
 NaN guard (rlmm/trainers/weight_sync.py), and the step's whole batch for its mismatch and correction metrics
-(`rows_of_every_rank`).
+(`rows_of_every_rank`) and its loss statistics (`gathered_over_ranks`, rlmm/loss_stats.py).
 
 Each `all_reduce_*` takes a tensor and returns it reduced over the ranks: in place, as torch.distributed
 does, so the tensor returned is the one passed in. Without a process group, or with one rank, it is returned
@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["all_reduce_max", "all_reduce_mean", "all_reduce_min", "any_rank", "average_over_ranks", "divisor_over_ranks",
-           "mean_over_ranks", "rows_of_every_rank"]
+           "gathered_over_ranks", "mean_over_ranks", "rows_of_every_rank"]
 
 
 def _several_ranks() -> bool:
@@ -77,6 +77,15 @@ def divisor_over_ranks(local: float) -> float:
     divisor. Token-level: each rank divides by (all ranks' kept tokens) / ranks, not by its own count,
     which would weight a token of a rank with short responses more than one of a rank with long ones."""
     return mean_over_ranks({"divisor": local})["divisor"]
+
+
+def gathered_over_ranks(value: object) -> list:
+    """Every rank's `value` (a picklable object), in rank order; [value] with one rank."""
+    if not _several_ranks():
+        return [value]
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, value)
+    return every
 
 
 def rows_of_every_rank(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:

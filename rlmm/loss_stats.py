@@ -8,10 +8,19 @@ annotation says how (`Annotated[float, Combine.SUM]`), so the reduction is decla
 chosen from the name's suffix:
 
 - `SUM`: each micro-batch's share that adds up: the loss terms (already divided by the whole minibatch's
-  normaliser) and `num_tokens`;
+  normaliser);
+- `COUNT`: a count that adds up: `num_tokens`;
 - `TOKEN_MEAN`: a mean over tokens, weighted by each micro-batch's `num_tokens`; micro-batches with no
   kept token (NaN, or a weight of 0) are left out, and NaN is what remains when all are;
 - `MIN` / `MAX`: the smallest / largest over micro-batches, NaN ones left out (NaN when all are).
+
+With several ranks each rank's minibatch statistics are combined again over the ranks (`combine_ranks`), so
+the logged ones are those of the whole minibatch, every rank's rows, as one rank would log them
+(tests/test_update.py::test_two_ranks_take_the_one_rank_step_on_the_same_rows): `COUNT` adds up, `TOKEN_MEAN`,
+`MIN` and `MAX` as over micro-batches, and `SUM` is averaged: each rank divides its loss by the normaliser agreed
+over the ranks, (all kept tokens) / ranks, so the minibatch's loss is the ranks' mean, as the averaged gradient
+is its gradient (docs/training.md). A plain mean over ranks had logged half the tokens on 2 ranks and the mean
+of the ranks' `ratio_max`.
 
 A field that may be absent (`kl` without a reference, `entropy` without an entropy) is `None` in every
 micro-batch and is left out of the logged metrics. The RL step (rlmm/step.py) logs the combined
@@ -30,14 +39,17 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Annotated, TypeVar
 
-__all__ = ["Combine", "PolicyLossStats", "ValueLossStats", "combine_micro_batches", "combined_metrics",
-           "metrics_of", "reductions"]
+from rlmm.collectives import gathered_over_ranks
+
+__all__ = ["Combine", "PolicyLossStats", "ValueLossStats", "combine_micro_batches", "combine_ranks",
+           "combined_metrics", "metrics_of", "reductions"]
 
 
 class Combine(enum.Enum):
     """How a field combines over micro-batches (see the module docstring)."""
 
     SUM = "sum"
+    COUNT = "count"
     TOKEN_MEAN = "token_mean"
     MIN = "min"
     MAX = "max"
@@ -60,7 +72,7 @@ class PolicyLossStats:
     ratio_mean: Annotated[float, Combine.TOKEN_MEAN]
     ratio_min: Annotated[float, Combine.MIN]
     ratio_max: Annotated[float, Combine.MAX]
-    num_tokens: Annotated[int, Combine.SUM]  # kept tokens: the token means' weight
+    num_tokens: Annotated[int, Combine.COUNT]  # kept tokens: the token means' weight
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -69,7 +81,7 @@ class ValueLossStats:
 
     loss: Annotated[float, Combine.SUM]  # the critic's clipped value loss
     value_clipfrac: Annotated[float, Combine.TOKEN_MEAN]
-    num_tokens: Annotated[int, Combine.SUM]
+    num_tokens: Annotated[int, Combine.COUNT]
 
 
 Stats = TypeVar("Stats", PolicyLossStats, ValueLossStats)
@@ -91,6 +103,16 @@ def reductions(record: type) -> dict[str, Combine]:
 def combine_micro_batches(parts: Sequence[Stats]) -> Stats:
     """One minibatch's statistics from its micro-batches' (one record or more, of one type), each field
     combined as the record declares."""
+    return _combine(parts, ranks=False)
+
+
+def combine_ranks(parts: Sequence[Stats]) -> Stats:
+    """The whole minibatch's statistics from each rank's (its micro-batches combined), in rank order: as
+    `combine_micro_batches`, but each `SUM` field is the ranks' mean (see the module docstring)."""
+    return _combine(parts, ranks=True)
+
+
+def _combine(parts: Sequence[Stats], ranks: bool) -> Stats:
     record = type(parts[0])
     weights = [part.num_tokens for part in parts]
     combined = {}
@@ -101,8 +123,10 @@ def combine_micro_batches(parts: Sequence[Stats]) -> Stats:
             continue
         if any(v is None for v in values):
             raise ValueError(f"{record.__name__}.{name}: given by some micro-batches only")
-        if combine is Combine.SUM:
+        if combine is Combine.COUNT:
             combined[name] = sum(values)
+        elif combine is Combine.SUM:
+            combined[name] = sum(values) / len(values) if ranks else sum(values)
         elif combine is Combine.TOKEN_MEAN:
             kept = [(v, w) for v, w in zip(values, weights) if w and not math.isnan(v)]
             total = sum(w for _, w in kept)
@@ -120,8 +144,11 @@ def metrics_of(stats: PolicyLossStats | ValueLossStats) -> dict[str, float]:
 
 def combined_metrics(record: type[Stats], parts: Sequence[Mapping[str, float] | Stats]) -> dict[str, float]:
     """The metrics of one minibatch from its micro-batches' statistics (the algorithm's dicts, or records of
-    `record`), combined as `record` declares; none without micro-batches."""
+    `record`), combined as `record` declares, then over the ranks (`combine_ranks`); none without
+    micro-batches (the ranks agree on their count: rlmm/trainers/packing.py)."""
     if not parts:
         return {}
     records = [record(**part) if isinstance(part, Mapping) else part for part in parts]
-    return metrics_of(combine_micro_batches(records))
+    minibatch = combine_micro_batches(records)
+    every_rank = gathered_over_ranks(dataclasses.asdict(minibatch))  # a collective: every rank calls it
+    return metrics_of(combine_ranks([record(**part) for part in every_rank]) if len(every_rank) > 1 else minibatch)

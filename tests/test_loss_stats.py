@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from rlmm.config import CONF_DIR, from_yaml
-from rlmm.loss_stats import Combine, PolicyLossStats, ValueLossStats, combined_metrics, reductions
+from rlmm.loss_stats import Combine, PolicyLossStats, ValueLossStats, combine_ranks, combined_metrics, reductions
 
 NAN = math.nan
 
@@ -44,6 +44,21 @@ def test_value_stats_combine_over_micro_batches_as_declared():
         {"loss": 0.4, "value_clipfrac": 1.0 / 8, "num_tokens": 8})
 
 
+def test_policy_stats_combine_over_ranks_as_the_whole_minibatch():
+    """Two ranks' minibatch statistics (each already combined over its micro-batches): the counts add up, the loss
+    terms are the ranks' mean (each rank divided its loss by the normaliser agreed over ranks), token means are
+    weighted by each rank's tokens, min and max are the extremes. Worked by hand."""
+    ranks = [PolicyLossStats(**policy_part(loss=0.6, pg_loss=0.5, approx_kl=0.1, clipfrac=0.5, ratio_mean=1.2,
+                                           ratio_min=0.7, ratio_max=1.4, num_tokens=3)),
+             PolicyLossStats(**policy_part(loss=0.2, pg_loss=0.1, approx_kl=0.5, clipfrac=0.0, ratio_mean=1.0,
+                                           ratio_min=0.9, ratio_max=2.0, num_tokens=1))]
+    whole = combine_ranks(ranks)
+    assert whole.num_tokens == 4 and whole.loss == pytest.approx(0.4) and whole.pg_loss == pytest.approx(0.3)
+    assert whole.approx_kl == pytest.approx((0.1 * 3 + 0.5) / 4) and whole.clipfrac == pytest.approx(1.5 / 4)
+    assert whole.ratio_mean == pytest.approx((1.2 * 3 + 1.0) / 4)
+    assert (whole.ratio_min, whole.ratio_max) == (0.7, 2.0)
+
+
 def test_all_nan_and_no_micro_batch():
     """A minibatch with no kept token at all: its token means, min and max are NaN; no micro-batch: nothing."""
     combined = combined_metrics(PolicyLossStats, [policy_part(approx_kl=NAN, ratio_min=NAN, ratio_max=NAN)] * 2)
@@ -57,9 +72,9 @@ def test_the_declared_reductions():
         "loss": Combine.SUM, "pg_loss": Combine.SUM, "kl": Combine.TOKEN_MEAN, "entropy": Combine.TOKEN_MEAN,
         "approx_kl": Combine.TOKEN_MEAN, "clipfrac": Combine.TOKEN_MEAN, "clipfrac_low": Combine.TOKEN_MEAN,
         "clipfrac_high": Combine.TOKEN_MEAN, "ratio_mean": Combine.TOKEN_MEAN, "ratio_min": Combine.MIN,
-        "ratio_max": Combine.MAX, "num_tokens": Combine.SUM}
+        "ratio_max": Combine.MAX, "num_tokens": Combine.COUNT}
     assert reductions(ValueLossStats) == {"loss": Combine.SUM, "value_clipfrac": Combine.TOKEN_MEAN,
-                                          "num_tokens": Combine.SUM}
+                                          "num_tokens": Combine.COUNT}
 
 
 def test_a_name_the_record_does_not_declare_is_refused():

@@ -356,9 +356,9 @@ def test_epochs_and_minibatches_take_the_hand_computed_steps(small_model_path, a
 def test_two_ranks_take_the_one_rank_step_on_the_same_rows(small_model_path, arithmetic_task, tmp_path):
     """torchrun, 2 gloo ranks, each with its share of the prompts' rollouts (unequal token counts): the
     averaged update equals one rank's update on all the rows, on every backend (tests/ranks_step.py), and the
-    mismatch and correction metrics logged are the whole batch's, as one rank computes them: averaging the
-    ranks' own had logged the mean of their maxima as `logprob_abs_diff_max` and `ratio_max`, and token means
-    that weight the ranks' tokens unequally."""
+    mismatch, correction and loss metrics logged are the whole batch's, as one rank computes them: averaging
+    the ranks' own had logged half the tokens as `num_tokens`, the mean of their maxima as
+    `logprob_abs_diff_max` and `ratio_max`, and token means that weight the ranks' tokens unequally."""
     from safetensors.torch import load_file
 
     from rlmm.step import rank_share
@@ -386,8 +386,9 @@ def test_two_ranks_take_the_one_rank_step_on_the_same_rows(small_model_path, ari
         assert max(v.abs().max().item() for v in one.values()) > 0
         assert relative_error(two, one) < 1e-4, backend
         two_metrics = json.loads((tmp_path / f"{backend}-2.json").read_text())
-        whole_batch = [k for k in one_metrics if k.startswith(("mismatch/", "correction/"))]
-        assert "mismatch/logprob_abs_diff_max" in whole_batch and "correction/ratio_max" in whole_batch
+        whole_batch = [k for k in one_metrics if k.startswith(("mismatch/", "correction/", "loss/"))]
+        assert {"mismatch/logprob_abs_diff_max", "correction/ratio_max", "loss/ratio_max", "loss/num_tokens"} <= set(
+            whole_batch)
         assert one_metrics["mismatch/logprob_abs_diff_max"] > 1e-3  # the sampler's perturbed weights: a max the ranks' mean misses
         differing = {k: (two_metrics[k], one_metrics[k]) for k in whole_batch
                      if not math.isclose(two_metrics[k], one_metrics[k], rel_tol=1e-3, abs_tol=1e-7)}
