@@ -18,7 +18,8 @@ was lent when this was written; the first run's figures, docs/precision.md "What
                             (494M parameters, fp32, tied embeddings, built here with its 151,936-token tokenizer:
                             ~30 s) and, beside it, the layouts benchmark's model
   train    170 s    140 s   `rlmm train sampler=hf trainer=deepspeed` on CUDA, 3 steps of 8 prompts x 4 samples x
-                            64 tokens, in bf16, fp16 and bf16_fp32head at ZeRO-0 and bf16 at ZeRO-2, one after the
+                            64 tokens (an entropy bonus of 0.01: the random-init model earns no reward), in
+                            bf16, fp16 and bf16_fp32head at ZeRO-0 and bf16 at ZeRO-2, one after the
                             other (~35 s each: ~20 s to start, DeepSpeed's init of 0.5B ~5-10 s, ~4 s a step)
   probe    120 s    100 s   `rlmm probe sampler=hf trainer=fsdp|torch` in bf16, fp16, fp32, bf16_fp32head on the
                             first run's workload (32 prompts x 4 samples x 64 tokens, micro-batches 1 vs 32),
@@ -485,7 +486,10 @@ class Check:
                   f"sampling.max_new_tokens={w['tokens']}", f"train.steps={w['steps']}",
                   f"train.prompts_per_step={w['prompts']}", f"algo.group_size={w['group']}",
                   f"train.eval_prompts={w['eval_prompts']}", f"train.eval_every={w['steps']}",
-                  "train.checkpoint_every=0"]
+                  "train.checkpoint_every=0",
+                  # A random-init model earns no reward, so every GRPO advantage is 0 and the loss with it: a small
+                  # entropy bonus gives every step a gradient, so each update really moves the weights.
+                  "algo.entropy_coef=0.01"]
         deepspeed = self.facts.get("deepspeed", {})
         runs = []
         for precision, zero in TRAIN_GRID:
@@ -508,7 +512,8 @@ class Check:
             if "failed" not in row:
                 row.update(train_figures(run_dir))
             runs.append(row)
-        return {"workload": w, "runs": runs}
+        return {"workload": w, "runs": runs, "zero2_vs_zero0": same_first_step(runs, "train-bf16-zero0",
+                                                                                 "train-bf16-zero2")}
 
     # -- probe
     def probe(self, deadline: float) -> dict:
@@ -591,6 +596,7 @@ def train_figures(run_dir: Path) -> dict:
     extra = sorted({k for s in trained for k in s if "loss_scale" in k or k.endswith("skipped")})
     per_step = [{"step": s["step"],
                  "logprob_abs_diff_mean": s.get("mismatch/logprob_abs_diff_mean"),
+                 "logprob_abs_diff_max": s.get("mismatch/logprob_abs_diff_max"),
                  "kl_k3": s.get("mismatch/kl_k3"),
                  "seconds": round(sum(v for k, v in s.items() if k.startswith("perf/") and k.endswith("_seconds")
                                       and isinstance(v, (int, float))), 3),
@@ -599,11 +605,29 @@ def train_figures(run_dir: Path) -> dict:
     summary_path = run_dir / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
     warm = per_step[1:] or per_step  # the first step pays for warm-up
+    # Whether sampler and trainer gave bit-identical log-probs on every scored token (every step's largest |δ| 0):
+    # the "bitwise on-policy" arm. Kernel-dependent: seen on AVX512-BF16 CPUs for sampler=hf trainer=deepspeed in
+    # bf16 and fp16, not on AVX2 (docs/precision.md, "Bitwise on-policy on some CPUs").
+    largest = [s["logprob_abs_diff_max"] for s in per_step]
+    bitwise = None if None in largest or not largest else all(v == 0 for v in largest)
     return {"steps": len(trained), "skipped_steps": sum(bool(s.get("train/skipped")) for s in trained),
+            "bitwise_on_policy": bitwise,
             "loss_scale": {k: [s.get(k) for s in trained] for k in extra if "loss_scale" in k},
             "step_seconds_median": statistics.median(s["seconds"] for s in warm) if warm else None,
             "per_step": per_step, "precision_report": summary.get("precision"),
             "bad_steps": summary.get("bad_steps"), "seconds_in_run": summary.get("seconds")}
+
+
+def same_first_step(runs: list[dict], first: str, second: str) -> dict:
+    """Whether two train runs scored their first step alike: the same model, seed and rollouts give the same
+    first-step mismatch whatever the ZeRO stage (it shards the optimizer, not the forward), on any kernels. The
+    check a kernel-dependent figure is tested by (tests/test_gpu_lent_check.py), since its size is not."""
+    by = {run["name"]: run for run in runs if run.get("per_step")}
+    if first not in by or second not in by:
+        return {"missing": [name for name in (first, second) if name not in by]}
+    a, b = by[first]["per_step"][0], by[second]["per_step"][0]
+    keys = ("logprob_abs_diff_mean", "logprob_abs_diff_max", "kl_k3")
+    return {"runs": [first, second], **{k: [a[k], b[k]] for k in keys}, "same": all(a[k] == b[k] for k in keys)}
 
 
 def probe_figures(run_dir: Path) -> dict:
@@ -674,7 +698,12 @@ def print_table(record: dict) -> None:
                   f"{cell(run.get('peak_gpu_mib') or run.get('peak_gpu_mib_device'), '8.0f')} "
                   f"{cell(run.get('steps'), '5d')} "
                   f"{cell(run.get('skipped_steps'), '4d')} {cell(mean, '9.2e')} {cell(kl, '9.2e')} "
-                  f"{cell(run.get('step_seconds_median'), '7.2f')}  {scale}")
+                  f"{cell(run.get('step_seconds_median'), '7.2f')}  {scale}"
+                  + ("  (bitwise: every |δ| 0)" if run.get("bitwise_on_policy") else ""))
+    compared = record["parts"].get("train", {}).get("zero2_vs_zero0", {})
+    if "same" in compared:
+        print(f"  ZeRO-2 vs ZeRO-0, bf16, step 1: mean |δ| {compared['logprob_abs_diff_mean'][1]:.3e} vs "
+              f"{compared['logprob_abs_diff_mean'][0]:.3e}: {'the same' if compared['same'] else 'differ'}")
     for precision, row in record["parts"].get("probe", {}).get("torch_vs_fsdp", {}).items():
         if "fsdp" in row:
             print(f"  torch vs fsdp, {precision:14s} mean |δ| {row['torch']['logprob_abs_diff_mean']:.3e} vs "

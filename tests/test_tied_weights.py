@@ -130,7 +130,8 @@ def test_tied_and_untied_twins_train_identically_with_an_fp32_head(small_model_p
     policy = instantiate(OmegaConf.load(CONF_DIR / "precision" / "bf16_fp32head.yaml"))
     options = sampling(max_new_tokens=6)
     algo = dict(group_size=4, normalize_std=True, clip_low=0.2, clip_high=0.28, loss_aggregation="token",
-                kl_coef=0.0, kl_estimator="k3", entropy_coef=0.1, epochs=1, minibatches=1)
+                kl_coef=0.0, kl_estimator="k3", entropy_coef=0.1, objective="clip", dual_clip=None,
+                count_rejected=False, epochs=1, minibatches=1)
     curves = {}
     for name, path in zip(("tied", "untied"), tied_twins(small_model_path, tmp_path)):
         sampler = from_yaml("sampler", "vllm", model_path=path, precision=policy.sampler, sampling=options, seed=0,
@@ -146,5 +147,10 @@ def test_tied_and_untied_twins_train_identically_with_an_fp32_head(small_model_p
         finally:
             c.close()
     tied, untied = curves["tied"], curves["untied"]
-    assert tied == pytest.approx(untied, rel=1e-3), f"tied {tied} vs untied {untied}"
+    # From the first sync on, both samplers hold the trainer's weights: the same figures. At step 1 they hold the
+    # checkpoint's as vLLM loaded them, the tied copy's head one tensor with its embedding, which on some CPUs
+    # takes another bf16 kernel path (AVX512-BF16 + AMX, 2026-12-02: 2% apart at step 1, equal after; equal at
+    # every step on AVX2): a size the kernels set, so step 1 is held to 10%, far inside the bug's 17x.
+    assert tied[1:] == pytest.approx(untied[1:], rel=1e-3), f"tied {tied} vs untied {untied}"
+    assert tied[0] == pytest.approx(untied[0], rel=0.1), f"tied {tied} vs untied {untied}"
     assert max(tied[1:]) < 3 * tied[0], f"the mismatch grew after the first sync: {tied}"
