@@ -14,6 +14,8 @@ default group carries them over gloo (rlmm/devices.py).
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 
@@ -117,3 +119,13 @@ def rows_of_every_rank(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         whole = torch.cat([g[:int(s[0])] for g, s in zip(gathered, every_shape)])
         out.append((whole.bool() if tensor.dtype == torch.bool else whole).to(tensor.device))
     return tuple(out)
+
+
+def own_rows(rows: int, width: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A function that cuts this rank's [rows, width] part out of a tensor of every rank's rows
+    (`rows_of_every_rank`: rank 0's rows first, padded to the longest width); the identity with one rank. A
+    collective (every rank calls it, once, with its own shape)."""
+    if not _several_ranks():
+        return lambda whole: whole
+    start = sum(gathered_over_ranks(rows)[:dist.get_rank()])
+    return lambda whole: whole[start:start + rows, :width]

@@ -117,6 +117,11 @@ def validate_node(node: DictConfig, where: str, skip: set[str] = frozenset()) ->
     missing = [k for k in allowed if OmegaConf.is_missing(merged, k)]
     if missing:
         raise ConfigError(f"{where}: missing required key(s) {', '.join(missing)}")
+    for key, value in node.items():  # nested options, each checked against its own class (a stack's stages)
+        if isinstance(value, DictConfig) and "_target_" not in value:
+            for name, inner in value.items():
+                if isinstance(inner, DictConfig) and "_target_" in inner:
+                    validate_node(inner, f"{where.split('=')[0]}.{key}.{name}")
 
 
 def validate(cfg: DictConfig, choices: dict[str, str] | None = None) -> None:

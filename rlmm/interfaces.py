@@ -6,8 +6,10 @@ Each config group's options are classes that satisfy one of these (structurally:
 - `Sampler` (`sampler=`): rollouts and their log-probs from the inference engine (rlmm/samplers/base.py).
 - `Trainer` (`trainer=`): the training engine: scores rollouts, takes minibatch updates, hands its weights
   to the sampler, saves and restores its state.
-- `Correction` (`correction=`): the two sides' log-probs in, old log-probs / weights / mask out
-  (rlmm/corrections/base.py).
+- `Correction` (`correction=`): a class with two places to act, both the identity unless overridden
+  (rlmm/corrections/base.py): once per batch (`before_update`: the sampler's and the trainer's log-probs and the
+  advantages in, old log-probs / weights / mask out) and in each micro-batch of the update (`in_update`: the
+  current policy's log-probs in, a weight, a mask and a penalty out).
 - `Algorithm` (`algo=`): advantages from rewards and the policy loss of one micro-batch; one with a critic
   (`critic` set: PPO) is also a `ValueLoss`.
 - `Critic`: the value model an algorithm with `critic` set trains beside the policy (rlmm/critic.py::
@@ -15,7 +17,7 @@ Each config group's options are classes that satisfy one of these (structurally:
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -137,17 +139,21 @@ class Algorithm(Protocol):
         response mask and, with a critic, its [B, T] values."""
         ...
 
-    def loss_normalizer(self, mask: torch.Tensor, max_length: int | None = None) -> float:
-        """The divisor of a minibatch's loss for its [B, T] kept-token mask; the step takes it once per
-        minibatch and passes it to every micro-batch's `policy_loss`."""
+    def loss_normalizer(self, mask: torch.Tensor, max_length: int | None = None,
+                        response_mask: torch.Tensor | None = None) -> float:
+        """The divisor of a minibatch's loss for its [B, T] kept-token mask (and its sampled tokens' mask, for a
+        loss that counts the tokens a correction rejected); the step takes it once per minibatch and passes it
+        to every micro-batch's `policy_loss`."""
         ...
 
     def policy_loss(self, logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
                     mask: torch.Tensor, weights: torch.Tensor, ref_logprobs: torch.Tensor | None = None,
                     entropy: torch.Tensor | None = None, *, max_length: int | None = None,
-                    normalizer: float | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+                    normalizer: float | None = None,
+                    penalty: Callable[[torch.Tensor], torch.Tensor] | None = None) -> tuple[torch.Tensor, dict[str, float]]:
         """The scalar loss of one micro-batch and its metrics: the names of rlmm/loss_stats.py's
-        `PolicyLossStats` (the step combines them over micro-batches as its fields declare)."""
+        `PolicyLossStats` (the step combines them over micro-batches as its fields declare). `penalty`: a
+        correction's per-token term of the differentiable log π (`InUpdate.penalty`), added to the loss."""
         ...
 
 

@@ -69,6 +69,8 @@ class PolicyLossStats:
     clipfrac: Annotated[float, Combine.TOKEN_MEAN]
     clipfrac_low: Annotated[float, Combine.TOKEN_MEAN]
     clipfrac_high: Annotated[float, Combine.TOKEN_MEAN]
+    clipfrac_dual: Annotated[float | None, Combine.TOKEN_MEAN] = None  # only with PPO's dual clip
+    penalty: Annotated[float | None, Combine.SUM] = None  # only with a correction's in-update penalty (tv_trust)
     ratio_mean: Annotated[float, Combine.TOKEN_MEAN]
     ratio_min: Annotated[float, Combine.MIN]
     ratio_max: Annotated[float, Combine.MAX]

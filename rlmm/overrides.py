@@ -51,7 +51,7 @@ def check_overrides(config_name: str, overrides: list[str]) -> None:
         except (ConfigError, ValueError) as err:
             fail(str(err).splitlines()[0])
         except InstantiationException as err:
-            fail(str(err.__cause__ or err).splitlines()[0])
+            fail(_named_where_built(err))
         except (HydraException, OmegaConfBaseException) as err:
             fail(_one_line(err) + _allowed_keys_hint(config_name, combination, err))
 
@@ -61,6 +61,9 @@ def fail_on_unknown_options(parsed: list, app: str | None = None) -> None:
     not have (for `experiment` and `debug`, one of another app: `app`'s) fails in one line naming the group's
     options. `experiment=NAME` (`debug=`), the spelling from before both groups were in the apps' defaults
     lists, fails naming the one that works."""
+    from hydra_plugins.rlmm_stack.stack_source import GROUP as STACKED_GROUP
+    from hydra_plugins.rlmm_stack.stack_source import stack_problem, stage_names
+
     from rlmm.config import OVERLAY_GROUPS, group_options
 
     for override in parsed:
@@ -73,6 +76,11 @@ def fail_on_unknown_options(parsed: list, app: str | None = None) -> None:
             values = list(override.sweep_string_iterator()) if override.is_sweep_override() else [override.value()]
             for value in values:
                 if str(value) in options:
+                    continue
+                if group == STACKED_GROUP and stage_names(str(value)) is not None:  # correction=a+b+c
+                    problem = stack_problem(str(value), options)
+                    if problem:
+                        fail(problem)
                     continue
                 if str(value) in group_options(group):  # an overlay of the other app
                     fail(f"{group} '{value}' is not one of rlmm {app}'s (allowed: {', '.join(options)})")
@@ -177,6 +185,19 @@ def _one_line(err: BaseException) -> str:
     return " ".join(filter(None, [lines[0] if lines else type(err).__name__, reason]))
 
 
+def _named_where_built(err) -> str:
+    """The first line of what a constructor raised, its `group.key` prefix naming the node Hydra built: a stage of
+    a stacked correction says `correction.stages.tis.cap: ...`, not `correction.cap: ...`."""
+    import re
+
+    line = str(err.__cause__ or err).splitlines()[0]
+    built = re.search(r"full_key: (\S+)", str(err))
+    if built and "." in built.group(1):
+        group = built.group(1).split(".")[0]
+        line = re.sub(rf"^{group}\.", f"{built.group(1)}.", line)
+    return line
+
+
 def _allowed_keys_hint(config_name: str, combination: list[str], err: BaseException) -> str:
     """For `group.key=value` with an unknown key, list the keys the chosen option has."""
     import re
@@ -189,10 +210,14 @@ def _allowed_keys_hint(config_name: str, combination: list[str], err: BaseExcept
     match = re.search(r"Could not override '(\w+)\.([\w.]+)'", str(err))
     if not match or match.group(1) not in BUILD_TIME_ARGS:
         return ""
-    group = match.group(1)
+    group, path = match.group(1), match.group(2).split(".")[:-1]  # correction.stages.tis.capp: stages, tis
     choices_only = [o for o in combination if "." not in o.split("=")[0]]
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         node = compose(config_name, overrides=choices_only)[group]
     GlobalHydra.instance().clear()
+    for key in path:  # a nested option's node: one stage of a stacked correction
+        if key not in node:
+            return ""
+        node = node[key]
     return f" (allowed: {', '.join(k for k in node if k != '_target_')})"

@@ -28,15 +28,16 @@ every rank; the loss normaliser is agreed over ranks (`loss_normalizer_over_rank
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from rlmm.collectives import any_rank, divisor_over_ranks, rows_of_every_rank
+from rlmm.collectives import any_rank, divisor_over_ranks, gathered_over_ranks, own_rows, rows_of_every_rank
 from rlmm.components import Components
-from rlmm.corrections.base import CorrectionOutput
+from rlmm.corrections.base import BatchView, CorrectionOutput, MicroBatchView
 from rlmm.loss_stats import PolicyLossStats, combined_metrics
 from rlmm.metrics import mismatch_metrics, staleness_decomposition
 from rlmm.precision import nonfinite_cause
@@ -55,11 +56,15 @@ LOSS_SCALER_KEYS = ("loss_scale", "loss_scale_skipped")
 @dataclass
 class OldPolicy:
     """π_old as the trainer scores the step's rollouts, checked and corrected: what every update of the
-    step trains against. Tensors are [B, T], right-padded like `rollouts.padded_sampler_logprobs()`."""
+    step trains against. Tensors are [B, T] (this rank's rows), right-padded like
+    `rollouts.padded_sampler_logprobs()`."""
 
     logprobs: torch.Tensor  # log π_old in PPO's ratio (the correction's choice of side)
     weights: torch.Tensor  # the correction's detached per-token weights
     mask: torch.Tensor  # the tokens that count (the response mask minus what the correction rejected)
+    trainer_logprobs: torch.Tensor  # the trainer's recomputation, and the sampler's: what the correction sees in
+    sampler_logprobs: torch.Tensor  # each micro-batch of the update (`in_update`), with the advantages
+    advantages: torch.Tensor
     mismatch: dict[str, float]  # sampler vs trainer (rlmm/metrics.py), logged under mismatch/
     correction_metrics: dict[str, float]  # logged under correction/
     nonfinite: dict[str, float]  # fraction of each side's response log-probs that are NaN/Inf
@@ -67,22 +72,35 @@ class OldPolicy:
 
     @classmethod
     def score(cls, trainer_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, mask: torch.Tensor,
-              rewards: torch.Tensor, correction, ratio_cap: float,
+              advantages: torch.Tensor, rewards: torch.Tensor, correction, ratio_cap: float,
               also_checked: dict[str, torch.Tensor]) -> OldPolicy:
         """`also_checked`: more tensors the NaN/Inf check covers, after these (the critic's values)."""
         checked = {"rewards": rewards, "trainer_logprobs": trainer_logprobs[mask],
                    "sampler_logprobs": sampler_logprobs[mask]}
         fault = fault_on_any_rank(first_fault(**checked, **also_checked))
-        corrected: CorrectionOutput = correction(trainer_logprobs, sampler_logprobs, mask)
-        # The metrics are the step's whole batch's, every rank's rows (the same on every rank): a mean over ranks
-        # of each rank's maximum or token mean would not be (rlmm/collectives.py::rows_of_every_rank).
-        every = rows_of_every_rank(trainer_logprobs, sampler_logprobs, mask)
+        # The correction's batch stage and the metrics see the step's whole batch, every rank's rows (the same on
+        # every rank): a mean over ranks of each rank's maximum or token mean would not be the batch's, nor would a
+        # rank's own self-normalisation or second-moment cut (rlmm/collectives.py::rows_of_every_rank). Each rank
+        # trains on its own rows of the result.
+        every = rows_of_every_rank(trainer_logprobs, sampler_logprobs, mask, advantages)
+        corrected: CorrectionOutput = correction.before_update(BatchView(*every))
+        mine = own_rows(*mask.shape)
         nonfinite = {side: 1 - torch.isfinite(lp[every[2]]).float().mean().item()
                      for side, lp in (("trainer", every[0]), ("sampler", every[1]))}
-        mismatch = mismatch_metrics(*every, ratio_cap=ratio_cap)
-        metrics = corrected.metrics if every[0] is trainer_logprobs else correction(*every).metrics
-        return cls(logprobs=corrected.old_logprobs, weights=corrected.weights, mask=corrected.mask,
-                   mismatch=mismatch, correction_metrics=metrics, nonfinite=nonfinite, fault=fault)
+        mismatch = mismatch_metrics(*every[:3], ratio_cap=ratio_cap)
+        return cls(logprobs=mine(corrected.old_logprobs), weights=mine(corrected.weights), mask=mine(corrected.mask),
+                   trainer_logprobs=trainer_logprobs, sampler_logprobs=sampler_logprobs, advantages=advantages,
+                   mismatch=mismatch, correction_metrics=corrected.metrics, nonfinite=nonfinite, fault=fault)
+
+    def micro_batch(self, rows: list[int], logprobs: torch.Tensor) -> MicroBatchView:
+        """What the correction sees of one micro-batch inside the update: its rows cut to the width of the
+        forward's `logprobs` (log π_θ, detached here)."""
+        width = logprobs.size(1)
+        return MicroBatchView(logprobs=logprobs.detach(), old_logprobs=self.logprobs[rows, :width],
+                              trainer_logprobs=self.trainer_logprobs[rows, :width],
+                              sampler_logprobs=self.sampler_logprobs[rows, :width],
+                              advantages=self.advantages[rows, :width], mask=self.mask[rows, :width],
+                              weights=self.weights[rows, :width])
 
 
 @dataclass
@@ -162,16 +180,17 @@ def rl_update(c: Components, batch: SampledBatch, ratio_cap: float, reuse_traini
                 first_update = None
     trained = routing.trained(rollouts, own_routing)
     critic = c.critic.begin_step(algo, rollouts, rewards, response_mask, seconds)  # V(s_t) and targets, or none
-    old = OldPolicy.score(trainer_logprobs, sampler_logprobs, response_mask, task_rewards, c.correction, ratio_cap,
-                          critic.checked())
+    advantages = per_token(algo.advantages(rewards, response_mask, critic.values), response_mask)
+    old = OldPolicy.score(trainer_logprobs, sampler_logprobs, response_mask, advantages, task_rewards, c.correction,
+                          ratio_cap, critic.checked())
     routing_metrics = routing.metrics(rollouts.routed_experts, own_routing)
     if routing.compare:
         with timed(seconds, "routing_compare"):
             routing_metrics.update(routing.compared(trainer, rollouts, trainer_logprobs, sampler_logprobs,
                                                     response_mask, ratio_cap))
-    advantages = per_token(algo.advantages(rewards, response_mask, critic.values), response_mask)
 
     losses = []  # one entry per optimizer step
+    in_update = InUpdateCounts()  # what the correction did inside the update, summed over its micro-batches
     with timed(seconds, "train"):
         for _ in range(0 if old.fault else algo.epochs):  # a fault skips the update on every rank
             for rows in minibatch_rows(len(rollouts), algo.minibatches):
@@ -179,14 +198,16 @@ def rl_update(c: Components, batch: SampledBatch, ratio_cap: float, reuse_traini
                 if not train_policy:
                     continue
                 update = first_update or trainer.begin_update(trained, rows)
-                normalizer = loss_normalizer_over_ranks(algo, old.mask[rows], max_length)
+                normalizer = loss_normalizer_over_ranks(algo, old.mask[rows], response_mask[rows], max_length)
                 parts = []
                 for i, micro in enumerate(update.micro_batches):
                     logprobs, entropy = held[i] if held else update.forward(micro)
-                    width = logprobs.size(1)
-                    loss, metrics = algo.policy_loss(logprobs, old.logprobs[micro, :width], advantages[micro, :width],
-                                                     old.mask[micro, :width], old.weights[micro, :width],
-                                                     entropy=entropy, max_length=max_length, normalizer=normalizer)
+                    view = old.micro_batch(micro, logprobs)  # π_θ in view: OPSM, tv_trust act here
+                    fix = c.correction.in_update(view)
+                    in_update.add(fix.counts)
+                    loss, metrics = algo.policy_loss(logprobs, view.old_logprobs, view.advantages, view.mask & fix.mask,
+                                                     view.weights * fix.weights, entropy=entropy, max_length=max_length,
+                                                     normalizer=normalizer, penalty=fix.penalty)
                     update.backward(loss)
                     parts.append(metrics)
                 losses.append({**combined_metrics(PolicyLossStats, parts), **update.step()})
@@ -220,6 +241,7 @@ def rl_update(c: Components, batch: SampledBatch, ratio_cap: float, reuse_traini
         **{f"mismatch/{k}": v for k, v in old.mismatch.items()},
         **batch.staleness_metrics(trainer_logprobs, response_mask, ratio_cap),  # with train.staleness or its split
         **{f"correction/{k}": v for k, v in old.correction_metrics.items()},
+        **{f"correction/{k}": v for k, v in in_update.over_ranks().items()},
         **routing_metrics,
         **{f"{'train' if k in LOSS_SCALER_KEYS else 'loss'}/{k}": sum(m[k] for m in losses) / len(losses)
            for k in (losses[0] if losses else ())},
@@ -300,10 +322,36 @@ def minibatch_rows(num_rows: int, minibatches: int) -> list[list[int]]:
     return [order[i * size:(i + 1) * size] for i in range(minibatches)]
 
 
-def loss_normalizer_over_ranks(algo, mask: torch.Tensor, max_length: int) -> float:
-    """The algorithm's loss divisor of one rank's share of a minibatch, agreed over ranks
-    (`divisor_over_ranks`)."""
-    return divisor_over_ranks(algo.loss_normalizer(mask, max_length=max_length))
+def loss_normalizer_over_ranks(algo, mask: torch.Tensor, response_mask: torch.Tensor, max_length: int) -> float:
+    """The algorithm's loss divisor of one rank's share of a minibatch (the kept tokens' `mask`, and the sampled
+    ones' for an algorithm that counts rejected tokens), agreed over ranks (`divisor_over_ranks`)."""
+    return divisor_over_ranks(algo.loss_normalizer(mask, max_length=max_length, response_mask=response_mask))
+
+
+class InUpdateCounts:
+    """A correction's in-update counts (rlmm/corrections/base.py's `InUpdate.counts`: numerator, denominator)
+    summed over the step's micro-batches and then over the ranks: each logged as the ratio of its sums, so the
+    figure is the step's whole batch's whatever the micro-batching and the number of ranks."""
+
+    def __init__(self):
+        self.sums: dict[str, list[float]] = {}
+
+    def add(self, counts: dict[str, tuple[float, float]]) -> None:
+        for key, (numerator, denominator) in counts.items():
+            total = self.sums.setdefault(key, [0.0, 0.0])
+            total[0] += float(numerator)
+            total[1] += float(denominator)
+
+    def over_ranks(self) -> dict[str, float]:
+        """Each key's ratio of sums over every rank (a collective: every rank calls it, with or without counts)."""
+        totals: dict[str, list[float]] = {}
+        for sums in gathered_over_ranks(self.sums):
+            for key, (numerator, denominator) in sums.items():
+                total = totals.setdefault(key, [0.0, 0.0])
+                total[0] += numerator
+                total[1] += denominator
+        return {key: numerator / denominator if denominator else math.nan
+                for key, (numerator, denominator) in totals.items()}
 
 
 def nonfinite_hint(fractions: dict[str, float], c: Components) -> str:

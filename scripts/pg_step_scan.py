@@ -41,7 +41,8 @@ task = from_yaml("task", "arithmetic", seed=0)
 tokenizer = AutoTokenizer.from_pretrained(args.model)
 model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
 algo = GRPO(group_size=8, normalize_std=True, clip_low=0.2, clip_high=0.28, loss_aggregation="token",
-            kl_coef=0.0, kl_estimator="k3", entropy_coef=0.0, epochs=1, minibatches=1)
+            kl_coef=0.0, kl_estimator="k3", entropy_coef=0.0, objective="clip", dual_clip=None,
+                count_rejected=False, epochs=1, minibatches=1)
 batch, held_out = task.examples("train", args.prompts), task.examples("test", args.held_out)
 
 rollouts = from_yaml("sampler", "hf", model_path=args.model, precision=SidePrecision("fp32", False), sampling=options,

@@ -24,7 +24,8 @@ def assert_close(actual, expected, rtol=1.3e-6, atol=1e-5):
 
 def make(**overrides) -> GRPO:
     args = dict(group_size=4, normalize_std=True, clip_low=0.2, clip_high=0.5, loss_aggregation="token",
-                kl_coef=0.0, kl_estimator="k3", entropy_coef=0.0, epochs=1, minibatches=1)
+                kl_coef=0.0, kl_estimator="k3", entropy_coef=0.0, objective="clip", dual_clip=None,
+                count_rejected=False, epochs=1, minibatches=1)
     return GRPO(**(args | overrides))
 
 
@@ -330,7 +331,11 @@ def test_per_token_entropy_upcasts_low_precision():
     ({"loss_aggregation": "tokens"}, "algo.loss_aggregation: unknown mode 'tokens' (allowed: token, sequence, constant)"),
     ({"kl_estimator": "k4"}, "algo.kl_estimator: unknown estimator 'k4' (allowed: k1, k2, k3)"),
     ({"group_size": 1}, "algo.group_size: must be >= 2, got 1 (a group of one has advantage 0)"),
-    ({"clip_low": 1.0}, "algo.clip_low: must be in (0, 1), got 1.0"),
+    ({"clip_low": 1.5}, "algo.clip_low: must be in (0, 1] (1: no lower bound), got 1.5"),
+    ({"objective": "ppo"}, "algo.objective: unknown objective 'ppo' (allowed: clip, cispo)"),
+    ({"dual_clip": 1.0}, "algo.dual_clip: must be > 1 or null (off), got 1.0"),
+    ({"objective": "cispo", "dual_clip": 3.0}, "algo.dual_clip: PPO's dual clip bounds the clipped surrogate; "
+                                                "objective 'cispo' has none (set algo.dual_clip=null)"),
     ({"clip_high": 0.0}, "algo.clip_high: must be > 0, got 0.0"),
     ({"kl_coef": -0.1}, "algo.kl_coef: must be >= 0, got -0.1"),
     ({"entropy_coef": NAN}, "algo.entropy_coef: must be >= 0, got nan"),
@@ -375,7 +380,8 @@ def make_gspo(**overrides):
     from rlmm.algos import GSPO
 
     args = dict(group_size=4, normalize_std=True, clip_low=0.2, clip_high=0.5, loss_aggregation="sequence",
-                kl_coef=0.0, kl_estimator="k3", entropy_coef=0.0, epochs=1, minibatches=1)
+                kl_coef=0.0, kl_estimator="k3", entropy_coef=0.0, objective="clip", dual_clip=None,
+                count_rejected=False, epochs=1, minibatches=1)
     return GSPO(**(args | overrides))
 
 

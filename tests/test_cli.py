@@ -5,6 +5,7 @@ import sys
 
 import pytest
 
+from rlmm.config import group_options
 from tests.conftest import subprocess_env
 
 CASES = [
@@ -32,8 +33,18 @@ CASES = [
 ]
 # rlmm train's own axes and options; the same rule: one line, before any engine starts.
 TRAIN_CASES = [
-    (["correction=tiss"], "unknown correction 'tiss' (allowed: bypass, geo_rs, icepop, kl_rs, mis, none, seq_mis, "
-                          "seq_tis, tis)"),
+    (["correction=tiss"], f"unknown correction 'tiss' (allowed: {', '.join(group_options('correction'))})"),
+    (["correction=tis+foo"], f"correction=tis+foo: unknown stage 'foo' (allowed: {', '.join(group_options('correction'))})"),
+    (["correction=tis+tis"], "correction=tis+tis: stage 'tis' is listed twice"),
+    (["-m", "correction=tis,bypass+tis"], "correction=bypass+tis: the stages want different log-probs as PPO's pi_old "
+                                          "(bypass the sampler's, tis the trainer's)"),
+    (["correction=icepop+tis"], "correction=icepop+tis: icepop and tis both weight tokens by the importance ratio"),
+    (["correction=seq_veto+tis", "correction.stages.tis.cap=0.5"],
+     "correction.stages.tis.cap: must be a finite number >= 1, got 0.5"),
+    (["correction=seq_veto+tis", "correction.stages.tis.capp=3"], "Key 'capp' is not in struct (allowed: cap)"),
+    (["algo.objective=ppo2"], "algo.objective: unknown objective 'ppo2' (allowed: clip, cispo)"),
+    (["algo=cispo", "algo.dual_clip=3"], "algo.dual_clip: PPO's dual clip bounds the clipped surrogate; objective "
+                                         "'cispo' has none (set algo.dual_clip=null)"),
     (["-m", "correction=tis,bypas"], "unknown correction 'bypas'"),
     (["correction.cap=-1"], "correction.cap: must be a finite number >= 1, got -1"),
     (["algo.group_size=0"], "algo.group_size: must be >= 2, got 0"),

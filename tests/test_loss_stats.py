@@ -71,7 +71,8 @@ def test_the_declared_reductions():
     assert reductions(PolicyLossStats) == {
         "loss": Combine.SUM, "pg_loss": Combine.SUM, "kl": Combine.TOKEN_MEAN, "entropy": Combine.TOKEN_MEAN,
         "approx_kl": Combine.TOKEN_MEAN, "clipfrac": Combine.TOKEN_MEAN, "clipfrac_low": Combine.TOKEN_MEAN,
-        "clipfrac_high": Combine.TOKEN_MEAN, "ratio_mean": Combine.TOKEN_MEAN, "ratio_min": Combine.MIN,
+        "clipfrac_high": Combine.TOKEN_MEAN, "clipfrac_dual": Combine.TOKEN_MEAN, "penalty": Combine.SUM,
+        "ratio_mean": Combine.TOKEN_MEAN, "ratio_min": Combine.MIN,
         "ratio_max": Combine.MAX, "num_tokens": Combine.COUNT}
     assert reductions(ValueLossStats) == {"loss": Combine.SUM, "value_clipfrac": Combine.TOKEN_MEAN,
                                           "num_tokens": Combine.COUNT}
@@ -88,16 +89,19 @@ def test_a_name_the_record_does_not_declare_is_refused():
 
 @pytest.mark.parametrize("name", sorted(p.stem for p in (CONF_DIR / "algo").glob("*.yaml")))
 def test_every_algorithm_reports_the_names_of_its_records(name):
-    """Every algo option's `policy_loss` (with a reference and the entropy, so `kl` and `entropy` are there too)
-    gives exactly `PolicyLossStats`'s names, and a critic's `value_loss` `ValueLossStats`'s."""
-    algo = from_yaml("algo", name, group_size=2)
+    """Every algo option's `policy_loss` (with a reference, the entropy, a correction's penalty and, where the
+    objective has a clip, PPO's dual clip: so every optional name is there too) gives exactly `PolicyLossStats`'s
+    names, and a critic's `value_loss` `ValueLossStats`'s."""
+    clipped = from_yaml("algo", name, group_size=2).loss.objective == "clip"
+    algo = from_yaml("algo", name, group_size=2, **({"dual_clip": 3.0} if clipped else {}))
     generator = torch.Generator().manual_seed(0)
     logprobs = -torch.rand(4, 5, generator=generator)
     mask = torch.ones(4, 5, dtype=torch.bool)
     _, metrics = algo.policy_loss(logprobs, logprobs - 0.1, torch.randn(4, generator=generator), mask,
                                   torch.ones(4, 5), ref_logprobs=logprobs + 0.1, entropy=torch.rand(4, 5),
-                                  max_length=5, normalizer=algo.loss_normalizer(mask, max_length=5))
-    assert set(metrics) == set(reductions(PolicyLossStats)), name
+                                  max_length=5, normalizer=algo.loss_normalizer(mask, max_length=5),
+                                  penalty=lambda lp: lp * lp)
+    assert set(metrics) == set(reductions(PolicyLossStats)) - (set() if clipped else {"clipfrac_dual"}), name
     if hasattr(algo, "value_loss"):
         values = torch.rand(4, 5, generator=generator)
         _, metrics = algo.value_loss(values, values, values + 0.5, mask, normalizer=20.0)

@@ -17,7 +17,8 @@ from tests.conftest import build_trainer, sampling, subprocess_env
 
 CORRECTIONS = sorted(p.stem for p in (CONF_DIR / "correction").glob("*.yaml"))
 ALGO = dict(group_size=4, normalize_std=True, clip_low=0.2, clip_high=0.28, loss_aggregation="token", kl_coef=0.0,
-            kl_estimator="k3", entropy_coef=0.0, epochs=1, minibatches=1)
+            kl_estimator="k3", entropy_coef=0.0, objective="clip", dual_clip=None,
+                count_rejected=False, epochs=1, minibatches=1)
 
 
 def make_components(model_path, task, sampler_name, trainer_name, precision_name):

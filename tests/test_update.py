@@ -24,6 +24,7 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from rlmm.config import CONF_DIR, from_yaml
+from rlmm.corrections.base import Correction
 from rlmm.metrics import mismatch_metrics
 from rlmm.precision import SidePrecision
 from rlmm.samplers.base import Rollouts
@@ -39,21 +40,32 @@ CORRECTIONS = sorted(p.stem for p in (CONF_DIR / "correction").glob("*.yaml"))
 # Bands and caps set inside this test's spread of ratios (0.91 to 1.09 per token, up to 1.14 per sequence),
 # so that each masking correction keeps some tokens and drops others.
 TEST_SETTINGS = {"icepop": {"low": 0.97, "high": 1.03}, "mis": {"high": 1.03}, "seq_mis": {"cap": 1.05},
-                 "geo_rs": {"low": 0.97, "high": 1.03}}
-MASKING = ("icepop", "mis", "seq_mis", "geo_rs", "kl_rs")
+                 "geo_rs": {"low": 0.97, "high": 1.03}, "token_rs": {"low": 0.97, "high": 1.03},
+                 "seq_veto": {"threshold": 0.002}, "m2po": {"threshold": 0.001}, "tv_trust": {"eps": 0.01}}
+MASKING = ("icepop", "mis", "seq_mis", "geo_rs", "kl_rs", "token_rs", "seq_veto", "m2po")
+MASKING_IN_UPDATE = ("opsm", "tv_trust")  # drop tokens once π_θ is known, in each micro-batch
 
 
 def algo(**overrides):
     from rlmm.algos import GRPO
 
     values = dict(group_size=GROUP, normalize_std=True, clip_low=0.2, clip_high=0.28, loss_aggregation="token",
-                  kl_coef=0.0, kl_estimator="k3", entropy_coef=0.0, epochs=1, minibatches=1)
+                  kl_coef=0.0, kl_estimator="k3", entropy_coef=0.0, objective="clip", dual_clip=None,
+                count_rejected=False, epochs=1, minibatches=1)
     return GRPO(**{**values, **overrides})
 
 
 def correction(name: str):
     return instantiate({**OmegaConf.to_container(OmegaConf.load(CONF_DIR / "correction" / f"{name}.yaml")),
                         **TEST_SETTINGS.get(name, {})})
+
+
+def stacked_correction(spelled: str):
+    """`correction(name)`, or for `a+b` the stack of the stages, each with this test's settings."""
+    from rlmm.corrections.stack import Stack
+
+    stages = spelled.split("+")
+    return correction(spelled) if len(stages) == 1 else Stack({stage: correction(stage) for stage in stages})
 
 
 class OddLengthReward:
@@ -159,14 +171,20 @@ class Reference:
     def logprobs(self, rows=None) -> torch.Tensor:
         return forward_each_row(self.model, self.rollouts, OPTIONS.temperature, rows)
 
-    def surrogate(self, rows, old, weights, keep, clip_low=0.2, clip_high=0.28) -> torch.Tensor:
-        """-Σ_kept w_t min(r_t A, clip(r_t, 1 - ε_low, 1 + ε_high) A) / (kept tokens): DAPO's token-level loss."""
-        ratio = torch.exp(self.logprobs(rows) - old[rows])
+    def surrogate(self, rows, old, weights, keep, clip_low=0.2, clip_high=0.28, counted=None,
+                  penalty=None) -> torch.Tensor:
+        """-Σ_kept w_t min(r_t A, clip(r_t, 1 - ε_low, 1 + ε_high) A) / (kept tokens): DAPO's token-level loss;
+        `counted`: the tokens the divisor counts (default `keep`); `penalty`: a correction's per-token term of
+        log π_θ, summed and divided by the same divisor."""
+        logprobs = self.logprobs(rows)
+        ratio = torch.exp(logprobs - old[rows])
         advantage = self.advantages[rows][:, None]
         per_token = -weights[rows] * torch.minimum(ratio * advantage,
                                                    ratio.clamp(1 - clip_low, 1 + clip_high) * advantage)
         kept = keep[rows]
-        return torch.where(kept, per_token, 0.0).sum() / kept.sum().clamp_min(1)
+        divisor = (kept if counted is None else counted[rows]).sum().clamp_min(1)
+        loss = torch.where(kept, per_token, 0.0).sum() / divisor
+        return loss if penalty is None else loss + penalty(logprobs).sum() / divisor
 
     def sgd_step(self, loss: torch.Tensor, lr: float = 1.0) -> dict[str, torch.Tensor]:
         """Take one SGD step on the reference model; returns the change of each weight."""
@@ -234,31 +252,41 @@ def test_step_equals_the_hand_computed_sgd_step(small_model_path, arithmetic_tas
 @pytest.mark.parametrize("name", CORRECTIONS)
 def test_each_correction_moves_the_weights_as_its_output_implies(small_model_path, arithmetic_task, tmp_path, name):
     """A fresh trainer per correction: the update is the surrogate's SGD step under that correction's own
-    old log-probs, weights and mask (a correction whose weights never reach the loss fails here)."""
+    old log-probs, weights and mask, and inside the update its own weights, mask and penalty on π_θ (one step on
+    one minibatch: π_θ is π_old at the forward) (a correction whose weights never reach the loss fails here)."""
+    from rlmm.corrections.base import MicroBatchView
+
     fix = correction(name)
     metrics, change, ref = check_step(small_model_path, arithmetic_task, tmp_path, "torch", fix, True)
-    expected = fix(ref.train_logprobs, ref.sampler_logprobs, ref.mask)
+    advantages = torch.where(ref.mask, ref.advantages[:, None], 0.0)
+    expected = fix(ref.train_logprobs, ref.sampler_logprobs, ref.mask, advantages)
+    inside = fix.in_update(MicroBatchView(logprobs=ref.train_logprobs, old_logprobs=expected.old_logprobs,
+                                          trainer_logprobs=ref.train_logprobs, sampler_logprobs=ref.sampler_logprobs,
+                                          advantages=advantages, mask=expected.mask, weights=expected.weights))
     assert expected.mask.any()  # something is kept, so the step is not trivially zero
     if name in MASKING:
         assert 0 < expected.metrics["frac_tokens_masked"] < 1, expected.metrics  # the mask is doing something
+    if name in MASKING_IN_UPDATE:
+        dropped = metrics["correction/frac_tokens_dropped"]
+        assert 0 < dropped < 1 and dropped == pytest.approx(1 - (inside.mask.sum() / expected.mask.sum()).item())
     rows = list(range(len(ref.rollouts)))
-    expected_change = ref.sgd_step(ref.surrogate(rows, expected.old_logprobs, expected.weights, expected.mask))
+    expected_change = ref.sgd_step(ref.surrogate(rows, expected.old_logprobs, expected.weights * inside.weights,
+                                                 expected.mask & inside.mask, counted=expected.mask,
+                                                 penalty=inside.penalty))
     assert max(v.abs().max().item() for v in expected_change.values()) > 0
     assert relative_error(change, expected_change) < 1e-3, name
 
 
-class ScaledAndMasked:
+class ScaledAndMasked(Correction):
     """A correction for this test: weight `scale` on every kept token, every third response token masked,
     and (with `poison`) NaN as the old log-prob of each masked token, which must never reach the loss."""
 
     def __init__(self, scale: float, poison: bool):
         self.scale, self.poison = scale, poison
 
-    def __call__(self, train_logprobs, sampler_logprobs, mask):
-        from rlmm.corrections.none import NoCorrection
-
-        out = NoCorrection()(train_logprobs, sampler_logprobs, mask)
-        keep = out.mask & (torch.arange(mask.size(1)) % 3 != 2)
+    def before_update(self, batch):
+        out = Correction().before_update(batch)  # the identity: π_old the trainer's, weight 1
+        keep = out.mask & (torch.arange(batch.mask.size(1)) % 3 != 2)
         old = torch.where(keep, out.old_logprobs, torch.nan) if self.poison else out.old_logprobs
         return type(out)(old_logprobs=old, weights=torch.where(keep, self.scale, 0.0), mask=keep, metrics=out.metrics)
 
@@ -351,48 +379,87 @@ def test_epochs_and_minibatches_take_the_hand_computed_steps(small_model_path, a
     assert relative_error(change, total) < 1e-3
 
 
-# -- several ranks ---------------------------------------------------------------------------------------
+# -- several ranks, several micro-batches --------------------------------------------------------------------
+
+def recorded_rollouts(model_path, task, prompts: int) -> dict:
+    """The perturbed hf sampler's rollouts of `prompts` train prompts (GROUP each), as tests/ranks_step.py replays
+    them."""
+    c = components(model_path, task, None, None)
+    examples = task.examples("train", prompts)
+    rollouts = c.sampler.generate([c.tokenizer(e.prompt).input_ids for e in examples], n=GROUP)
+    c.sampler.close()
+    return {"prompts": [e.prompt for e in examples], "group_size": GROUP, "prompt_ids": rollouts.prompt_ids,
+            "response_ids": rollouts.response_ids, "sampler_logprobs": [lp.tolist() for lp in rollouts.sampler_logprobs]}
+
+
+@pytest.mark.parametrize("name", MASKING_IN_UPDATE)
+def test_corrections_inside_the_update_take_the_same_step_at_any_micro_batching(small_model_path, arithmetic_task,
+                                                                                tmp_path, name):
+    """OPSM and tv_trust act on each micro-batch's π_θ: 1, 2 and 4 micro-batches of the same 24 rows give the same
+    update and log the same correction figures (their counts are summed over the micro-batches, not averaged)."""
+    from safetensors.torch import load_file
+
+    from tests.ranks_step import step_on_share
+
+    recorded = recorded_rollouts(small_model_path, arithmetic_task, 6)
+    initial = load_file(Path(small_model_path) / "model.safetensors")
+    changes, logged = {}, {}
+    for size in (24, 12, 6):
+        logged[size] = {}
+        weights = step_on_share(small_model_path, recorded, "torch", tmp_path, metrics=logged[size], correction=name,
+                                micro_batch_size=size)
+        changes[size] = {k: v - initial[k] for k, v in weights.items()}
+    assert 0 < logged[24]["correction/frac_tokens_dropped"] < 1, logged[24]
+    for size in (12, 6):
+        assert relative_error(changes[size], changes[24]) < 1e-4, size
+        figures = [k for k in logged[24] if k.startswith(("correction/", "loss/"))]
+        differing = {k: (logged[size][k], logged[24][k]) for k in figures
+                     if not math.isclose(logged[size][k], logged[24][k], rel_tol=1e-4, abs_tol=1e-7)}
+        assert not differing, (size, differing)
+
 
 def test_two_ranks_take_the_one_rank_step_on_the_same_rows(small_model_path, arithmetic_task, tmp_path):
     """torchrun, 2 gloo ranks, each with its share of the prompts' rollouts (unequal token counts): the
-    averaged update equals one rank's update on all the rows, on every backend (tests/ranks_step.py), and the
+    averaged update equals one rank's update on all the rows, on every backend (tests/ranks_step.py) and, on the
+    torch backend, with OPSM and tv_trust (inside the update), M2PO with self-normalised TIS (over the whole
+    batch) and PPO (its advantages whitened over every rank's tokens: 5% apart in pg_loss when per rank), and the
     mismatch, correction and loss metrics logged are the whole batch's, as one rank computes them: averaging
     the ranks' own had logged half the tokens as `num_tokens`, the mean of their maxima as
     `logprob_abs_diff_max` and `ratio_max`, and token means that weight the ranks' tokens unequally."""
     from safetensors.torch import load_file
 
     from rlmm.step import rank_share
-    from tests.ranks_step import BACKENDS, step_on_share
+    from tests.ranks_step import BACKENDS, CASES, step_on_share
 
-    c = components(small_model_path, arithmetic_task, None, None)
-    prompts = arithmetic_task.examples("train", 6)  # 12 rows a rank: micro-batches of 8 and 4
-    rollouts = c.sampler.generate([c.tokenizer(e.prompt).input_ids for e in prompts], n=GROUP)
-    c.sampler.close()
-    recorded = {"prompts": [e.prompt for e in prompts], "group_size": GROUP, "prompt_ids": rollouts.prompt_ids,
-                "response_ids": rollouts.response_ids,
-                "sampler_logprobs": [lp.tolist() for lp in rollouts.sampler_logprobs]}
-    tokens = [sum(len(rollouts.response_ids[p * GROUP + j]) for p in rank_share(list(range(6)), rank, 2)
+    recorded = recorded_rollouts(small_model_path, arithmetic_task, 6)  # 12 rows a rank: micro-batches of 8 and 4
+    tokens = [sum(len(recorded["response_ids"][p * GROUP + j]) for p in rank_share(list(range(6)), rank, 2)
                   for j in range(GROUP)) for rank in (0, 1)]
     assert tokens[0] != tokens[1]  # so a rank's own token count would weight the ranks' tokens unequally
     replay = tmp_path / "rollouts.json"
     replay.write_text(json.dumps(recorded))
     torchrun(["tests/ranks_step.py", small_model_path, str(replay), str(tmp_path)], timeout=600)
     initial = load_file(Path(small_model_path) / "model.safetensors")
-    for backend in BACKENDS:
+    runs = [(backend, backend, "tis", "grpo") for backend in BACKENDS]
+    runs += [(f"torch-{name}", "torch", fix, algorithm) for name, fix, algorithm in CASES]
+    for name, backend, fix, algorithm in runs:
         one_metrics = {}
         one = {k: v - initial[k] for k, v in step_on_share(small_model_path, recorded, backend, tmp_path,
-                                                           metrics=one_metrics).items()}
-        two = {k: v - initial[k] for k, v in load_file(tmp_path / f"{backend}-2.safetensors").items()}
+                                                           metrics=one_metrics, correction=fix,
+                                                           algorithm=algorithm).items()}
+        two = {k: v - initial[k] for k, v in load_file(tmp_path / f"{name}-2.safetensors").items()}
         assert max(v.abs().max().item() for v in one.values()) > 0
-        assert relative_error(two, one) < 1e-4, backend
-        two_metrics = json.loads((tmp_path / f"{backend}-2.json").read_text())
+        assert relative_error(two, one) < 1e-4, name
+        two_metrics = json.loads((tmp_path / f"{name}-2.json").read_text())
         whole_batch = [k for k in one_metrics if k.startswith(("mismatch/", "correction/", "loss/"))]
         assert {"mismatch/logprob_abs_diff_max", "correction/ratio_max", "loss/ratio_max", "loss/num_tokens"} <= set(
             whole_batch)
         assert one_metrics["mismatch/logprob_abs_diff_max"] > 1e-3  # the sampler's perturbed weights: a max the ranks' mean misses
         differing = {k: (two_metrics[k], one_metrics[k]) for k in whole_batch
                      if not math.isclose(two_metrics[k], one_metrics[k], rel_tol=1e-3, abs_tol=1e-7)}
-        assert not differing, (backend, differing)
+        assert not differing, (name, differing)
+        if name in ("torch-opsm", "torch-tv_trust", "torch-m2po"):  # each really drops something here
+            dropped = one_metrics.get("correction/frac_tokens_dropped", one_metrics["correction/frac_tokens_masked"])
+            assert 0 < dropped < 1, (name, dropped)
 
 
 # -- the step learns ----------------------------------------------------------------------------------------

@@ -97,10 +97,12 @@ class GRPO:
     critic = None
 
     def __init__(self, group_size: int, normalize_std: bool, clip_low: float, clip_high: float,
-                 loss_aggregation: str, kl_coef: float, kl_estimator: str, entropy_coef: float, epochs: int,
+                 loss_aggregation: str, kl_coef: float, kl_estimator: str, entropy_coef: float, objective: str,
+                 dual_clip: float | None, count_rejected: bool, epochs: int,
                  minibatches: int):
         check_schedule(group_size, epochs, minibatches, min_group_size=2)
-        self.loss = SurrogateLoss(clip_low, clip_high, loss_aggregation, kl_coef, kl_estimator, entropy_coef)
+        self.loss = SurrogateLoss(clip_low, clip_high, loss_aggregation, kl_coef, kl_estimator, entropy_coef, objective,
+                                  dual_clip, count_rejected)
         self.policy_loss, self.loss_normalizer = self.loss, self.loss.normalizer  # the Algorithm's two loss calls
         self.group_size, self.normalize_std = group_size, bool(normalize_std)
         self.epochs, self.minibatches = epochs, minibatches

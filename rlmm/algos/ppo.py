@@ -9,8 +9,8 @@ The response is an episode of |y| actions (tokens); the task's reward r arrives 
     R_t = A_t + V(s_t)                                    (the critic's target)
 
 with V the critic's values before the update (rlmm/critic.py). With `whiten_advantages` the A_t of
-this rank's batch are shifted and scaled to mean 0 and (Bessel-corrected) std 1 over its response
-tokens (dividing by std + 1e-8; verl multiplies by rsqrt(var + 1e-8), which differs where the std is
+the step's batch (every rank's rows) are shifted and scaled to mean 0 and (Bessel-corrected) std 1 over its
+response tokens (dividing by std + 1e-8; verl multiplies by rsqrt(var + 1e-8), which differs where the std is
 tiny: 41% apart at std 1e-4). The [B, T] advantages go through the mismatch correction's weights and
 PPO's clipped surrogate unchanged (`rlmm.algos.surrogate.SurrogateLoss` on each token's ratio,
 token-level aggregation by default). The critic minimises
@@ -20,8 +20,7 @@ token-level aggregation by default). The critic minimises
 averaged over the minibatch's response tokens (verl and OpenRLHF clip the value the same way).
 
 How this departs from common recipes: the KL to a reference enters the loss (`kl_coef`), not the reward;
-`group_size` responses per prompt (8 by default, as GRPO, so the arms of a comparison sample alike);
-whitening is per rank.
+`group_size` responses per prompt (8 by default, as GRPO, so the arms of a comparison sample alike).
 """
 from __future__ import annotations
 
@@ -30,6 +29,7 @@ from torch import Tensor
 
 from rlmm.algos.schedule import check_schedule
 from rlmm.algos.surrogate import SurrogateLoss
+from rlmm.collectives import rows_of_every_rank
 
 __all__ = ["PPO", "gae"]
 
@@ -86,11 +86,13 @@ class PPO:
     max_sampling_rounds = 0  # every sampled group is trained on
 
     def __init__(self, group_size: int, clip_low: float, clip_high: float, loss_aggregation: str, kl_coef: float,
-                 kl_estimator: str, entropy_coef: float, epochs: int, minibatches: int, gamma: float, lam: float,
+                 kl_estimator: str, entropy_coef: float, objective: str,
+                 dual_clip: float | None, count_rejected: bool, epochs: int, minibatches: int, gamma: float, lam: float,
                  whiten_advantages: bool, value_clip: float, critic_lr: float, critic_warmup_steps: int):
         # The critic gives every response its own baseline: one response per prompt is enough.
         check_schedule(group_size, epochs, minibatches, min_group_size=1)
-        self.loss = SurrogateLoss(clip_low, clip_high, loss_aggregation, kl_coef, kl_estimator, entropy_coef)
+        self.loss = SurrogateLoss(clip_low, clip_high, loss_aggregation, kl_coef, kl_estimator, entropy_coef, objective,
+                                  dual_clip, count_rejected)
         self.policy_loss, self.loss_normalizer = self.loss, self.loss.normalizer  # the Algorithm's two loss calls
         self.group_size, self.epochs, self.minibatches = group_size, epochs, minibatches
         for name, value in (("gamma", gamma), ("lam", lam)):
@@ -121,7 +123,10 @@ class PPO:
         if not self.whiten:
             return advantages
         m = mask.to(torch.bool)
-        kept = advantages[m].double()
+        # over every rank's response tokens, as verl whitens the whole batch: a rank's own mean and std would give
+        # each rank's share of the step another scale (a 2-rank step was 5% apart from the 1-rank one in pg_loss)
+        every, every_mask = rows_of_every_rank(advantages, m)
+        kept = every[every_mask].double()
         std = kept.std() if kept.numel() > 1 else torch.ones((), dtype=torch.float64)
         whitened = (advantages.double() - kept.mean()) / (std + 1e-8)
         return torch.where(m, whitened, 0.0).float()

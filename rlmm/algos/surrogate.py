@@ -15,9 +15,11 @@ from torch import Tensor
 
 from rlmm.kl import ESTIMATORS, k3, kl_estimate
 
-__all__ = ["AGGREGATIONS", "METRIC_KEYS", "SurrogateLoss", "clipped_surrogate", "token_ratio"]
+__all__ = ["AGGREGATIONS", "METRIC_KEYS", "OBJECTIVES", "SurrogateLoss", "cispo_surrogate", "clipped_surrogate",
+           "dual_clipped", "token_ratio"]
 
 AGGREGATIONS = ("token", "sequence", "constant")
+OBJECTIVES = ("clip", "cispo")
 
 # Always returned by the loss; "kl" is added when ref_logprobs is given, "entropy" when entropy is.
 METRIC_KEYS = (
@@ -49,6 +51,25 @@ def clipped_surrogate(ratio: Tensor, advantages: Tensor, clip_low: float, clip_h
     return torch.maximum(-advantages * ratio, -advantages * ratio.clamp(1 - clip_low, 1 + clip_high))
 
 
+def dual_clipped(per_token: Tensor, advantages: Tensor, c: float) -> Tensor:
+    """PPO's dual clip for A < 0: the clipped surrogate's per-token loss bounded by c * |A| (Ye et al. 2020,
+    "Mastering Complex Control in MOBA Games with Deep Reinforcement Learning"; verl's `clip_ratio_c`, 3 by default
+    there): pg_t = min(pg_t, -c * A_t) where A_t < 0, so a token whose ratio grew far above 1 under a negative
+    advantage stops pushing its probability down without bound. Tokens with A >= 0 are unchanged."""
+    return torch.where(advantages < 0, torch.minimum(per_token, -c * advantages), per_token)
+
+
+def cispo_surrogate(logprobs: Tensor, ratio: Tensor, advantages: Tensor, clip_low: float, clip_high: float) -> Tensor:
+    """CISPO's per-token loss (MiniMax 2025, "MiniMax-M1", eq. 4): the importance-sampling weight clipped and
+    detached, times the REINFORCE term,
+
+        pg_t = -sg(clip(ratio_t, 1 - clip_low, 1 + clip_high)) * A_t * log pi_theta(y_t),
+
+    so the clip bounds a token's weight but never removes its gradient (PPO's clip zeroes it). Its gradient is
+    -sg(clip(r)) * A * grad log pi, which at r inside the range is PPO's. `clip_low` 1 is no lower bound."""
+    return -ratio.detach().clamp(1 - clip_low, 1 + clip_high) * advantages * logprobs
+
+
 def token_ratio(logratio: Tensor, mask: Tensor) -> Tensor:
     """Each token's own ratio pi_theta / pi_old = exp(logratio) (PPO's)."""
     return logratio.exp()
@@ -64,6 +85,14 @@ class SurrogateLoss:
         kl_coef: weight of the KL penalty to the reference policy; 0 turns it off.
         kl_estimator: "k1", "k2" or "k3" (rlmm/kl.py), per token, of KL(pi_theta || pi_ref).
         entropy_coef: weight of the entropy bonus (subtracted from the loss); 0 turns it off.
+        objective: "clip" (PPO's clipped surrogate, `clipped_surrogate`) or "cispo" (`cispo_surrogate`: the
+            clipped ratio as a detached weight on A * log pi_theta).
+        dual_clip: c > 1, PPO's dual clip for A < 0 (`dual_clipped`), or None (off). With "clip" only.
+        count_rejected: whether the tokens a correction rejected still count in the loss's divisor (AReaL's
+            rejection sampling, slime, TRL, prime-rl, SkyRL, NeMo-RL: a rejected token loses its gradient, the
+            others keep their per-token step) or not (False: verl's decoupled mode, ROLL; rlmm's default since it
+            began). Either way the tokens a correction drops inside the update (OPSM, tv_trust) stay in it: the
+            divisor is fixed before the update's forwards.
         ratio: the importance ratio the clip acts on, from the masked ``[B, T]`` log-ratios and the mask
             (``token_ratio``; GSPO's ``sequence_ratio``).
 
@@ -71,9 +100,17 @@ class SurrogateLoss:
     """
 
     def __init__(self, clip_low: float, clip_high: float, loss_aggregation: str, kl_coef: float, kl_estimator: str,
-                 entropy_coef: float, ratio: RatioFn = token_ratio):
-        if not 0 < clip_low < 1:
-            raise ValueError(f"algo.clip_low: must be in (0, 1), got {clip_low}")
+                 entropy_coef: float, objective: str, dual_clip: float | None, count_rejected: bool,
+                 ratio: RatioFn = token_ratio):
+        if not 0 < clip_low <= 1:
+            raise ValueError(f"algo.clip_low: must be in (0, 1] (1: no lower bound), got {clip_low}")
+        if objective not in OBJECTIVES:
+            raise ValueError(f"algo.objective: unknown objective '{objective}' (allowed: {', '.join(OBJECTIVES)})")
+        if dual_clip is not None and not dual_clip > 1:
+            raise ValueError(f"algo.dual_clip: must be > 1 or null (off), got {dual_clip}")
+        if dual_clip is not None and objective != "clip":
+            raise ValueError(f"algo.dual_clip: PPO's dual clip bounds the clipped surrogate; objective "
+                             f"'{objective}' has none (set algo.dual_clip=null)")
         if not clip_high > 0:
             raise ValueError(f"algo.clip_high: must be > 0, got {clip_high}")
         if loss_aggregation not in AGGREGATIONS:
@@ -92,18 +129,21 @@ class SurrogateLoss:
         self.kl_coef = float(kl_coef)
         self.kl_estimator = kl_estimator
         self.entropy_coef = float(entropy_coef)
+        self.objective, self.dual_clip, self.count_rejected = objective, dual_clip, bool(count_rejected)
         self.ratio = ratio
 
-    def normalizer(self, mask: Tensor, max_length: int | None = None) -> float:
+    def normalizer(self, mask: Tensor, max_length: int | None = None, response_mask: Tensor | None = None) -> float:
         """The divisor the loss uses for this mask: kept tokens (token), non-empty sequences (sequence) or
-        B * L (constant).
+        B * L (constant); with `count_rejected`, of `response_mask` (the sampled tokens, before any correction
+        rejected some) instead.
 
         When the RL loop splits one minibatch into micro-batches for gradient accumulation, compute
         this once on the whole minibatch's mask and pass it as ``normalizer`` to every micro-batch's
         loss: the summed micro-batch losses then equal the whole minibatch's loss in every mode (do not
         also divide by the number of micro-batches).
         """
-        return float(self.denominator(mask != 0, max_length))
+        counted = response_mask if self.count_rejected and response_mask is not None else mask
+        return float(self.denominator(counted != 0, max_length))
 
     def denominator(self, m: Tensor, max_length: int | None) -> Tensor | int:
         batch, width = m.shape
@@ -117,7 +157,8 @@ class SurrogateLoss:
 
     def __call__(self, logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, weights: Tensor,
                  ref_logprobs: Tensor | None = None, entropy: Tensor | None = None, *,
-                 max_length: int | None = None, normalizer: float | None = None) -> tuple[Tensor, dict[str, float]]:
+                 max_length: int | None = None, normalizer: float | None = None,
+                 penalty: Callable[[Tensor], Tensor] | None = None) -> tuple[Tensor, dict[str, float]]:
         """Scalar loss to minimise, and its metrics as plain Python numbers.
 
         Args:
@@ -134,9 +175,13 @@ class SurrogateLoss:
             max_length: L for "constant" aggregation, normally ``sampling.max_new_tokens``, so that the
                 divisor does not depend on the longest response of the batch (defaults to T).
             normalizer: divisor replacing the one of this batch (see ``normalizer``).
+            penalty: a correction's per-token loss term of the differentiable log pi_theta (rlmm/corrections/base.py's
+                `InUpdate.penalty`: zero where it does not apply), summed over tokens and divided by the loss's
+                divisor (token-level, whatever the aggregation); logged as ``penalty``.
 
         Loss = agg(w_t * pg_t + kl_coef * k_t - entropy_coef * H_t), with pg_t = `clipped_surrogate` and
-        agg the configured aggregation. Padding positions are replaced by 0 with ``torch.where`` before any
+        agg the configured aggregation (CISPO's term in place of pg_t with ``objective: cispo``; pg_t dual-clipped
+        with ``dual_clip``). Padding positions are replaced by 0 with ``torch.where`` before any
         arithmetic, so inf/NaN there reach neither the loss nor the gradient. The loss is float32 (float64
         for float64 inputs). Metrics (docs/algorithms.md): ``loss``, ``pg_loss`` (the aggregated pg
         term, including weights), token means over kept tokens of ``kl``, ``entropy``,
@@ -181,7 +226,13 @@ class SurrogateLoss:
         r_theta = self.ratio(logratio, m)
         adv = advantages.detach().to(device, dtype)
         adv = adv[:, None] if adv.dim() == 1 else masked(adv)
-        pg_loss = aggregate(masked(weights.detach()) * clipped_surrogate(r_theta, adv, self.clip_low, self.clip_high))
+        if self.objective == "cispo":
+            per_token = cispo_surrogate(masked(logprobs), r_theta, adv, self.clip_low, self.clip_high)
+        else:
+            per_token = clipped_surrogate(r_theta, adv, self.clip_low, self.clip_high)
+            if self.dual_clip is not None:
+                per_token = dual_clipped(per_token, adv, self.dual_clip)
+        pg_loss = aggregate(masked(weights.detach()) * per_token)
         loss = pg_loss
 
         stats: dict[str, Tensor] = {}
@@ -196,6 +247,10 @@ class SurrogateLoss:
             if self.entropy_coef > 0:
                 loss = loss - self.entropy_coef * aggregate(ent)
             stats["entropy"] = ent.detach()
+        penalty_loss = None
+        if penalty is not None:
+            penalty_loss = torch.where(m, penalty(logprobs).to(dtype), zero).sum() / denominator
+            loss = loss + penalty_loss
 
         with torch.no_grad():
             n = m.sum()
@@ -205,20 +260,29 @@ class SurrogateLoss:
                 return torch.where(m, x, zero).sum() / n  # 0 / 0 = NaN on an empty mask
 
             lr, r = logratio.detach(), r_theta.detach()
-            clipped_high = m & (adv > 0) & (r > 1 + self.clip_high)
-            clipped_low = m & (adv < 0) & (r < 1 - self.clip_low)
+            if self.objective == "cispo":  # the tokens whose weight the clip bounds (their gradient stays)
+                clipped_high, clipped_low = m & (r > 1 + self.clip_high), m & (r < 1 - self.clip_low)
+            else:  # the tokens whose gradient the clip removes
+                clipped_high = m & (adv > 0) & (r > 1 + self.clip_high)
+                clipped_low = m & (adv < 0) & (r < 1 - self.clip_low)
+            extra = {}
+            if self.dual_clip is not None:  # the tokens the dual clip bounds (their gradient is removed)
+                extra["clipfrac_dual"] = (m & (adv < 0) & (r > self.dual_clip)).sum().to(dtype) / n
+            if penalty_loss is not None:
+                extra["penalty"] = penalty_loss.detach()
             values = {
                 "loss": loss.detach(),
                 "pg_loss": pg_loss.detach(),
                 **{k: mean(v) for k, v in stats.items()},
                 "approx_kl": mean(k3(lr)),  # k3 of log(pi_theta / pi_old) on pi_old's tokens: KL(pi_old || pi_theta)
-                "clipfrac": (clipped_high | clipped_low).sum() / n,
-                "clipfrac_low": clipped_low.sum() / n,
-                "clipfrac_high": clipped_high.sum() / n,
+                "clipfrac": (clipped_high | clipped_low).sum().to(dtype) / n,  # in the loss's dtype, not float32
+                "clipfrac_low": clipped_low.sum().to(dtype) / n,
+                "clipfrac_high": clipped_high.sum().to(dtype) / n,
                 "ratio_mean": mean(r),
                 "ratio_min": torch.where(n > 0, torch.where(m, r, torch.inf).min(), nan),
                 "ratio_max": torch.where(n > 0, torch.where(m, r, -torch.inf).max(), nan),
                 "num_tokens": n,
+                **extra,
             }
             # One device->host copy instead of one sync per metric.
             metrics = dict(zip(values, torch.stack([v.to(torch.float64) for v in values.values()]).tolist()))

@@ -1,32 +1,52 @@
 """The correction interface (the `correction=` config group) and the masked float64 helpers its methods share.
 
-A correction turns the two views of one batch of sampled responses, ``log pi_train`` (recomputed by the trainer)
-and ``log pi_sampler`` (reported by the sampler), into what PPO's loss needs to absorb the mismatch between them:
+A correction decides how PPO's loss absorbs the mismatch between the policy that sampled the tokens and the one
+that trains on them. It sees three policies on the step's sampled tokens (docs/corrections.md, "Three policies"):
 
-* ``old_logprobs``: the log-probs of the old policy in PPO's ratio pi_theta / pi_old,
-* ``weights``: a detached per-token factor on the policy-gradient loss (an importance weight),
-* ``mask``: the tokens that still count (the response mask minus rejected tokens or sequences),
-* ``metrics``: what the correction did, logged under ``correction/<key>``.
+* ``log mu``, the sampler's (``sampler_logprobs``: the behaviour policy, its kernels and precision),
+* ``log pi_old``, the trainer's recomputation before the update (``trainer_logprobs``: the proximal policy),
+* ``log pi_theta``, the current policy of each micro-batch inside the update (``logprobs``, detached),
 
-Everything is a function of delta = log pi_train - log pi_sampler (see rlmm/metrics.py): the token ratio
-r_t = exp(delta_t), the sequence log-ratio S_i = sum_t delta_t and the geometric-mean log-ratio S_i / |y_i|.
+and the advantages. It can act in two places, each a method of its class (`Correction` gives both as the identity,
+so a method overrides only where it acts; the RL step calls both for every correction, never asking which):
+
+* ``before_update(batch: BatchView) -> CorrectionOutput``: once per batch, on every rank's rows (the whole batch,
+  as one rank would see it): which log-probs play pi_old in PPO's ratio, a detached per-token weight, the tokens
+  that still count, and metrics logged under ``correction/<key>`` (TIS, IcePop, MIS, the rejection methods, M2PO,
+  the self-normalisation of the weights);
+* ``in_update(micro: MicroBatchView) -> InUpdate``: each micro-batch of every epoch and minibatch, once pi_theta
+  is known: a weight and a mask on top of the batch's, an optional penalty on log pi_theta, and token counts
+  logged as ratios summed over the step (OPSM, DPPO's TV trust region).
+
+Everything in the batch stage is a function of delta = log pi_old - log pi_sampler (see rlmm/metrics.py): the token
+ratio r_t = exp(delta_t), the sequence log-ratio S_i = sum_t delta_t and the geometric-mean log-ratio S_i / |y_i|.
 Ratios are computed in float64 (bf16 and fp16 log-probs convert exactly) and the weights cast to float32 at the
 end. Padding may hold garbage (inf, nan): it is replaced with ``torch.where`` before any arithmetic, never
 multiplied by 0 (``0 * nan`` is nan), so it cannot leak into a sum, a weight or a metric.
 
-Each method is one class in its own module with a ``__call__`` of the signature below, and one YAML in
-conf/correction/; nothing else needs to change to add one (docs/corrections.md shows how).
+Several corrections apply in order as one (`correction=seq_veto+token_rs+tis`, rlmm/corrections/stack.py): masks
+ANDed, weights multiplied, each stage seeing what the earlier ones left (`BatchView.mask`, `.weights`). A class
+says which pi_old its weights assume (`old_policy`) so that a stack can refuse two that disagree.
+
+Each method is one class in its own module and one YAML in conf/correction/; nothing else needs to change to add
+one (docs/corrections.md shows how).
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import ClassVar, Literal
 
 import torch
 
-__all__ = ["Correction", "CorrectionOutput", "METRIC_KEYS", "log_ratios", "finish", "masked_mean", "masked_max",
-           "masked_min"]
+__all__ = ["BatchView", "Correction", "CorrectionOutput", "InUpdate", "METRIC_KEYS", "MicroBatchView",
+           "OldPolicyChoice", "log_ratios", "finish", "masked_mean", "masked_max", "masked_min"]
+
+# Which log-probs a method's weights assume as PPO's pi_old: the trainer's recomputation (the importance weight
+# pi_old / mu corrects the samples towards it), the sampler's (pi_old := mu: bypass, DPPO's trust region), or no
+# assumption (a mask of outliers, a rescaling): None.
+OldPolicyChoice = Literal["trainer", "sampler"] | None
 
 # Logged by every method (methods may add their own keys on top).
 METRIC_KEYS = (
@@ -53,13 +73,85 @@ class CorrectionOutput:
     metrics: dict[str, float]  # logged under correction/<key>
 
 
-@runtime_checkable
-class Correction(Protocol):
-    def __call__(self, train_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor,
-                 mask: torch.Tensor) -> CorrectionOutput:
-        """Map ``[B, T]`` right-padded trainer and sampler log-probs of the sampled tokens and the bool response
-        mask to old log-probs, weights, a mask and metrics."""
-        ...
+@dataclass(frozen=True)
+class BatchView:
+    """What a correction sees once per batch, before the update: ``[B, T]`` right-padded tensors of every rank's
+    rows (the whole batch), detached."""
+
+    trainer_logprobs: torch.Tensor  # log pi_old: the trainer's recomputation of the sampled tokens
+    sampler_logprobs: torch.Tensor  # log mu: the sampler's
+    mask: torch.Tensor  # bool: the tokens still in (the response mask, minus what earlier stages of a stack dropped)
+    advantages: torch.Tensor  # each token's advantage (GRPO's sequence advantage on each of its tokens)
+    weights: torch.Tensor | None = None  # earlier stages' weights multiplied (None: no earlier stage, all 1)
+
+    def running_weights(self) -> torch.Tensor:
+        """The earlier stages' weights in float64, 1 where none came before (0 on dropped tokens)."""
+        if self.weights is None:
+            return torch.where(self.mask.to(self.trainer_logprobs.device), 1.0, 0.0).to(torch.float64)
+        return self.weights.to(torch.float64)
+
+
+@dataclass(frozen=True)
+class MicroBatchView:
+    """What a correction sees in each micro-batch of the update: ``[b, t]`` tensors of this rank's micro-batch
+    rows, cut to the width the trainer's forward returned, detached."""
+
+    logprobs: torch.Tensor  # log pi_theta: the current policy, as the update's forward computed it
+    old_logprobs: torch.Tensor  # the log pi_old PPO's ratio uses (the batch stage's choice)
+    trainer_logprobs: torch.Tensor  # log pi_old as the trainer recomputed it
+    sampler_logprobs: torch.Tensor  # log mu
+    advantages: torch.Tensor
+    mask: torch.Tensor  # bool: the tokens the batch stage (and earlier stages of a stack) left in
+    weights: torch.Tensor  # float32: the batch stage's weights (and earlier in-update stages', multiplied)
+
+
+@dataclass
+class InUpdate:
+    """What a correction adds inside the update, for one micro-batch, ``[b, t]``: its own ``weights`` (detached,
+    multiplied into the batch stage's by the RL step) and the tokens it keeps (``mask``, ANDed with the batch
+    stage's); ``penalty`` maps the differentiable log pi_theta to a per-token loss term the algorithm aggregates
+    like its loss (None: none); ``counts`` are (numerator, denominator) pairs summed over every micro-batch of the
+    step and every rank and logged as their ratio under ``correction/<key>`` (exact whatever the micro-batching).
+
+    The batch stage's `CorrectionOutput` is read the same way: a method returns its own weights and the tokens it
+    keeps, and whoever holds several (a stack, the RL step) multiplies and ANDs them."""
+
+    weights: torch.Tensor
+    mask: torch.Tensor
+    penalty: Callable[[torch.Tensor], torch.Tensor] | None = None
+    counts: dict[str, tuple[float, float]] = field(default_factory=dict)
+
+
+class Correction:
+    """The base of every correction: the identity in both places (pi_old the trainer's, weight 1, nothing dropped).
+    A method overrides `before_update`, `in_update` or both; calling it, ``correction(train_logprobs,
+    sampler_logprobs, mask[, advantages])``, runs `before_update` on a batch of one rank (tests, scripts).
+
+    `old_policy`: which pi_old the method's weights assume (`OldPolicyChoice`); the batch stage's `old_logprobs`
+    must be that side's. `importance_weighted`: whether its weights are an importance ratio (a stack refuses two:
+    their product would count the ratio twice)."""
+
+    old_policy: ClassVar[OldPolicyChoice] = None
+
+    @property
+    def importance_weighted(self) -> bool:
+        return False
+
+    def before_update(self, batch: BatchView) -> CorrectionOutput:
+        delta, m = log_ratios(batch.trainer_logprobs, batch.sampler_logprobs, batch.mask)
+        return finish(old_logprobs=batch.trainer_logprobs, weights=torch.ones_like(delta), keep=m, delta=delta, mask=m)
+
+    def in_update(self, micro: MicroBatchView) -> InUpdate:
+        return InUpdate(weights=torch.ones_like(micro.weights), mask=micro.mask)
+
+    def __call__(self, train_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, mask: torch.Tensor,
+                 advantages: torch.Tensor | None = None) -> CorrectionOutput:
+        """`before_update` on ``[B, T]`` right-padded trainer and sampler log-probs of the sampled tokens, the bool
+        response mask and (for a method that reads them) the advantages."""
+        if advantages is None:
+            advantages = torch.zeros(train_logprobs.shape, dtype=torch.float32, device=train_logprobs.device)
+        return self.before_update(BatchView(trainer_logprobs=train_logprobs, sampler_logprobs=sampler_logprobs,
+                                            mask=mask, advantages=advantages))
 
 
 def check_cap(cap: float) -> float:

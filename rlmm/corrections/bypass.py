@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import torch
 
-from rlmm.corrections.base import CorrectionOutput, finish, log_ratios
+from rlmm.corrections.base import BatchView, Correction, CorrectionOutput, finish, log_ratios
 
 
-class Bypass:
+class Bypass(Correction):
     """Use the sampler's log-probs as PPO's old policy (``correction=bypass``).
 
     old = log pi_sampler,  w_t = 1,  mask unchanged.
@@ -18,7 +18,8 @@ class Bypass:
     share one clip range.
     """
 
-    def __call__(self, train_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor,
-                 mask: torch.Tensor) -> CorrectionOutput:
-        delta, m = log_ratios(train_logprobs, sampler_logprobs, mask)
-        return finish(old_logprobs=sampler_logprobs, weights=torch.ones_like(delta), keep=m, delta=delta, mask=m)
+    old_policy = "sampler"
+
+    def before_update(self, batch: BatchView) -> CorrectionOutput:
+        delta, m = log_ratios(batch.trainer_logprobs, batch.sampler_logprobs, batch.mask)
+        return finish(old_logprobs=batch.sampler_logprobs, weights=torch.ones_like(delta), keep=m, delta=delta, mask=m)

@@ -5,10 +5,10 @@ import math
 
 import torch
 
-from rlmm.corrections.base import CorrectionOutput, finish, log_ratios, masked_max, masked_min
+from rlmm.corrections.base import BatchView, Correction, CorrectionOutput, finish, log_ratios, masked_max, masked_min
 
 
-class GeometricRejection:
+class GeometricRejection(Correction):
     """Reject sequences whose geometric-mean ratio leaves [low, high] (``correction=geo_rs``).
 
     old = log pi_train,  g_i = exp(S_i / |y_i|),  keep_i = [low <= g_i <= high],  w_t = 1 on kept sequences,
@@ -33,12 +33,11 @@ class GeometricRejection:
             raise ValueError(f"correction.high: must be a finite number >= 1, got {high}")
         self.low, self.high = float(low), float(high)
 
-    def __call__(self, train_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor,
-                 mask: torch.Tensor) -> CorrectionOutput:
-        delta, m = log_ratios(train_logprobs, sampler_logprobs, mask)
+    def before_update(self, batch: BatchView) -> CorrectionOutput:
+        delta, m = log_ratios(batch.trainer_logprobs, batch.sampler_logprobs, batch.mask)
         nonempty = m.any(dim=1)
         geo = (delta.sum(dim=1) / m.sum(dim=1).clamp(min=1)).exp()  # [B]; empty sequences: exp(0) = 1
         keep = (geo >= self.low) & (geo <= self.high)
-        return finish(old_logprobs=train_logprobs, weights=torch.ones_like(delta), keep=keep.unsqueeze(1),
+        return finish(old_logprobs=batch.trainer_logprobs, weights=torch.ones_like(delta), keep=keep.unsqueeze(1),
                       delta=delta, mask=m,
                       extra={"geo_ratio_min": masked_min(geo, nonempty), "geo_ratio_max": masked_max(geo, nonempty)})

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from rlmm.corrections.base import CorrectionOutput, finish, log_ratios, masked_max, masked_mean
+from rlmm.corrections.base import BatchView, Correction, CorrectionOutput, finish, log_ratios, masked_max, masked_mean
 from rlmm.kl import ESTIMATORS, kl_estimate
 LEVELS = ("token", "sequence")
 
 
-class KLRejection:
+class KLRejection(Correction):
     """Reject tokens or sequences whose estimated sampler-to-trainer KL exceeds a threshold (``correction=kl_rs``).
 
     Per token, Schulman's (2020, "Approximating KL Divergence") estimators of KL(pi_sampler || pi_train) from
@@ -46,9 +46,8 @@ class KLRejection:
             raise ValueError(f"correction.threshold: must be >= 0, got {threshold}")
         self.estimator, self.level, self.threshold = estimator, level, float(threshold)
 
-    def __call__(self, train_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor,
-                 mask: torch.Tensor) -> CorrectionOutput:
-        delta, m = log_ratios(train_logprobs, sampler_logprobs, mask)
+    def before_update(self, batch: BatchView) -> CorrectionOutput:
+        delta, m = log_ratios(batch.trainer_logprobs, batch.sampler_logprobs, batch.mask)
         kl = kl_estimate(delta, self.estimator)
         if self.level == "token":
             score, scored = kl, m
@@ -57,5 +56,5 @@ class KLRejection:
         if self.estimator == "k1":
             score = score.abs()
         keep = score <= self.threshold  # padding is 0 in kl; an empty sequence's 0/0 = NaN is never in the mask
-        return finish(old_logprobs=train_logprobs, weights=torch.ones_like(delta), keep=keep, delta=delta, mask=m,
+        return finish(old_logprobs=batch.trainer_logprobs, weights=torch.ones_like(delta), keep=keep, delta=delta, mask=m,
                       extra={"kl_mean": masked_mean(kl, m), "kl_max": masked_max(score, scored)})

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from rlmm.corrections.base import check_cap, CorrectionOutput, finish, log_ratios
+from rlmm.corrections.base import BatchView, Correction, check_cap, CorrectionOutput, finish, log_ratios
 
 
-class SequenceMask:
+class SequenceMask(Correction):
     """Sequence-level masked importance sampling (``correction=seq_mis``).
 
     old = log pi_train,  keep_i = [exp(S_i) <= C],  w_{i,t} = exp(S_i) on every token of a kept sequence,
@@ -25,13 +25,15 @@ class SequenceMask:
         cap: C, the largest accepted sequence ratio; finite and >= 1.
     """
 
+    old_policy = "trainer"
+    importance_weighted = True
+
     def __init__(self, cap: float):
         self.cap = check_cap(cap)
 
-    def __call__(self, train_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor,
-                 mask: torch.Tensor) -> CorrectionOutput:
-        delta, m = log_ratios(train_logprobs, sampler_logprobs, mask)
+    def before_update(self, batch: BatchView) -> CorrectionOutput:
+        delta, m = log_ratios(batch.trainer_logprobs, batch.sampler_logprobs, batch.mask)
         seq_ratio = delta.sum(dim=1, keepdim=True).exp()  # [B, 1]; padding is 0 in delta
         keep = seq_ratio <= self.cap
-        return finish(old_logprobs=train_logprobs, weights=seq_ratio.expand_as(delta), keep=keep, delta=delta,
+        return finish(old_logprobs=batch.trainer_logprobs, weights=seq_ratio.expand_as(delta), keep=keep, delta=delta,
                       mask=m)

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from rlmm.corrections.base import check_cap, CorrectionOutput, finish, log_ratios, masked_mean
+from rlmm.corrections.base import BatchView, Correction, check_cap, CorrectionOutput, finish, log_ratios, masked_mean
 
 
-class SequenceTIS:
+class SequenceTIS(Correction):
     """Sequence-level truncated importance sampling (``correction=seq_tis``).
 
     old = log pi_train,  w_{i,t} = min(exp(S_i), C)  for every token t of sequence i,  S_i = sum_t delta_{i,t},
@@ -25,16 +25,18 @@ class SequenceTIS:
         cap: C, the largest weight a sequence can get; finite and >= 1.
     """
 
+    old_policy = "trainer"
+    importance_weighted = True
+
     def __init__(self, cap: float):
         self.cap = check_cap(cap)
 
-    def __call__(self, train_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor,
-                 mask: torch.Tensor) -> CorrectionOutput:
-        delta, m = log_ratios(train_logprobs, sampler_logprobs, mask)
+    def before_update(self, batch: BatchView) -> CorrectionOutput:
+        delta, m = log_ratios(batch.trainer_logprobs, batch.sampler_logprobs, batch.mask)
         seq_ratio = delta.sum(dim=1, keepdim=True).exp()  # [B, 1]; padding is 0 in delta
         truncated = seq_ratio > self.cap
         return finish(
-            old_logprobs=train_logprobs, weights=seq_ratio.clamp(max=self.cap).expand_as(delta), keep=m,
+            old_logprobs=batch.trainer_logprobs, weights=seq_ratio.clamp(max=self.cap).expand_as(delta), keep=m,
             delta=delta, mask=m,
             extra={
                 "frac_tokens_truncated": masked_mean(truncated.expand_as(m).double(), m),

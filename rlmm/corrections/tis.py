@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from rlmm.corrections.base import check_cap, CorrectionOutput, finish, log_ratios, masked_mean
+from rlmm.corrections.base import BatchView, Correction, check_cap, CorrectionOutput, finish, log_ratios, masked_mean
 
 
-class TokenTIS:
+class TokenTIS(Correction):
     """Token-level truncated importance sampling (``correction=tis``).
 
     old = log pi_train,  w_t = min(r_t, C)  with r_t = pi_train(y_t) / pi_sampler(y_t),  mask unchanged.
@@ -22,13 +22,15 @@ class TokenTIS:
         cap: C, the largest weight a token can get; finite and >= 1 (1 turns every up-weight off).
     """
 
+    old_policy = "trainer"
+    importance_weighted = True
+
     def __init__(self, cap: float):
         self.cap = check_cap(cap)
 
-    def __call__(self, train_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor,
-                 mask: torch.Tensor) -> CorrectionOutput:
-        delta, m = log_ratios(train_logprobs, sampler_logprobs, mask)
+    def before_update(self, batch: BatchView) -> CorrectionOutput:
+        delta, m = log_ratios(batch.trainer_logprobs, batch.sampler_logprobs, batch.mask)
         r = delta.exp()
         truncated = r > self.cap
-        return finish(old_logprobs=train_logprobs, weights=r.clamp(max=self.cap), keep=m, delta=delta, mask=m,
+        return finish(old_logprobs=batch.trainer_logprobs, weights=r.clamp(max=self.cap), keep=m, delta=delta, mask=m,
                       extra={"frac_tokens_truncated": masked_mean(truncated.double(), m)})

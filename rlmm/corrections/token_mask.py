@@ -5,11 +5,11 @@ import math
 
 import torch
 
-from rlmm.corrections.base import CorrectionOutput, finish, log_ratios
+from rlmm.corrections.base import BatchView, Correction, CorrectionOutput, finish, log_ratios
 
 
-class TokenMask:
-    """Drop the tokens whose ratio leaves [low, high] (``correction=icepop``, ``correction=mis``).
+class TokenMask(Correction):
+    """Drop the tokens whose ratio leaves [low, high] (``correction=icepop``, ``mis``, ``token_rs``).
 
     old = log pi_train,  keep_t = [low <= r_t <= high],  w_t = r_t if reweight else 1 on kept tokens,
     and 0 (with mask False) on dropped ones.
@@ -29,6 +29,14 @@ class TokenMask:
         reweight: weight kept tokens by r_t (IcePop, token-MIS) instead of 1.
     """
 
+    @property
+    def old_policy(self):  # the weight r_t assumes pi_old = pi_train; as a pure mask it assumes nothing
+        return "trainer" if self.reweight else None
+
+    @property
+    def importance_weighted(self) -> bool:
+        return self.reweight
+
     def __init__(self, low: float, high: float, reweight: bool):
         if not 0.0 <= low <= 1.0:
             raise ValueError(f"correction.low: must be in [0, 1], got {low}")
@@ -36,10 +44,9 @@ class TokenMask:
             raise ValueError(f"correction.high: must be a finite number >= 1, got {high}")
         self.low, self.high, self.reweight = float(low), float(high), bool(reweight)
 
-    def __call__(self, train_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor,
-                 mask: torch.Tensor) -> CorrectionOutput:
-        delta, m = log_ratios(train_logprobs, sampler_logprobs, mask)
+    def before_update(self, batch: BatchView) -> CorrectionOutput:
+        delta, m = log_ratios(batch.trainer_logprobs, batch.sampler_logprobs, batch.mask)
         r = delta.exp()
         keep = (r >= self.low) & (r <= self.high)
         weights = r if self.reweight else torch.ones_like(r)
-        return finish(old_logprobs=train_logprobs, weights=weights, keep=keep, delta=delta, mask=m)
+        return finish(old_logprobs=batch.trainer_logprobs, weights=weights, keep=keep, delta=delta, mask=m)

@@ -1,0 +1,55 @@
+"""Sequence veto: one catastrophic token rejects its whole sequence."""
+from __future__ import annotations
+
+import torch
+
+from rlmm.corrections.base import BatchView, Correction, CorrectionOutput, finish, log_ratios, masked_max, masked_min
+from rlmm.kl import k2, k3
+
+ESTIMATORS = ("k2", "k3", "min_ratio")
+
+
+class SequenceVeto(Correction):
+    """Drop sequence i when its worst token is too far off-policy (``correction=seq_veto``).
+
+    old = log pi_train (unchanged),  w = 1,  and with delta_t = log pi_train(y_t) - log pi_sampler(y_t):
+
+        k2, k3:     keep_i = [max_t k(delta_t) <= tau]      (k2 = delta^2 / 2, k3 = e^delta - 1 - delta)
+        min_ratio:  keep_i = [min_t exp(delta_t) >= tau]
+
+    Sources: verl's rollout rejection options ``seq_max_k2`` / ``seq_max_k3`` ("veto for max criterion",
+    `trainer/ppo/rollout_corr_helper.py`; its docs' example threshold 2.5 for seq_max_k2, the default here:
+    |delta| > 2.24, a ratio beyond [0.107, 9.4]); slime's ``rs_veto_threshold`` (its
+    `examples/train_infer_mismatch_helper/mis.py`, `calculate_veto_mask`: a token with pi_old / mu < 1e-4 vetoes its
+    sequence, lower side only; ``estimator: min_ratio, threshold: 1e-4``); SkyRL's outlier veto (two-sided, on the
+    ratio). A mask only (`old_policy` None), meant to run first in a stack (``seq_veto+token_rs+tis``). An empty
+    sequence is kept (verl: seq_max = 0); a NaN log-ratio on a token vetoes its sequence.
+
+    Args:
+        estimator: k2 or k3 (the largest estimate of the sequence is tested) or min_ratio (its smallest ratio).
+        threshold: tau; the largest accepted k2/k3 (> 0), or the smallest accepted ratio (in (0, 1]).
+    """
+
+    def __init__(self, estimator: str, threshold: float):
+        if estimator not in ESTIMATORS:
+            raise ValueError(f"correction.estimator: must be one of {', '.join(ESTIMATORS)}, got '{estimator}'")
+        if estimator == "min_ratio" and not 0.0 < threshold <= 1.0:
+            raise ValueError(f"correction.threshold: a smallest ratio must be in (0, 1], got {threshold}")
+        if estimator != "min_ratio" and not threshold > 0.0:
+            raise ValueError(f"correction.threshold: must be > 0, got {threshold}")
+        self.estimator, self.threshold = estimator, float(threshold)
+
+    def before_update(self, batch: BatchView) -> CorrectionOutput:
+        delta, m = log_ratios(batch.trainer_logprobs, batch.sampler_logprobs, batch.mask)
+        nonempty = m.any(dim=1)
+        if self.estimator == "min_ratio":
+            # padding and rejected tokens are +inf: never the minimum; NaN propagates through amin, and fails >=
+            score = torch.where(m, delta, torch.inf).amin(dim=1).exp()
+            keep = (score >= self.threshold) | ~nonempty
+        else:
+            per_token = (k2 if self.estimator == "k2" else k3)(delta)
+            score = torch.where(m, per_token, -torch.inf).amax(dim=1)
+            keep = (score <= self.threshold) | ~nonempty
+        worst = (masked_min if self.estimator == "min_ratio" else masked_max)(score, nonempty)
+        return finish(old_logprobs=batch.trainer_logprobs, weights=torch.ones_like(delta), keep=keep[:, None],
+                      delta=delta, mask=m, extra={"seq_score_worst": worst})
