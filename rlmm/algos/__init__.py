@@ -5,13 +5,13 @@ the RL step (rlmm/step.py) asks it which sampled groups to keep and how to shape
 the advantages once per batch and for `policy_loss(...)` per micro-batch; it never asks which algorithm
 it holds. docs/algorithms.md has the equations and every metric.
 
-- `GRPO` (grpo.py): GRPO and Dr.GRPO (settings of one class).
+- `GRPO` (grpo.py): GRPO, Dr.GRPO and CISPO (settings of one class; CISPO's loss is `objective: cispo`).
 - `DAPO` (dapo.py): GRPO with dynamic sampling and overlong reward shaping.
 - `GSPO` (gspo.py): GRPO with the clip on the sequence's length-normalised ratio.
 - `PPO` (ppo.py): GAE advantages from a critic (rlmm/critic.py) and a clipped value loss.
 
-None inherits from another: each holds a `SurrogateLoss` (surrogate.py: the clipped surrogate, penalties,
-aggregation, metrics) and calls it with its importance ratio, checks its schedule with
+None inherits from another: each holds a `SurrogateLoss` (surrogate.py: the clipped surrogate or CISPO's, PPO's
+dual clip, penalties, aggregation, metrics) and calls it with its importance ratio, checks its schedule with
 `schedule.check_schedule`, and the group-relative ones share `grpo.group_advantages`.
 """
 from rlmm.algos.dapo import DAPO

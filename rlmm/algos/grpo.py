@@ -45,8 +45,10 @@ How this departs from the papers:
     pi_theta; as a gradient, k1 has zero expectation on-policy, k2 gives the gradient of
     KL(pi_theta || pi_ref), and k3 (GRPO's choice) that of KL(pi_ref || pi_theta).
     DAPO and Dr.GRPO drop the KL term (kl_coef 0).
-  * No dual clip and no clamp of logratio: for A < 0 the surrogate is unbounded in ratio, as in
-    PPO; the metrics ratio_max and clipfrac_low show when that matters.
+  * The dual clip is off by default (`dual_clip: null`) and logratio is not clamped: for A < 0 the surrogate is
+    unbounded in ratio, as in PPO; the metrics ratio_max and clipfrac_low show when that matters.
+  * `objective: cispo` (algo=cispo, MiniMax 2025 "MiniMax-M1") replaces the clipped surrogate by
+    -w_t * sg(clip(ratio_t, 1 - clip_low, 1 + clip_high)) * A_i * log pi_theta(y_t), same advantages.
 The loss is `rlmm.algos.surrogate.SurrogateLoss` (the clipped surrogate every algorithm calls), the KL
 estimators rlmm/kl.py's. See docs/algorithms.md for the derivations and for every metric returned.
 """
@@ -85,8 +87,8 @@ class GRPO:
     Args:
         group_size: responses sampled per prompt (G); rewards come grouped, prompt 0's first.
         normalize_std: divide the centred rewards by the group std + 1e-6 (GRPO) or not (Dr.GRPO).
-        clip_low, clip_high, loss_aggregation, kl_coef, kl_estimator, entropy_coef: the loss's
-            (`rlmm.algos.surrogate.SurrogateLoss`, held as `loss`).
+        clip_low, clip_high, loss_aggregation, kl_coef, kl_estimator, entropy_coef, objective, dual_clip,
+            count_rejected: the loss's (`rlmm.algos.surrogate.SurrogateLoss`, held as `loss`).
         epochs: passes over each batch of rollouts (read by the RL loop).
         minibatches: optimizer steps per epoch, each on 1/minibatches of the batch (RL loop).
     """
@@ -128,4 +130,5 @@ def loss_settings(algo) -> str:
     loss = algo.loss
     return (f"clip=[{1 - loss.clip_low:g}, {1 + loss.clip_high:g}], loss_aggregation={loss.loss_aggregation}, "
             f"kl_coef={loss.kl_coef:g} ({loss.kl_estimator}), entropy_coef={loss.entropy_coef:g}, "
+            f"objective={loss.objective}, dual_clip={loss.dual_clip}, count_rejected={loss.count_rejected}, "
             f"epochs={algo.epochs}, minibatches={algo.minibatches}")

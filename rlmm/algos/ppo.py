@@ -70,7 +70,7 @@ def check_right_padded(mask: Tensor) -> None:
 
 class PPO:
     """The clipped surrogate's arguments (clip_low, clip_high, loss_aggregation, kl_coef, kl_estimator,
-    entropy_coef: `rlmm.algos.surrogate.SurrogateLoss`), epochs, minibatches (no normalize_std: advantages come
+    entropy_coef, objective, dual_clip, count_rejected: `rlmm.algos.surrogate.SurrogateLoss`), epochs, minibatches (no normalize_std: advantages come
     from the critic), and:
 
     Args:
