@@ -1,5 +1,7 @@
 """Device, process-group and vLLM executor choices (rlmm/devices.py): the decisions a GPU node makes,
 checked on a CPU as the pure functions they are."""
+import os
+
 import pytest
 import torch
 
@@ -78,3 +80,47 @@ def test_freed_blocks_go_back_to_the_os():
 
     assert released_mib("glibc") < 50  # the premise: without it they stay
     assert released_mib("rlmm") > 350
+
+
+LONG_BF16_ATTENTION = """
+import sys
+if sys.argv[1] == "rlmm":
+    from rlmm.runtime_env import hold_onednn_to_atens_capability
+    hold_onednn_to_atens_capability()
+import torch
+q = torch.randn(2, 2, 320, 64, dtype=torch.bfloat16)
+mask = torch.ones(2, 1, 320, 320, dtype=torch.bool).tril()
+torch.nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=mask)
+print(torch.backends.cpu.get_cpu_capability())
+"""
+
+
+@pytest.mark.parametrize("capability", ["avx2", "default"])
+def test_a_forced_aten_capability_holds_onednn_to_it(capability):
+    """ATEN_CPU_CAPABILITY alone leaves oneDNN on the CPU's own ISA; on an AMX CPU SDPA's bf16 flash
+    kernel then fails at ~300 tokens (pack_vnni2 below AVX-512). rlmm sets ONEDNN_MAX_CPU_ISA to match, so
+    the process runs as a machine of that capability does, on any CPU."""
+    import subprocess
+    import sys
+
+    from tests.conftest import subprocess_env
+
+    env = {k: v for k, v in subprocess_env().items() if k != "ONEDNN_MAX_CPU_ISA"}
+    env["ATEN_CPU_CAPABILITY"] = capability
+    result = subprocess.run([sys.executable, "-c", LONG_BF16_ATTENTION, "rlmm"], capture_output=True, text=True,
+                            timeout=120, env=env)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split()[-1] == capability.upper()
+
+
+def test_a_set_onednn_isa_is_left_alone(monkeypatch):
+    from rlmm.runtime_env import hold_onednn_to_atens_capability
+
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE")
+    hold_onednn_to_atens_capability()
+    assert os.environ["ONEDNN_MAX_CPU_ISA"] == "AVX512_CORE"
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx512")
+    hold_onednn_to_atens_capability()
+    assert "ONEDNN_MAX_CPU_ISA" not in os.environ
