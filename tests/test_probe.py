@@ -34,6 +34,10 @@ def test_default_probe_vllm_deepspeed(tmp_path):
     metrics = record["sampler_vs_trainer"]
     assert metrics["num_tokens"] > 0 and metrics["logprob_abs_diff_mean"] > 0  # bf16 vs fp32 differ
     assert record["trainer_vs_itself"]["logprob_abs_diff_mean"] < metrics["logprob_abs_diff_mean"]
+    agreement = record["agreement"]  # bf16 vs fp32: never every token to the same bits
+    assert agreement["num_tokens"] == metrics["num_tokens"] and not agreement["bitwise_identical"]
+    assert 0 <= agreement["frac_tokens_identical"] < 1
+    assert f"not bitwise identical, {agreement['frac_tokens_identical']:.1%} of {metrics['num_tokens']} tokens" in record["stdout"]
     assert record["trainer_vs_itself"]["micro_batch_sizes"] == [1, 16]
     assert record["trainer_vs_itself"]["num_tokens"] == metrics["num_tokens"]  # the same rows, scored twice
     inv = record["sampler_vs_itself"]  # SMALL: 3 greedy completions in batches of 1, 4 and 8; 2 prompts
@@ -59,6 +63,30 @@ def test_fp32_hf_sampler_vs_fp32_trainer_is_near_zero(tmp_path, small_model_path
     assert record["precision"]["actual"]["sampler"] == {"dtype": "fp32", "head_dtype": "fp32"}
     assert record["sampler_vs_trainer"]["logprob_abs_diff_max"] < 1e-4
     assert record["sampler_vs_itself"]["unique_greedy_completions"] >= 1
+    # Whether fp32 transformers generate and fp32 torch scoring agree to the bit depends on the CPU's kernels:
+    # the verdict must follow the measured gap either way.
+    agreement = record["agreement"]
+    assert agreement["bitwise_identical"] == (record["sampler_vs_trainer"]["logprob_abs_diff_max"] == 0)
+    assert ("bitwise identical on all" in record["stdout"]) == agreement["bitwise_identical"]
+
+
+def test_token_agreement_counts_tokens_scored_to_the_same_bits():
+    import torch
+
+    from rlmm.probe.measurements import token_agreement
+    from rlmm.probe.report import agreement_verdict
+
+    train = torch.tensor([[-0.5, -1.0, -2.0], [-0.25, -3.0, 0.0]])
+    mask = torch.tensor([[True, True, True], [True, True, False]])
+    sampler = train.clone()
+    sampler[1, 2] = -9.0  # a padded position: never counted
+    same = token_agreement(train, sampler, mask)
+    assert same == {"num_tokens": 5, "frac_tokens_identical": 1.0, "bitwise_identical": True}
+    assert "bitwise identical on all 5 tokens" in agreement_verdict(same)
+    sampler[0, 1] = torch.nextafter(train[0, 1], torch.tensor(0.0))  # one ulp apart: not the same bits
+    one_off = token_agreement(train, sampler, mask)
+    assert one_off == {"num_tokens": 5, "frac_tokens_identical": 0.8, "bitwise_identical": False}
+    assert agreement_verdict(one_off).endswith("not bitwise identical, 80.0% of 5 tokens score the same bits")
 
 
 def test_gsm8k_task_with_longer_answers(tmp_path, small_model_path):

@@ -30,8 +30,8 @@ from rlmm.config import to_container
 from rlmm.logging import redact
 from rlmm.metrics import early_vs_late, mismatch_metrics, position_profile
 from rlmm.probe.checks import check_finite, check_options
-from rlmm.probe.measurements import (batch_invariance, routing_decomposition, trainer_across_layouts,
-                                     trainer_against_itself)
+from rlmm.probe.measurements import (batch_invariance, routing_decomposition, token_agreement,
+                                     trainer_across_layouts, trainer_against_itself)
 from rlmm.probe.plot import plot_probe
 from rlmm.probe.report import print_probe
 from rlmm.timing import timed
@@ -65,6 +65,7 @@ def run_probe(cfg: DictConfig, run_dir: Path, choices: dict[str, str]) -> dict:
     check_finite({"sampler": sampler_logprobs[mask], "trainer": train_logprobs[mask]}, precision_report,
                  close=(trainer, sampler))
     sampler_vs_trainer = mismatch_metrics(train_logprobs, sampler_logprobs, mask, ratio_cap=options.ratio_cap)
+    agreement = token_agreement(train_logprobs, sampler_logprobs, mask)
     # Whole-token buckets of equal width, so short answers get one bucket per position.
     bucket_size = max(1, math.ceil(mask.sum(1).max().item() / options.position_buckets))
     profile = position_profile(train_logprobs, sampler_logprobs, mask, bucket_size=bucket_size)
@@ -92,6 +93,7 @@ def run_probe(cfg: DictConfig, run_dir: Path, choices: dict[str, str]) -> dict:
                      "mean_response_length": mask.sum().item() / len(rollouts),
                      "frac_truncated": rollouts.finish_reasons.count("length") / len(rollouts)},
         "sampler_vs_trainer": sampler_vs_trainer,
+        "agreement": agreement,
         "position_profile": profile,
         "early_vs_late": same_responses,
         "trainer_vs_itself": trainer_vs_itself,

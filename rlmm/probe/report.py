@@ -26,6 +26,7 @@ def print_probe(record: dict) -> None:
         fmt = (lambda v: f"{v:.7f}") if key == "prob_pearson" else format_number  # its story is in the 5th digit
         table.add_row(key, fmt(record["sampler_vs_trainer"][key]), fmt(itself[key]))
     console.print(table)
+    console.print(agreement_verdict(record["agreement"]))
     layouts = itself["layouts"]
     if len(layouts) > 1:
         reference = layouts["reference"]
@@ -63,6 +64,15 @@ def print_probe(record: dict) -> None:
     console.print(f"rollouts: {rollouts['num']}, mean reward {rollouts['mean_reward']:.3f}, mean length "
                   f"{rollouts['mean_response_length']:.1f}; {record['seconds']:.1f} s ("
                   + ", ".join(f"{k} {v:.1f}" for k, v in record["stage_seconds"].items()) + ")")
+
+
+def agreement_verdict(agreement: dict) -> str:
+    """One line: are the sampler and the trainer bitwise on-policy here, and if not, on how many tokens they agree."""
+    if agreement["bitwise_identical"]:
+        return (f"sampler vs trainer: bitwise identical on all {agreement['num_tokens']} tokens (bitwise on-policy: "
+                "no mismatch to correct with these engines, settings and CPU kernels)")
+    return (f"sampler vs trainer: not bitwise identical, {agreement['frac_tokens_identical']:.1%} of "
+            f"{agreement['num_tokens']} tokens score the same bits")
 
 
 def describe_layout(layout: dict) -> str:

@@ -16,7 +16,7 @@ from rlmm.table.wandb_source import read_wandb
 RUN_DIR_MARKERS = (".hydra/overrides.yaml", "config.yaml", "steps.jsonl", "summary.json", "probe.json")
 # probe.json sections -> metric prefixes (the sampler-vs-trainer numbers under the names train logs).
 PROBE_SECTIONS = {"sampler_vs_trainer": "mismatch", "trainer_vs_itself": "trainer_vs_itself",
-                  "sampler_vs_itself": "sampler_vs_itself", "early_vs_late": "position"}
+                  "sampler_vs_itself": "sampler_vs_itself", "early_vs_late": "position", "agreement": "agreement"}
 PROBE_ROLLOUTS = {"mean_reward": "reward_mean", "mean_response_length": "response_length_mean",
                   "frac_truncated": "frac_truncated", "num": "num"}
 
@@ -90,7 +90,8 @@ def read_local_run(run_dir: Path, name: str) -> Run:
 
 def probe_values(record: dict) -> dict[str, float]:
     """probe.json's scalar numbers as metrics: `mismatch/*` (sampler vs trainer), `trainer_vs_itself/*`,
-    `sampler_vs_itself/*`, `position/*` (early vs late), `rollout/*`, `perf/seconds`."""
+    `sampler_vs_itself/*`, `position/*` (early vs late), `agreement/*` (tokens scored to the same bits),
+    `rollout/*`, `perf/seconds`."""
     values = {}
     for section, prefix in PROBE_SECTIONS.items():
         for key, value in record.get(section, {}).items():
