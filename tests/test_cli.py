@@ -1,5 +1,6 @@
 """Bad input gets one line naming the bad value and the allowed ones, before any work starts."""
 import functools
+import json
 import subprocess
 import sys
 
@@ -69,22 +70,49 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
                           env=subprocess_env())
 
 
-@pytest.mark.parametrize("args,message", CASES, ids=[" ".join(a) for a, _ in CASES])
-def test_bad_input_one_line_error(args, message):
-    result = run_cli("probe", *args)
-    assert result.returncode == 2, result.stderr[-2000:]
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("rlmm: error: "), result.stderr[-2000:]
+def assert_one_line(code: int, stderr: str, message: str) -> None:
+    assert code == 2, stderr[-2000:]
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("rlmm: error: "), stderr[-2000:]
     assert message in lines[0]
+
+
+@pytest.fixture(scope="module")
+def in_one_process(tmp_path_factory):
+    """Every case's exit code and stderr from `rlmm.cli.main`, the cases one after another in one fresh process
+    (tests/bad_input_cases.py): what the command does but for the interpreter's start, ~1 s a case, not ~6."""
+    work = tmp_path_factory.mktemp("bad-input")
+    cases = [["probe", args] for args, _ in CASES] + [["train", args] for args, _ in TRAIN_CASES]
+    (work / "cases.json").write_text(json.dumps(cases))
+    result = subprocess.run([sys.executable, "-m", "tests.bad_input_cases", str(work / "cases.json"),
+                             str(work / "results.json")], capture_output=True, text=True, timeout=600,
+                            env=subprocess_env(), stdin=subprocess.DEVNULL)
+    assert result.returncode == 0, result.stderr[-3000:]
+    results = {(r["app"], tuple(r["args"])): r for r in json.loads((work / "results.json").read_text())}
+    return lambda app, args: (results[app, tuple(args)]["code"], results[app, tuple(args)]["stderr"])
+
+
+@pytest.mark.parametrize("args,message", CASES, ids=[" ".join(a) for a, _ in CASES])
+def test_bad_input_one_line_error(args, message, in_one_process):
+    assert_one_line(*in_one_process("probe", args), message)
 
 
 @pytest.mark.parametrize("args,message", TRAIN_CASES, ids=[" ".join(a) for a, _ in TRAIN_CASES])
-def test_train_bad_input_one_line_error(args, message):
-    result = run_cli("train", *args)
-    assert result.returncode == 2, result.stderr[-2000:]
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("rlmm: error: "), result.stderr[-2000:]
-    assert message in lines[0]
+def test_train_bad_input_one_line_error(args, message, in_one_process):
+    assert_one_line(*in_one_process("train", args), message)
+
+
+# The `rlmm` command itself, one process a case: the exit code and a stderr of one line with nothing before
+# it (no import's warning), for a case of each kind: a group, a sweep, a path, a key, a rule between keys.
+AS_A_COMMAND = [("probe", CASES[0]), ("probe", CASES[4]), ("probe", CASES[9]), ("train", TRAIN_CASES[3]),
+                ("train", TRAIN_CASES[17])]
+
+
+@pytest.mark.parametrize("app,case", AS_A_COMMAND, ids=[f"{app} {' '.join(c[0])}" for app, c in AS_A_COMMAND])
+def test_bad_input_is_one_line_from_the_command(app, case):
+    args, message = case
+    result = run_cli(app, *args)
+    assert_one_line(result.returncode, result.stderr, message)
 
 
 def test_tokenizer_without_pad_or_eos_is_named():

@@ -107,7 +107,14 @@ def run_shortened(name, combinations, tmp_path, small_model_path, tiny_cache):
     return sweep
 
 
-@pytest.mark.parametrize("name", [n for n in EXPERIMENTS if not n.endswith("_gpu")])
+# Probe experiments whose first combination runs a path the default run already takes elsewhere (the bf16 probe
+# with vLLM or the transformers sampler: tests/test_probe.py, tests/test_vllm_precision.py): their shortened runs
+# are `slow`, beside the two combinations of every experiment; their whole grids are validated in the default run.
+SHORTENED_ONLY_IN_SLOW = {"batch_invariance_wide", "fp16_vs_bf16", "fp32_head", "length_growth", "trainer_backends"}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SHORTENED_ONLY_IN_SLOW else n
+                                  for n in EXPERIMENTS if not n.endswith("_gpu")])
 def test_experiment_runs_shortened(name, tmp_path, small_model_path, tiny_cache):
     """One combination of each CPU experiment, a few prompts (or one training step), for real."""
     run_shortened(name, 1, tmp_path, small_model_path, tiny_cache)

@@ -78,12 +78,13 @@ def sweep(launcher: str, sweep_dir: Path, overrides: list[str], **env: str) -> s
 
 
 @contextmanager
-def slurm_sweep_started(sweep_dir: Path, overrides: list[str]) -> Iterator[subprocess.Popen]:
+def slurm_sweep_started(sweep_dir: Path, overrides: list[str], **env: str) -> Iterator[subprocess.Popen]:
     """A SLURM sweep running in the background (output in <sweep dir>.out); on the way out, the sweep
     command is stopped and its jobs cancelled."""
     with open(f"{sweep_dir}.out", "w") as out:
         process = subprocess.Popen(sweep_command("slurm", sweep_dir, overrides), stdout=out, stderr=subprocess.STDOUT,
-                                   text=True, cwd=sweep_dir.parent, stdin=subprocess.DEVNULL, env=sweep_env("slurm"))
+                                   text=True, cwd=sweep_dir.parent, stdin=subprocess.DEVNULL,
+                                   env=sweep_env("slurm", **env))
     try:
         yield process
     finally:
@@ -255,42 +256,22 @@ def test_slurm_job_of_two_tasks_trains_as_two_ranks(slurm_cluster, small_model_p
     check_table(sweep_dir, {"complete": 1})
 
 
-def test_slurm_sweep_with_a_failing_job(slurm_cluster, small_model_path, tmp_path):  # noqa: F811
-    """Job 1 asks for a hub model that cannot be fetched (offline): it fails at run time, after the
-    sweep was submitted; jobs 0, 2, 3 (three links to the small model) complete with intact records,
-    and the sweep command exits non-zero with job 1's error once they are all done."""
-    links = []
-    for i in range(3):
-        links.append(tmp_path / f"model{i}")
-        links[-1].symlink_to(small_model_path, target_is_directory=True)
-    paths = [str(links[0]), "nobody/no-such-model", str(links[1]), str(links[2])]
-    sweep_dir = tmp_path / "sweep"
-    result = sweep("slurm", sweep_dir, ["sampler=hf", "model=hf", f"model.path={','.join(paths)}"],
-                   HF_HUB_OFFLINE="1")
-    output = result.stdout + result.stderr
-    assert result.returncode == 1, output[-4000:]
-    assert re.search(r"JobFailed: rlmm: error: model.path: cannot fetch hub model 'nobody/no-such-model'", output)
-    runs = job_dirs(sweep_dir)
-    assert sorted(runs) == [0, 1, 2, 3]
-    for num in (0, 2, 3):
-        check_complete(runs[num], {"model.path": paths[num]})
-    assert not (runs[1] / "summary.json").exists() and not (runs[1] / "steps.jsonl").exists()
-    assert "rlmm: error: model.path: cannot fetch hub model" in job_log(runs[1])  # the job's own log says why
-    check_table(sweep_dir, {"complete": 3, "failed": 1})
+def test_slurm_sweep_with_a_failing_and_a_killed_job(slurm_cluster, small_model_path, tmp_path):  # noqa: F811
+    """One sweep, model.path x train.steps: jobs 2 and 3 ask for a hub model that cannot be fetched (offline) and
+    fail at run time, after the sweep was submitted; job 1 (many steps) is cancelled from outside (`scancel`, as
+    an admin, a time limit or the OOM killer would) once it has recorded a step. A killed job writes no result,
+    so only SLURM can tell that it ended: through slurm/bin/sacct submitit sees it CANCELLED and the sweep
+    command exits non-zero in bounded time (without it: forever). Job 0 completes with an intact record, each
+    failed job's log and submitit result say why, and `rlmm table` counts each and names the killed run."""
+    import pickle
 
-
-def test_slurm_sweep_with_a_killed_job(slurm_cluster, small_model_path, tmp_path):  # noqa: F811
-    """Job 3 (many steps) is cancelled from outside (`scancel`, as an admin, a time limit or the OOM killer
-    would) once it has recorded a step. It writes no result, so only SLURM can tell that it ended: through
-    slurm/bin/sacct submitit sees it CANCELLED and the sweep command exits non-zero in bounded time (without
-    it: forever), once jobs 0, 1, 2 have completed with intact records; `rlmm table` names the killed run."""
     long_steps = 200  # never reached: the job is cancelled after step 1
     sweep_dir = tmp_path / "sweep"
-    overrides = ["sampler=hf", "model=hf", f"model.path={small_model_path}",
-                 f"train.steps={STEPS},{STEPS},{STEPS},{long_steps}"]
-    with slurm_sweep_started(sweep_dir, overrides) as process:
-        job = wait_for("job 3 submitted", lambda: array_task(sweep_dir, 3), process)
-        wait_for("step 1 of job 3", lambda: steps_done(sweep_dir / "3") >= 1, process)
+    overrides = ["sampler=hf", "model=hf", f"model.path={small_model_path},nobody/no-such-model",
+                 f"train.steps={STEPS},{long_steps}"]
+    with slurm_sweep_started(sweep_dir, overrides, HF_HUB_OFFLINE="1") as process:
+        job = wait_for("job 1 submitted", lambda: array_task(sweep_dir, 1), process)
+        wait_for("step 1 of job 1", lambda: steps_done(sweep_dir / "1") >= 1, process)
         subprocess.run(["scancel", job], check=True, timeout=30)
         killed = time.monotonic()
         # submitit polls job states at intervals that double up to 10 min; a poll sees CANCELLED, then
@@ -305,15 +286,22 @@ def test_slurm_sweep_with_a_killed_job(slurm_cluster, small_model_path, tmp_path
     assert scontrol_job(job)["JobState"] == "CANCELLED"
     runs = job_dirs(sweep_dir)
     assert sorted(runs) == [0, 1, 2, 3]
-    for num in (0, 1, 2):
-        check_complete(runs[num], {"model.path": small_model_path})
-    assert not (runs[3] / "summary.json").exists()
-    stopped = steps_done(runs[3])
+    check_complete(runs[0], {"model.path": small_model_path})
+    assert not (runs[1] / "summary.json").exists()
+    stopped = steps_done(runs[1])
     assert 1 <= stopped < long_steps
     # SLURM's SIGTERM reached rlmm: it checkpointed at the step boundary before the job ended
-    assert f"stop signal 15 at step {stopped}: checkpoint in" in job_log(runs[3])
-    table = check_table(sweep_dir, {"complete": 3, "incomplete": 1})
-    assert re.search(rf"Not complete: \S*3 \(incomplete: stopped after step {stopped}\)", table), table
+    assert f"stop signal 15 at step {stopped}: checkpoint in" in job_log(runs[1])
+    for num in (2, 3):
+        assert not (runs[num] / "summary.json").exists() and not (runs[num] / "steps.jsonl").exists()
+        assert "rlmm: error: model.path: cannot fetch hub model" in job_log(runs[num])  # the job's own log says why
+        task = array_task(sweep_dir, num)
+        with open(sweep_dir / ".submitit" / task / f"{task}_0_result.pkl", "rb") as result:
+            outcome, job_return = pickle.load(result)  # Hydra's JobReturn: the sweep raises its error as JobFailed
+        assert outcome == "success" and job_return.status.name == "FAILED"  # the job ran; the task in it failed
+        assert "rlmm: error: model.path: cannot fetch hub model 'nobody/no-such-model'" in str(job_return._return_value)
+    table = check_table(sweep_dir, {"complete": 1, "incomplete": 1, "failed": 2})
+    assert re.search(rf"Not complete: \S*1 \(incomplete: stopped after step {stopped}\)", table), table
 
 
 @pytest.mark.slow  # 210 s on 2 cores, mostly SLURM's requeue delay; the resume itself: test_reliability.py
