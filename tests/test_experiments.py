@@ -107,10 +107,13 @@ def run_shortened(name, combinations, tmp_path, small_model_path, tiny_cache):
     return sweep
 
 
-# Probe experiments whose first combination runs a path the default run already takes elsewhere (the bf16 probe
-# with vLLM or the transformers sampler: tests/test_probe.py, tests/test_vllm_precision.py): their shortened runs
+# Experiments whose first combination runs a path the default run already takes elsewhere: their shortened runs
 # are `slow`, beside the two combinations of every experiment; their whole grids are validated in the default run.
-SHORTENED_ONLY_IN_SLOW = {"batch_invariance_wide", "fp16_vs_bf16", "fp32_head", "length_growth", "trainer_backends"}
+# The bf16 probe with vLLM or the transformers sampler and its batch-invariance part (tests/test_probe.py,
+# tests/test_vllm_precision.py), sampler.perturb with TIS (the perturb tests below, tests/test_train.py), the
+# collapse monitor (tests/test_monitor.py).
+SHORTENED_ONLY_IN_SLOW = {"batch_invariance", "batch_invariance_wide", "fp16_vs_bf16", "fp32_head", "length_growth",
+                          "trainer_backends", "tis_under_mismatch", "collapse_warning"}
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SHORTENED_ONLY_IN_SLOW else n
