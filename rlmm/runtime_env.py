@@ -28,26 +28,43 @@ def return_freed_blocks_to_the_os() -> None:
     mallopt(m_mmap_threshold, int(os.environ["MALLOC_MMAP_THRESHOLD_"]))
 
 
-# ATEN_CPU_CAPABILITY lowers only ATen's own vectorized kernels; oneDNN still detects the CPU and picks
-# AMX/AVX-512 brgemm, and SDPA's flash kernel then packs its bf16 blocks with ATen's pack_vnni2, which
-# refuses below AVX-512: at sequences of ~300 tokens and more `ATEN_CPU_CAPABILITY=avx2` alone fails with
-# "pack_vnni2 is only supported when avx512 is supported" on an AVX512-BF16/AMX CPU (torch 2.13). An AVX2
-# machine has neither, so oneDNN is held to the same ISA (docs/testing.md#machine-dependent-figures).
-ONEDNN_ISA_FOR_ATEN_CAPABILITY = {"default": "SSE41", "avx2": "AVX2"}
+# ATEN_CPU_CAPABILITY lowers only ATen's own vectorized kernels, to look at an AVX2 machine's numbers on an
+# AVX-512 one. On an AMX CPU that leaves torch inconsistent: oneDNN still reports AMX brgemm, and SDPA's bf16
+# flash kernel (sequences of ~300 tokens and more) then packs its blocks with ATen's pack_vnni2, which refuses
+# below AVX-512 ("pack_vnni2 is only supported when avx512 is supported", torch 2.13). So oneDNN is held below
+# AMX. vLLM's CPU kernels still choose AMX from the CPU's flags, and run only once the process holds the
+# kernel's permission for AMX's tile data (arch_prctl ARCH_REQ_XCOMP_PERM), which oneDNN asks for only where
+# it may use AMX itself: that is asked for here. Holding oneDNN to AVX2 instead fails in vLLM ("BFloat16 Brgemm
+# VNNI format is only supported ... when `amx` is supported"). docs/testing.md#machine-dependent-figures
+ONEDNN_ISA_BELOW_AMX = "AVX512_CORE_BF16"
+SYS_ARCH_PRCTL, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA = 158, 0x1023, 18  # x86-64 Linux, <asm/prctl.h>
 
 
-def hold_onednn_to_atens_capability() -> None:
-    """Where ATEN_CPU_CAPABILITY forces a capability below AVX-512 and ONEDNN_MAX_CPU_ISA is unset, set
-    ONEDNN_MAX_CPU_ISA to match, so the process computes as a machine with that capability does."""
-    capability = os.environ.get("ATEN_CPU_CAPABILITY", "").lower()
-    if capability in ONEDNN_ISA_FOR_ATEN_CAPABILITY:
-        os.environ.setdefault("ONEDNN_MAX_CPU_ISA", ONEDNN_ISA_FOR_ATEN_CAPABILITY[capability])
+def cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            return next((set(line.split(":", 1)[1].split()) for line in cpuinfo if line.startswith("flags")), set())
+    except OSError:
+        return set()
+
+
+def hold_onednn_below_amx_for_a_forced_capability() -> None:
+    """Where ATEN_CPU_CAPABILITY forces avx2 or default on a CPU with AMX and ONEDNN_MAX_CPU_ISA is unset: hold
+    oneDNN below AMX and ask the kernel for AMX's tile data, so torch's and vLLM's CPU kernels both run."""
+    if os.environ.get("ATEN_CPU_CAPABILITY", "").lower() not in ("avx2", "default"):
+        return
+    if "ONEDNN_MAX_CPU_ISA" in os.environ or "amx_tile" not in cpu_flags():
+        return
+    import ctypes
+
+    os.environ["ONEDNN_MAX_CPU_ISA"] = ONEDNN_ISA_BELOW_AMX
+    ctypes.CDLL(None, use_errno=True).syscall(SYS_ARCH_PRCTL, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)
 
 
 def set_runtime_env() -> None:
     """Environment that must be in place before torch or vLLM are imported."""
     return_freed_blocks_to_the_os()
-    hold_onednn_to_atens_capability()
+    hold_onednn_below_amx_for_a_forced_capability()
     # In-process vLLM otherwise pins torch to one thread, halving the trainer's speed on CPU.
     os.environ.setdefault("OMP_NUM_THREADS", str(len(os.sched_getaffinity(0))))
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")

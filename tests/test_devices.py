@@ -83,26 +83,26 @@ def test_freed_blocks_go_back_to_the_os():
 
 
 LONG_BF16_ATTENTION = """
-import sys
+import os, sys
 if sys.argv[1] == "rlmm":
-    from rlmm.runtime_env import hold_onednn_to_atens_capability
-    hold_onednn_to_atens_capability()
+    from rlmm.runtime_env import hold_onednn_below_amx_for_a_forced_capability
+    hold_onednn_below_amx_for_a_forced_capability()
 import torch
 q = torch.randn(2, 2, 320, 64, dtype=torch.bfloat16)
 mask = torch.ones(2, 1, 320, 320, dtype=torch.bool).tril()
 torch.nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=mask)
-print(torch.backends.cpu.get_cpu_capability())
+print(torch.backends.cpu.get_cpu_capability(), os.environ.get("ONEDNN_MAX_CPU_ISA", "unset"))
 """
 
 
 @pytest.mark.parametrize("capability", ["avx2", "default"])
-def test_a_forced_aten_capability_holds_onednn_to_it(capability):
-    """ATEN_CPU_CAPABILITY alone leaves oneDNN on the CPU's own ISA; on an AMX CPU SDPA's bf16 flash
-    kernel then fails at ~300 tokens (pack_vnni2 below AVX-512). rlmm sets ONEDNN_MAX_CPU_ISA to match, so
-    the process runs as a machine of that capability does, on any CPU."""
+def test_a_forced_aten_capability_runs_long_bf16_attention(capability):
+    """ATEN_CPU_CAPABILITY alone leaves oneDNN on AMX where the CPU has it, and SDPA's bf16 flash kernel then
+    fails at ~300 tokens (pack_vnni2 below AVX-512). rlmm holds oneDNN below AMX there, and only there."""
     import subprocess
     import sys
 
+    from rlmm.runtime_env import ONEDNN_ISA_BELOW_AMX, cpu_flags
     from tests.conftest import subprocess_env
 
     env = {k: v for k, v in subprocess_env().items() if k != "ONEDNN_MAX_CPU_ISA"}
@@ -110,17 +110,18 @@ def test_a_forced_aten_capability_holds_onednn_to_it(capability):
     result = subprocess.run([sys.executable, "-c", LONG_BF16_ATTENTION, "rlmm"], capture_output=True, text=True,
                             timeout=120, env=env)
     assert result.returncode == 0, result.stderr[-2000:]
-    assert result.stdout.split()[-1] == capability.upper()
+    expected_isa = ONEDNN_ISA_BELOW_AMX if "amx_tile" in cpu_flags() else "unset"
+    assert result.stdout.split()[-2:] == [capability.upper(), expected_isa]
 
 
-def test_a_set_onednn_isa_is_left_alone(monkeypatch):
-    from rlmm.runtime_env import hold_onednn_to_atens_capability
+def test_a_set_onednn_isa_or_the_machines_own_capability_is_left_alone(monkeypatch):
+    from rlmm.runtime_env import hold_onednn_below_amx_for_a_forced_capability
 
     monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE")
-    hold_onednn_to_atens_capability()
+    hold_onednn_below_amx_for_a_forced_capability()
     assert os.environ["ONEDNN_MAX_CPU_ISA"] == "AVX512_CORE"
     monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
     monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx512")
-    hold_onednn_to_atens_capability()
+    hold_onednn_below_amx_for_a_forced_capability()
     assert "ONEDNN_MAX_CPU_ISA" not in os.environ
