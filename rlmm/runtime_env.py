@@ -49,15 +49,14 @@ def cpu_flags() -> set[str]:
 
 
 def hold_onednn_below_amx_for_a_forced_capability() -> None:
-    """Where ATEN_CPU_CAPABILITY forces avx2 or default on a CPU with AMX and ONEDNN_MAX_CPU_ISA is unset: hold
-    oneDNN below AMX and ask the kernel for AMX's tile data, so torch's and vLLM's CPU kernels both run."""
-    if os.environ.get("ATEN_CPU_CAPABILITY", "").lower() not in ("avx2", "default"):
-        return
-    if "ONEDNN_MAX_CPU_ISA" in os.environ or "amx_tile" not in cpu_flags():
+    """Where ATEN_CPU_CAPABILITY forces avx2 or default on a CPU with AMX: hold oneDNN below AMX (unless
+    ONEDNN_MAX_CPU_ISA is set) and ask the kernel for AMX's tile data, so torch's and vLLM's CPU kernels both
+    run. The permission is asked for in every process: it does not pass to a program a process starts."""
+    if os.environ.get("ATEN_CPU_CAPABILITY", "").lower() not in ("avx2", "default") or "amx_tile" not in cpu_flags():
         return
     import ctypes
 
-    os.environ["ONEDNN_MAX_CPU_ISA"] = ONEDNN_ISA_BELOW_AMX
+    os.environ.setdefault("ONEDNN_MAX_CPU_ISA", ONEDNN_ISA_BELOW_AMX)
     ctypes.CDLL(None, use_errno=True).syscall(SYS_ARCH_PRCTL, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)
 
 
