@@ -126,3 +126,38 @@ def test_the_keys_every_trainer_shares_have_one_home(capsys):
         check_overrides("train", ["trainer=_base"])
     assert capsys.readouterr().err.strip() == ("rlmm: error: unknown trainer '_base' (allowed: "
                                                f"{', '.join(group_options('trainer'))})")
+
+
+def test_a_sweeps_combinations_composed_once_per_group_choice_equal_their_own_composes():
+    """check_overrides composes each set of group choices of a sweep once and applies each combination's value
+    overrides to a copy: the configs are those of composing every combination on its own."""
+    from omegaconf import OmegaConf
+
+    from rlmm.overrides import composed_and_validated
+
+    combinations = [[f"correction={c}", f"seed={s}", "train.steps=3", "++algo.count_rejected=true",
+                     "correction.stages.tis.cap=3" if "+" in c else "sampling.temperature=0.7"]
+                    for c in ("tis", "seq_veto+tis") for s in (0, 1)]
+    shared = {}
+    for combination in combinations:
+        alone, alone_choices = composed_and_validated("train", combination)
+        cached, cached_choices = composed_and_validated("train", combination, shared)
+        assert OmegaConf.to_container(cached) == OmegaConf.to_container(alone) and cached_choices == alone_choices
+    assert len(shared) == 2  # one compose per correction
+
+
+def test_a_bad_value_in_a_sweep_fails_as_it_does_alone():
+    from rlmm.overrides import check_overrides
+
+    def message(overrides):
+        with pytest.raises(SystemExit) as exit, pytest.MonkeyPatch.context() as patch:
+            lines = []
+            patch.setattr("sys.stderr.write", lambda text: lines.append(text))
+            check_overrides("train", overrides)
+        assert exit.value.code == 2
+        return "".join(lines)
+
+    alone = message(["train.steps=ten"])
+    assert "Value 'ten' of type 'str' could not be converted to Integer" in alone
+    assert message(["seed=0,1", "train.steps=3,ten"]) == alone
+    assert "Key 'temprature'" in message(["correction=tis,icepop", "sampling.temprature=0.7,0.9"])
