@@ -152,22 +152,17 @@ def with_config_sweep_params(config_name: str, combinations: list[list[str]]) ->
     experiment file's sweep, `experiment=NAME`), as Hydra's basic sweeper will under `-m`: the
     file's values first, the command line's replacing the file's for the same key. A combination
     that does not compose is kept as it is, for the caller's checks to report."""
-    from hydra import compose, initialize_config_dir
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
-    from hydra.core.global_hydra import GlobalHydra
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
     import rlmm.schema  # noqa: F401  (registers the schemas)
-    from rlmm.config import CONF_DIR
 
     expanded = []
     for combination in combinations:
-        GlobalHydra.instance().clear()
         try:
-            with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-                params = compose(config_name, overrides=combination, return_hydra_config=True).hydra.sweeper.params
+            params = _composed(config_name, combination).hydra.sweeper.params
             if not params:
                 expanded.append(combination)
                 continue
@@ -175,8 +170,6 @@ def with_config_sweep_params(config_name: str, combinations: list[list[str]]) ->
             expanded += [batch for batches in BasicSweeper.split_arguments(grid, None) for batch in batches]
         except (HydraException, OmegaConfBaseException):
             expanded.append(combination)
-        finally:
-            GlobalHydra.instance().clear()
     return expanded
 
 
@@ -239,20 +232,13 @@ def _allowed_keys_hint(config_name: str, combination: list[str], err: BaseExcept
     """For `group.key=value` with an unknown key, list the keys the chosen option has."""
     import re
 
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
-    from rlmm.config import BUILD_TIME_ARGS, CONF_DIR
+    from rlmm.config import BUILD_TIME_ARGS
 
     match = re.search(r"Could not override '(\w+)\.([\w.]+)'", str(err))
     if not match or match.group(1) not in BUILD_TIME_ARGS:
         return ""
     group, path = match.group(1), match.group(2).split(".")[:-1]  # correction.stages.tis.capp: stages, tis
-    choices_only = [o for o in combination if "." not in o.split("=")[0]]
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        node = compose(config_name, overrides=choices_only)[group]
-    GlobalHydra.instance().clear()
+    node = _composed(config_name, _groups_and_values(combination)[0])[group]
     for key in path:  # a nested option's node: one stage of a stacked correction
         if key not in node:
             return ""

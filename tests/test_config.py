@@ -146,16 +146,14 @@ def test_a_sweeps_combinations_composed_once_per_group_choice_equal_their_own_co
     assert len(shared) == 2  # one compose per correction
 
 
-def test_a_bad_value_in_a_sweep_fails_as_it_does_alone():
+def test_a_bad_value_in_a_sweep_fails_as_it_does_alone(capsys):
     from rlmm.overrides import check_overrides
 
     def message(overrides):
-        with pytest.raises(SystemExit) as exit, pytest.MonkeyPatch.context() as patch:
-            lines = []
-            patch.setattr("sys.stderr.write", lambda text: lines.append(text))
+        with pytest.raises(SystemExit) as exit:
             check_overrides("train", overrides)
         assert exit.value.code == 2
-        return "".join(lines)
+        return capsys.readouterr().err
 
     alone = message(["train.steps=ten"])
     assert "Value 'ten' of type 'str' could not be converted to Integer" in alone

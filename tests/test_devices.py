@@ -83,10 +83,9 @@ def test_freed_blocks_go_back_to_the_os():
 
 
 LONG_BF16_ATTENTION = """
-import os, sys
-if sys.argv[1] == "rlmm":
-    from rlmm.runtime_env import hold_onednn_below_amx_for_a_forced_capability
-    hold_onednn_below_amx_for_a_forced_capability()
+import os
+from rlmm.runtime_env import hold_onednn_below_amx_for_a_forced_capability
+hold_onednn_below_amx_for_a_forced_capability()
 import torch
 q = torch.randn(2, 2, 320, 64, dtype=torch.bfloat16)
 mask = torch.ones(2, 1, 320, 320, dtype=torch.bool).tril()
@@ -107,7 +106,7 @@ def test_a_forced_aten_capability_runs_long_bf16_attention(capability):
 
     env = {k: v for k, v in subprocess_env().items() if k != "ONEDNN_MAX_CPU_ISA"}
     env["ATEN_CPU_CAPABILITY"] = capability
-    result = subprocess.run([sys.executable, "-c", LONG_BF16_ATTENTION, "rlmm"], capture_output=True, text=True,
+    result = subprocess.run([sys.executable, "-c", LONG_BF16_ATTENTION], capture_output=True, text=True,
                             timeout=120, env=env)
     assert result.returncode == 0, result.stderr[-2000:]
     expected_isa = ONEDNN_ISA_BELOW_AMX if "amx_tile" in cpu_flags() else "unset"
