@@ -423,17 +423,6 @@ def test_evaluating_on_the_trainers_module_leaves_training_as_it_was(small_model
         assert torch.equal(updated[True][key], value), key
 
 
-def test_eval_every_0_evaluates_only_at_the_start_and_the_end(tmp_path):
-    """`train.eval_every=0` reads as checkpoint_every's 0 does: no evaluation between step 0 and the last step
-    (it once divided by zero after both engines had started)."""
-    result = subprocess.run([sys.executable, "-m", "rlmm.cli", "train", "debug=train", "train.steps=3",
-                             "train.eval_every=0", f"hydra.run.dir={tmp_path}"],
-                            capture_output=True, text=True, timeout=900, env=subprocess_env(), stdin=subprocess.DEVNULL)
-    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
-    steps = [json.loads(line) for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
-    assert [s["step"] for s in steps if "eval/accuracy" in s] == [0, 3]
-
-
 class ShutdownWatch:
     """Fakes for `run_train`'s parts around the loop, each writing down when it is closed, saved or finished:
     the run's shutdown (rlmm/train.py::shutdown) is checked without an engine."""
@@ -511,6 +500,23 @@ class ShutdownWatch:
 
 def step_metrics():
     return {"train/skipped": 0.0, "rollout/reward_mean": 0.5, "mismatch/kl_k3": 0.0}
+
+
+def test_eval_every_0_evaluates_only_at_the_start_and_the_end(tmp_path, monkeypatch):
+    """`train.eval_every=0` reads as checkpoint_every's 0 does: no evaluation between step 0 and the last step
+    (it once divided by zero in the loop, after both engines had started)."""
+    from rlmm.devices import init_process_group
+    from rlmm.records import read_steps
+    from rlmm.train import run_train
+
+    init_process_group()
+    watch = ShutdownWatch(monkeypatch, lambda *args: step_metrics())
+    config = ShutdownWatch.config()
+    config.train.eval_every = 0
+    run_train(config, tmp_path, {}, watch.logger)
+    rows = read_steps(tmp_path)
+    assert [row["step"] for row in rows] == [0, 1, 2, 3]
+    assert [row["step"] for row in rows if "eval/accuracy" in row] == [0, 3]
 
 
 def test_the_shutdown_runs_when_the_loop_raises(tmp_path, monkeypatch):
