@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from pathlib import Path
 from typing import NoReturn
 
@@ -12,9 +13,10 @@ from hydra.errors import InstantiationException
 from omegaconf import DictConfig
 
 import rlmm.schema  # noqa: F401  (registers the schemas with Hydra)
-from rlmm.logging import NoOpLogger
+from rlmm.logging import NoOpLogger, redact
 from rlmm.config import BUILD_TIME_ARGS, CONF_DIR, build, to_container, validate
 from rlmm.errors import ConfigError, JobFailed, RunStopped
+from rlmm.resume import AlreadyFinished, ResumeRefused
 
 log = logging.getLogger("rlmm")
 
@@ -38,37 +40,63 @@ def user_error(err: BaseException) -> str | None:
     return str(err).splitlines()[0] if str(err) else type(err).__name__
 
 
-def start_run(cfg: DictConfig):
-    """What every app needs first: the axis choices, a validated config, the run directory, and the
-    logger (rank 0 only; the jobs of one sweep share a W&B group)."""
-    from hydra.types import RunMode
+def start_run(cfg: DictConfig, app: str) -> tuple[dict[str, str], Path]:
+    """What every app does first: the axis choices, a validated config, the run directory checked
+    (rlmm/resume.py: a record there that this run may not continue is refused before anything in it is touched),
+    then, on rank 0, Hydra's `.hydra/` files of this run written into it (`hydra.output_subdir: null` keeps
+    Hydra from writing them before the check)."""
+    from rlmm.devices import world_size
+    from rlmm.resume import check_probe_dir, check_train_dir
 
     hydra_cfg = HydraConfig.get()
     choices = {k: v for k, v in hydra_cfg.runtime.choices.items() if k in BUILD_TIME_ARGS}
     validate(cfg, choices)
     run_dir = Path(hydra_cfg.runtime.output_dir)
+    record_config = redact({"choices": choices, **to_container(cfg)})  # as RunRecord writes config.yaml
+    if app == "train":
+        check_train_dir(run_dir, record_config, world_size(), cfg.train.resume)
+    else:
+        check_probe_dir(run_dir, record_config)
+    if int(os.environ.get("RANK", "0")) == 0:
+        save_hydra_files(run_dir / ".hydra", cfg, hydra_cfg)
+    return choices, run_dir
+
+
+def save_hydra_files(directory: Path, cfg: DictConfig, hydra_cfg: DictConfig) -> None:
+    """The three files Hydra's run_job writes (hydra/core/utils.py): the task's config, Hydra's, the overrides."""
+    from omegaconf import OmegaConf
+
+    directory.mkdir(parents=True, exist_ok=True)
+    for name, content in (("config.yaml", cfg), ("hydra.yaml", OmegaConf.create({"hydra": hydra_cfg})),
+                          ("overrides.yaml", hydra_cfg.overrides.task)):
+        (directory / name).write_text(OmegaConf.to_yaml(content), encoding="utf-8")
+
+
+def open_logger(cfg: DictConfig, choices: dict[str, str], run_dir: Path):
+    """The run's logger: rank 0 only; the jobs of one sweep share a W&B group."""
+    from hydra.types import RunMode
+
     if int(os.environ.get("RANK", "0")) != 0:
-        return choices, run_dir, NoOpLogger()
+        return NoOpLogger()
+    hydra_cfg = HydraConfig.get()
     sweep = Path(hydra_cfg.sweep.dir).as_posix().replace("/", "_") if hydra_cfg.mode == RunMode.MULTIRUN else None
-    logger = build(cfg.logger, run_config={"choices": choices, **to_container(cfg)}, run_dir=str(run_dir), sweep=sweep)
-    return choices, run_dir, logger
+    return build(cfg.logger, run_config={"choices": choices, **to_container(cfg)}, run_dir=str(run_dir), sweep=sweep)
 
 
-def _probe(cfg: DictConfig) -> None:
+def _probe(cfg: DictConfig, choices: dict[str, str], run_dir: Path) -> None:
     from rlmm.probe import run_probe
 
-    choices, run_dir, logger = start_run(cfg)
+    logger = open_logger(cfg, choices, run_dir)
     record = run_probe(cfg, run_dir, choices)
     logger.summary({f"mismatch/{k}": v for k, v in record["sampler_vs_trainer"].items()})
     logger.finish()
     log.info("wrote %s", run_dir / "probe.json")
 
 
-def _train(cfg: DictConfig) -> None:
+def _train(cfg: DictConfig, choices: dict[str, str], run_dir: Path) -> None:
     from rlmm.train import run_train
 
-    choices, run_dir, logger = start_run(cfg)
-    run_train(cfg, run_dir, choices, logger)  # finishes the logger, however the run ends
+    run_train(cfg, run_dir, choices, open_logger(cfg, choices, run_dir))  # finishes the logger, however it ends
     log.info("run record in %s", run_dir)
 
 
@@ -87,7 +115,7 @@ def submitted_job() -> bool:
         ("hydra_plugins.hydra_submitit_launcher.", "hydra_plugins.rlmm_launcher."))
 
 
-def fit_env_to_submitted_job() -> None:
+def fit_env_to_submitted_job() -> str:
     """In a submitted job, replace what it inherited from the submitting shell but must not keep
     (docs/sweeps.md).
 
@@ -119,18 +147,24 @@ def fit_env_to_submitted_job() -> None:
             from submitit.helpers import TorchDistributedEnvironment
 
             TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
-    log.info("submitted job: OMP_NUM_THREADS=%s DS_ACCELERATOR=%s rank %s of %s", os.environ.get("OMP_NUM_THREADS"),
-             os.environ.get("DS_ACCELERATOR"), os.environ.get("RANK", "0"), os.environ.get("WORLD_SIZE", "1"))
+    # returned, to be logged once the run directory is checked: the job's log file is in it
+    return (f"submitted job: OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')} DS_ACCELERATOR="
+            f"{os.environ.get('DS_ACCELERATOR')} rank {os.environ.get('RANK', '0')} of {os.environ.get('WORLD_SIZE', '1')}")
 
 
-def end(line: str, code: int, submitted: bool) -> NoReturn:
+def end(line: str, code: int, submitted: bool, touch_run_dir: bool = True) -> NoReturn:
     """Print why the run ended and exit with `code`; in a submitted job, log it (the job's log then says
     why) and raise JobFailed instead: Hydra keeps a job's exception in the result the sweep command waits
-    for, while an exit leaves none, and without sacct (the local cluster) the sweep would wait forever."""
+    for, while an exit leaves none, and without sacct (the local cluster) the sweep would wait forever.
+    `touch_run_dir=False` (a refused resume: the record is left as it was): no line in the job's log file,
+    which is in the run directory; submitit's own log (stderr) and the sweep's error carry it."""
     if not submitted:
         print(line, flush=True)
         raise SystemExit(code)
-    log.error(line)
+    if touch_run_dir:
+        log.error(line)
+    else:
+        print(line, file=sys.stderr, flush=True)
     raise JobFailed(line) from None
 
 
@@ -139,10 +173,16 @@ def run_app(command: str, config_name: str) -> None:
 
     def guarded(cfg: DictConfig) -> None:
         submitted = submitted_job()
-        if submitted:
-            fit_env_to_submitted_job()
+        environment = fit_env_to_submitted_job() if submitted else None
         try:
-            task(cfg)
+            choices, run_dir = start_run(cfg, command)
+            if environment:
+                log.info(environment)
+            task(cfg, choices, run_dir)
+        except AlreadyFinished as finished:  # nothing to do, nothing touched
+            print(finished, flush=True)
+            if not submitted:
+                raise SystemExit(0) from None
         except Exception as err:
             if isinstance(err, RunStopped):  # the run stopped itself: not a bug
                 end(f"rlmm: stopped: {err}", 3, submitted)
@@ -152,6 +192,6 @@ def run_app(command: str, config_name: str) -> None:
             if message is None:  # a bug: its traceback in the job's log, its name in the sweep's error
                 log.exception("job failed")
                 message = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
-            end(f"rlmm: error: {message}", 2, submitted)
+            end(f"rlmm: error: {message}", 2, submitted, touch_run_dir=not isinstance(err, ResumeRefused))
 
     hydra.main(config_path=str(CONF_DIR), config_name=config_name, version_base="1.3")(guarded)()

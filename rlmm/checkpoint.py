@@ -117,12 +117,12 @@ def load(path: Path, trainer, sampler, critic: Critic = NoCritic()) -> dict:
     state = json.loads((path / "state.json").read_text())
     if state["world_size"] != world:
         raise ValueError(f"train.resume: checkpoint {path} was written by {state['world_size']} ranks, this run has "
-                         f"{world} (resume with the same number of ranks, or train.resume=false)")
+                         f"{world} (resume with the same number of ranks, or another hydra.run.dir)")
     # Fresh states: the sharded tensors come back into them (laid out over this run's ranks as they were).
     fresh = {"trainer": trainer.checkpoint_state(), **critic_entry(critic)}
     if "critic" in fresh and not (path / CRITIC_WEIGHTS).exists():
         raise ValueError(f"train.resume: checkpoint {path} has no critic (written by another algorithm); resume "
-                         f"with the run's own algo, or train.resume=false")
+                         f"with the run's own algo, or another hydra.run.dir")
     allowed = trainer.safe_checkpoint_types() + critic.safe_checkpoint_types()
     with torch.serialization.safe_globals(allowed):
         # map_location: a GPU run's states come back on the CPU (every rank reads every rank's file)
@@ -179,7 +179,7 @@ def joined_sharded(state: dict, shards: dict[str, torch.Tensor], prefix: str = "
         if isinstance(value, str) and value == IN_SHARDS:
             if path not in shards:
                 raise ValueError(f"train.resume: the checkpoint's sharded tensor '{path}' has no counterpart in this "
-                                 f"run's trainer (resume with the run's own trainer and algo, or train.resume=false)")
+                                 f"run's trainer (resume with the run's own trainer and algo, or another hydra.run.dir)")
             joined[key] = shards[path]
         elif isinstance(value, dict):
             joined[key] = joined_sharded(value, shards, f"{path}/")

@@ -179,12 +179,12 @@ def loaded_in_flight(state: dict | None, first_step: int, staleness: int,
     saved = state.get("staleness", 0)
     if saved != staleness:
         raise ValueError(f"train.resume: the checkpoint was written with train.staleness={saved}, this run has "
-                         f"{staleness} (resume with the run's own, or train.resume=false)")
+                         f"{staleness} (resume with the run's own, or another hydra.run.dir)")
     in_flight = [from_in_flight_state(s) for s in state.get("in_flight", [])]
     if decompose and any(waiting.batch.stale_logprobs is None for waiting in in_flight):
         raise ValueError("train.resume: the checkpoint's rollouts in flight were not scored at the weights that "
                          "sampled them (written with train.decompose_staleness=false): resume with it false, or "
-                         "train.resume=false")
+                         "another hydra.run.dir")
     for waiting in in_flight:  # without the decomposition, log-probs scored for one are not used
         waiting.batch.stale_logprobs = waiting.batch.stale_logprobs if decompose else None
     return deque(in_flight), state.get("next_batch", first_step)

@@ -251,6 +251,9 @@ def test_a_resumed_run_keeps_the_detectors_and_the_switched_correction(small_mod
     assert first.returncode == 0, first.stderr[-3000:]
     loop = json.loads((run_dir / "checkpoints" / "step-000003" / "state.json").read_text())["loop"]
     assert loop["monitor"]["alarms"][0]["step"] == 3 and loop["bad_steps"] == 0
+    # Finished, the run is left alone (tests/test_run_dir.py); without its summary, as one killed after its last
+    # row, it resumes from the newest checkpoint
+    (run_dir / "summary.json").unlink()
     again, again_rows = train(small_model_path, run_dir, *switch)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "resuming from" in again.stdout + again.stderr

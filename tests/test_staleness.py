@@ -198,7 +198,7 @@ def test_a_checkpoint_must_match_the_runs_staleness():
     """Resuming needs the batches the run's own staleness keeps in flight, scored if it decomposes."""
     line = DelayLine(None, prompts_of([]), staleness=2, decompose=False, last_step=4)
     with pytest.raises(ValueError, match=r"^train.resume: the checkpoint was written with train.staleness=0, this "
-                                         r"run has 2 \(resume with the run's own, or train.resume=false\)$"):
+                                         r"run has 2 \(resume with the run's own, or another hydra.run.dir\)$"):
         line.load_state_dict(None, first_step=3)
     DelayLine(None, prompts_of([]), staleness=0, decompose=True, last_step=4).load_state_dict(None, first_step=3)
     unscored = DelayLine(None, prompts_of([]), staleness=1, decompose=False, last_step=4)

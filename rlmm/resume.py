@@ -1,0 +1,136 @@
+"""Whether a run may start in its run directory, decided before anything in it is written.
+
+A run directory holds a record (rlmm/records.py; a probe's probe.json) that is someone's result. Before an app
+writes anything there (its config, Hydra's `.hydra/`, the W&B files, the trimmed steps of a resume), this
+module reads what is there and decides, from files alone (no engine started, no checkpoint tensor read):
+
+    nothing there (or only the traces of a run that ended before its first step)   -> a fresh run
+    a training record and `train.resume=true` with the run's own settings:
+        summary.json (the run finished)                                              -> nothing to do (exit 0)
+        otherwise                                                        -> resume (or redo from step 0
+                                                                            where no checkpoint was written)
+    a training record with other settings, or `train.resume=false`                 -> refused, nothing touched
+    the checkpoint written by another number of ranks                              -> refused, nothing touched
+    a probe into a training run's directory, or a training run into a probe's      -> refused, nothing touched
+    a probe into a probe's directory: the same settings                            -> measured again
+                                      other settings                               -> refused
+
+"The run's own settings": its config.yaml (or probe.json's "config" and "choices") equals this run's, leaf by
+leaf, except the keys in MAY_DIFFER, which change how a run is watched or saved, not what it computes.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import yaml
+
+from rlmm.errors import ConfigError
+
+# Dotted keys (and every key under them) a resumed run may set differently from the run it resumes: where it
+# logs, whether it resumes, how often it checkpoints; and `train.overlap`, whose records are the delay line's
+# (rlmm/rollout_source.py: either mode resumes the other's run).
+MAY_DIFFER = ("choices.logger", "logger", "train.resume", "train.checkpoint_every", "train.overlap")
+SHOWN_DIFFERENCES = 3
+
+
+class ResumeRefused(ConfigError):
+    """The run directory holds a record this run may not continue or replace; nothing in it was touched."""
+
+
+class AlreadyFinished(Exception):
+    """The run directory holds this very run, finished: there is nothing to do (the record stays as it is)."""
+
+
+def training_record(run_dir: Path) -> bool:
+    """Whether `run_dir` holds a training run's record: a step row, a summary or a checkpoint."""
+    steps = run_dir / "steps.jsonl"
+    return ((steps.exists() and steps.stat().st_size > 0) or (run_dir / "summary.json").exists()
+            or (run_dir / "checkpoints" / "latest").exists())
+
+
+def leaves(tree, prefix: str = "") -> dict[str, object]:
+    """{dotted key: value} of every leaf of a nested dict (lists are leaves)."""
+    if not isinstance(tree, dict):
+        return {prefix: tree}
+    flat = {}
+    for key, value in tree.items():
+        flat.update(leaves(value, f"{prefix}{key}."))
+    return flat or {prefix: {}}
+
+
+def differences(saved: dict, current: dict) -> list[str]:
+    """`key=saved there, current here` for every leaf that differs, keys of MAY_DIFFER aside."""
+    # Through YAML, as config.yaml was written: 1e-3 and tuples come back as what the file holds.
+    old, new = leaves(yaml.safe_load(yaml.safe_dump(saved))), leaves(yaml.safe_load(yaml.safe_dump(current)))
+    shown = []
+    for key in sorted(old.keys() | new.keys()):
+        name = key.rstrip(".")
+        if any(name == allowed or name.startswith(allowed + ".") for allowed in MAY_DIFFER):
+            continue
+        missing = "(not set)"
+        if old.get(key, missing) != new.get(key, missing):
+            shown.append(f"{name}={_shown(old.get(key, missing))} there, {_shown(new.get(key, missing))} here")
+    return shown
+
+
+def _shown(value) -> str:
+    return "null" if value is None else str(value)
+
+
+def listed(changed: list[str]) -> str:
+    """The first SHOWN_DIFFERENCES differences, and how many more there are."""
+    more = len(changed) - SHOWN_DIFFERENCES
+    return "; ".join(changed[:SHOWN_DIFFERENCES]) + (f" (and {more} more)" if more > 0 else "")
+
+
+def check_train_dir(run_dir: Path, config: dict, world: int, resume: bool) -> None:
+    """Raise ResumeRefused or AlreadyFinished per the module docstring; return when the run may start (fresh, or
+    resuming). `config`: the run's record config ({"choices": ..., **the config}, redacted, as RunRecord writes
+    it); `world`: this run's number of ranks."""
+    if (run_dir / "probe.json").exists():
+        raise ResumeRefused(f"hydra.run.dir: {run_dir} holds a probe's record (probe.json): give the training run "
+                            f"another hydra.run.dir")
+    if not training_record(run_dir):
+        return
+    if not resume:
+        raise ResumeRefused(f"train.resume=false: {run_dir} holds a run's record (steps.jsonl): give this run another "
+                            f"hydra.run.dir, or resume it (train.resume=true)")
+    saved_config = run_dir / "config.yaml"
+    if not saved_config.exists():
+        raise ResumeRefused(f"train.resume: {run_dir} holds a run's record but no config.yaml, so whether this is that "
+                            f"run cannot be told: give this run another hydra.run.dir")
+    changed = differences(yaml.safe_load(saved_config.read_text()) or {}, config)
+    if changed:
+        raise ResumeRefused(f"train.resume: {run_dir} holds a run with other settings ({listed(changed)}): resume it "
+                            f"with its own settings, or give this run another hydra.run.dir")
+    if (run_dir / "summary.json").exists():
+        raise AlreadyFinished(f"rlmm: {run_dir} holds this run, finished (summary.json): nothing to do")
+    marker = run_dir / "checkpoints" / "latest"
+    state = marker.parent / marker.read_text().strip() / "state.json" if marker.exists() else None
+    if state is not None and state.exists():
+        written_by = json.loads(state.read_text())["world_size"]
+        if written_by != world:
+            raise ResumeRefused(f"train.resume: checkpoint {state.parent} was written by {written_by} ranks, this run "
+                                f"has {world} (resume with the same number of ranks, or give this run another "
+                                f"hydra.run.dir)")
+
+
+def check_probe_dir(run_dir: Path, config: dict) -> None:
+    """Raise ResumeRefused per the module docstring; return when the probe may run (and write probe.json)."""
+    if training_record(run_dir):
+        raise ResumeRefused(f"hydra.run.dir: {run_dir} holds a training run's record (steps.jsonl): give the probe "
+                            f"another hydra.run.dir")
+    record = run_dir / "probe.json"
+    if not record.exists():
+        return
+    try:
+        saved = json.loads(record.read_text())
+    except json.JSONDecodeError:
+        raise ResumeRefused(f"hydra.run.dir: {record} is not readable JSON: give the probe another hydra.run.dir, or "
+                            f"remove it") from None
+    changed = differences({"choices": saved.get("choices", {}), **saved.get("config", {})}, config)
+    if changed:
+        raise ResumeRefused(f"hydra.run.dir: {run_dir} holds a probe with other settings ({listed(changed)}): give "
+                            f"this probe "
+                            f"another hydra.run.dir")

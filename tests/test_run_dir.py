@@ -1,0 +1,176 @@
+"""What a run may do in a run directory that already holds a record (rlmm/resume.py): a resume it refuses, a run
+already finished, a fresh run or a probe where a run is, each leaves every file there byte for byte as it was;
+the run's own settings resume it. The rules on built directories first (milliseconds), then through `rlmm`."""
+import hashlib
+import json
+import re
+import shutil
+import signal
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from rlmm.records import read_steps
+from rlmm.resume import AlreadyFinished, ResumeRefused, check_probe_dir, check_train_dir
+from tests.conftest import subprocess_env
+from tests.test_reliability import SIGNAL_AFTER_STEP_ZERO
+
+CONFIG = {"choices": {"sampler": "hf", "logger": "none"}, "seed": 0,
+          "train": {"staleness": 1, "resume": True, "checkpoint_every": 20, "overlap": False, "lr": 1e-3},
+          "logger": {"_target_": "rlmm.logging.NoOpLogger"}, "algo": {"group_size": 4, "clip": [0.2, 0.28]}}
+
+
+def record(run_dir, config=CONFIG, steps=2, finished=False, checkpoint_world=None):
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(config))
+    (run_dir / "steps.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(steps + 1)))
+    if finished:
+        (run_dir / "summary.json").write_text("{}")
+    if checkpoint_world:
+        (run_dir / "checkpoints" / "step-000001").mkdir(parents=True)
+        (run_dir / "checkpoints" / "step-000001" / "state.json").write_text(json.dumps({"step": 1, "world_size":
+                                                                                          checkpoint_world}))
+        (run_dir / "checkpoints" / "latest").write_text("step-000001")
+    return run_dir
+
+
+def changed(**values) -> dict:
+    """CONFIG with dotted keys set."""
+    config = json.loads(json.dumps(CONFIG))
+    for key, value in values.items():
+        *parents, leaf = key.split("__")
+        node = config
+        for parent in parents:
+            node = node.setdefault(parent, {})
+        node[leaf] = value
+    return config
+
+
+def test_an_empty_or_traceless_directory_starts_a_run(tmp_path):
+    check_train_dir(tmp_path / "new", CONFIG, world=1, resume=True)
+    traces = tmp_path / "engines_failed"  # a run that ended before step 0: its config, its log, no row
+    traces.mkdir()
+    (traces / "config.yaml").write_text("seed: 5\n")
+    (traces / "steps.jsonl").write_text("")
+    check_train_dir(traces, CONFIG, world=1, resume=False)
+
+
+def test_the_runs_own_settings_resume_it_and_what_only_watches_or_saves_may_differ(tmp_path):
+    run_dir = record(tmp_path / "run", checkpoint_world=1)
+    check_train_dir(run_dir, CONFIG, world=1, resume=True)
+    check_train_dir(run_dir, changed(train__checkpoint_every=5, train__overlap=True, logger__project="x",
+                                     choices__logger="wandb"), world=1, resume=True)
+    # through YAML as config.yaml is: a tuple is the list it was written as, 1e-3 the float
+    check_train_dir(run_dir, changed(algo__clip=(0.2, 0.28)), world=1, resume=True)
+
+
+@pytest.mark.parametrize("values,named", [
+    ({"train__staleness": 2}, "train.staleness=1 there, 2 here"),
+    ({"choices__sampler": "vllm"}, "choices.sampler=hf there, vllm here"),
+    ({"algo__clip": [0.2, 0.2]}, "algo.clip=[0.2, 0.28] there, [0.2, 0.2] here"),
+    ({"train__decompose_staleness": True}, "train.decompose_staleness=(not set) there, True here"),
+    ({"seed": None}, "seed=0 there, null here"),
+])
+def test_other_settings_are_refused_naming_the_key_and_both_values(tmp_path, values, named):
+    run_dir = record(tmp_path / "run", checkpoint_world=1)
+    with pytest.raises(ResumeRefused, match=r"^train.resume: .* holds a run with other settings \(" + re.escape(named)
+                       + r"\): resume it with its own settings, or give this run another hydra.run.dir$"):
+        check_train_dir(run_dir, changed(**values), world=1, resume=True)
+
+
+def test_many_differences_name_three_and_count_the_rest(tmp_path):
+    run_dir = record(tmp_path / "run")
+    config = changed(seed=1, train__staleness=2, train__lr=1.0, algo__group_size=8, algo__clip=[0, 0])
+    with pytest.raises(ResumeRefused, match=r"\(algo.clip=.*; algo.group_size=4 there, 8 here; seed=0 there, 1 here "
+                                            r"\(and 2 more\)\)"):
+        check_train_dir(run_dir, config, world=1, resume=True)
+
+
+def test_a_finished_run_is_nothing_to_do_and_other_ranks_or_resume_false_or_no_config_are_refused(tmp_path):
+    with pytest.raises(AlreadyFinished, match=r"holds this run, finished \(summary.json\): nothing to do$"):
+        check_train_dir(record(tmp_path / "done", finished=True), CONFIG, world=1, resume=True)
+    with pytest.raises(ResumeRefused, match=r"written by 2 ranks, this run has 1 \(resume with the same number of "
+                                            r"ranks, or give this run another hydra.run.dir\)$"):
+        check_train_dir(record(tmp_path / "two", checkpoint_world=2), CONFIG, world=1, resume=True)
+    with pytest.raises(ResumeRefused, match=r"^train.resume=false: .* holds a run's record \(steps.jsonl\)"):
+        check_train_dir(record(tmp_path / "kept"), CONFIG, world=1, resume=False)
+    no_config = record(tmp_path / "no_config")
+    (no_config / "config.yaml").unlink()
+    with pytest.raises(ResumeRefused, match="but no config.yaml"):
+        check_train_dir(no_config, CONFIG, world=1, resume=True)
+
+
+def test_a_probe_and_a_training_run_never_share_a_directory(tmp_path):
+    with pytest.raises(ResumeRefused, match=r"holds a training run's record \(steps.jsonl\): give the probe another"):
+        check_probe_dir(record(tmp_path / "run"), CONFIG)
+    probed = tmp_path / "probed"
+    probed.mkdir()
+    (probed / "probe.json").write_text(json.dumps({"choices": CONFIG["choices"],
+                                                   "config": {k: v for k, v in CONFIG.items() if k != "choices"}}))
+    with pytest.raises(ResumeRefused, match=r"holds a probe's record \(probe.json\): give the training run another"):
+        check_train_dir(probed, CONFIG, world=1, resume=True)
+    check_probe_dir(probed, CONFIG)  # the same probe again: measured again
+    with pytest.raises(ResumeRefused, match=r"holds a probe with other settings \(seed=0 there, 3 here\)"):
+        check_probe_dir(probed, changed(seed=3))
+
+
+# Through `rlmm`: the built-in model, the transformers sampler and the torch trainer (seconds a run).
+RUN = ("train", "debug=train", "sampler=hf", "trainer=torch", "precision=fp32", "train.steps=3", "train.staleness=1")
+
+
+def rlmm(run_dir, *overrides, stop_after_step_zero=False):
+    program = ["-c", SIGNAL_AFTER_STEP_ZERO] if stop_after_step_zero else ["-m", "rlmm.cli"]
+    return subprocess.run([sys.executable, *program, *overrides, f"hydra.run.dir={run_dir}"], capture_output=True,
+                          text=True, timeout=600, env=subprocess_env(), stdin=subprocess.DEVNULL)
+
+
+def digests(run_dir) -> dict[str, str]:
+    return {str(p.relative_to(run_dir)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(run_dir.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def stopped_run(tmp_path_factory):
+    """A staleness-1 run stopped by SIGTERM after step 0, with its checkpoint of step 1 and a batch in flight: the
+    issue's case (its refused resume cut steps.jsonl, deleted the summary and rewrote config.yaml)."""
+    run_dir = tmp_path_factory.mktemp("stopped") / "run"
+    stopped = rlmm(run_dir, *RUN, stop_after_step_zero=True)
+    assert stopped.returncode == 128 + signal.SIGTERM, stopped.stderr[-3000:]
+    assert (run_dir / "checkpoints" / "latest").exists() and not (run_dir / "summary.json").exists()
+    return run_dir
+
+
+@pytest.mark.parametrize("other", [
+    ("train", "train.staleness=2"),
+    ("train", "train.decompose_staleness=true"),
+    ("train", "correction=none"),
+    ("train", "train.resume=false"),
+    ("probe",),
+])
+def test_a_refused_start_leaves_every_file_of_a_stopped_run_as_it_was(stopped_run, tmp_path, other):
+    run_dir = tmp_path / "run"
+    shutil.copytree(stopped_run, run_dir)
+    before = digests(run_dir)
+    app, *values = other
+    overrides = (*RUN, *values) if app == "train" else ("probe", "debug=probe", "sampler=hf", "trainer=torch")
+    refused = rlmm(run_dir, *overrides)
+    assert refused.returncode == 2, refused.stdout[-2000:] + refused.stderr[-2000:]
+    assert refused.stdout.startswith("rlmm: error: ") and len(refused.stdout.splitlines()) == 1, refused.stdout
+    assert str(run_dir) in refused.stdout
+    assert digests(run_dir) == before
+
+
+def test_the_runs_own_settings_resume_it_then_a_finished_run_is_left_alone(stopped_run, tmp_path):
+    run_dir = tmp_path / "run"
+    shutil.copytree(stopped_run, run_dir)
+    resumed = rlmm(run_dir, *RUN)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert [row["step"] for row in read_steps(run_dir)] == [0, 1, 2, 3]
+    assert "train.staleness=1" in (run_dir / ".hydra" / "overrides.yaml").read_text()
+    before = digests(run_dir)
+    again = rlmm(run_dir, *RUN)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert again.stdout == f"rlmm: {run_dir} holds this run, finished (summary.json): nothing to do\n"
+    assert digests(run_dir) == before
