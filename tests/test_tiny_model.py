@@ -225,3 +225,51 @@ def test_the_run_seed_leaves_the_model_and_the_task_as_they_are():
     assert len(keys) == 1 and f"tiny-{keys.pop()}" in shipped_digests()
     other = _compose("task.seed=1")
     assert f"tiny-{instantiate(other.model).cache_key(to_container(other.task))}" not in shipped_digests()
+
+
+KILLED_MID_BUILD = """
+import sys
+from rlmm.config import from_yaml
+from rlmm.models.tiny import TinyModel
+spec = TinyModel(hidden_size=64, num_layers=1, num_heads=1, num_kv_heads=1, intermediate_size=64, max_position=64,
+                 seed=0, warm_start_steps=10**6, warm_start_lr=3e-3, warm_start_batch_size=16, cache_dir=sys.argv[1],
+                 rebuild=False)
+spec.resolve(from_yaml("task", "arithmetic", seed=0, careless_demos=0.0), {"t": "killed"})
+"""
+
+
+def test_a_build_killed_half_way_is_removed_by_the_next_build_and_only_it(tmp_path, arithmetic_task):
+    """SIGKILL in the middle of a warm start leaves its `.building-<host>-<pid>-*` directory; the next build removes
+    it, and leaves those that may still be building: this process's own, and another host's until it is a day
+    old (this host cannot see that host's processes)."""
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    from tests.conftest import subprocess_env
+
+    models = tmp_path / "models"
+    log = tmp_path / "builder.log"
+    with open(log, "w") as stderr:
+        builder = subprocess.Popen([sys.executable, "-c", KILLED_MID_BUILD, str(tmp_path)], env=subprocess_env(),
+                                   stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=stderr)
+    deadline = time.monotonic() + 120
+    while not list(models.glob(".building-*")):  # made as the build starts; its files come at the end
+        assert builder.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(0.1)
+    builder.send_signal(signal.SIGKILL)
+    builder.wait(timeout=60)
+    killed = list(models.glob(".building-*"))
+    assert len(killed) == 1 and f"-{builder.pid}-" in killed[0].name
+    ours = models / f".building-{socket.gethostname()}-{os.getpid()}-abc123"
+    elsewhere = models / ".building-another-host-1-abc123"
+    stale_elsewhere = models / ".building-another-host-2-abc123"
+    for directory in (ours, elsewhere, stale_elsewhere):
+        directory.mkdir()
+    two_days_ago = time.time() - 2 * 24 * 3600
+    os.utime(stale_elsewhere, (two_days_ago, two_days_ago))
+    _spec(tmp_path).resolve(arithmetic_task, {"t": 1})
+    assert sorted(models.glob(".building-*")) == sorted([ours, elsewhere])

@@ -22,8 +22,10 @@ import logging
 import math
 import os
 import shutil
+import socket
 import string
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -42,6 +44,11 @@ BUILTIN_SUMS = BUILTIN_DIR / "SHA256SUMS"
 # A warm start whose loss over its last tenth of steps is not below this fraction of its first step's did not
 # learn: an error naming the model, not a useless model cached for every later run.
 LOSS_CAME_DOWN = 0.95
+# A model is built in models/.building-<host>-<pid>-<random> and renamed into place; a build whose builder
+# was killed leaves that directory behind. One whose builder may still be running (on another host sharing
+# the cache, or whose pid was reused here) is removed only once it is this old: no tiny model takes a day.
+BUILDING = ".building-"
+ABANDONED_AFTER_S = 24 * 3600
 
 
 def default_cache_dir() -> Path:
@@ -75,6 +82,53 @@ def verify(path: Path, digests: dict[str, str]) -> None:
         if actual != expected:
             raise ValueError(f"{path / file}: sha256 {actual}, expected {expected} ({BUILTIN_SUMS}); "
                              "the file is corrupted: restore it (git checkout or reinstall rlmm)")
+
+
+def building_prefix() -> str:
+    """`.building-<host>-<pid>-`: the build directory names its builder, so a later build can tell when it is gone."""
+    return f"{BUILDING}{socket.gethostname()}-{os.getpid()}-"
+
+
+def builder_of(directory: Path) -> tuple[str, int] | None:
+    """(host, pid) of a `.building-<host>-<pid>-<random>` directory (the host may hold dashes, the random part
+    does not); None for a name without them, such as an older rlmm's `.building-<random>`."""
+    parts = directory.name[len(BUILDING):].rsplit("-", 2)
+    if len(parts) != 3 or not parts[0] or not parts[1].isdigit():
+        return None
+    return parts[0], int(parts[1])
+
+
+def is_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    except OverflowError:  # not a pid any process can have
+        return False
+    return True
+
+
+def is_abandoned(directory: Path, now: float) -> bool:
+    """Whether the build in `directory` is dead: its builder, on this host, is gone; or whoever built it
+    (another host's process, which this host cannot see) has not touched it for ABANDONED_AFTER_S."""
+    builder = builder_of(directory)
+    if builder is not None and builder[0] == socket.gethostname() and not is_alive(builder[1]):
+        return True
+    try:
+        return now - directory.stat().st_mtime > ABANDONED_AFTER_S
+    except FileNotFoundError:  # renamed into place, or removed, meanwhile
+        return False
+
+
+def remove_abandoned_builds(models: Path) -> None:
+    """Remove the `.building-*` directories in `models` that no running build will finish."""
+    now = time.time()
+    for directory in models.glob(f"{BUILDING}*"):
+        if is_abandoned(directory, now):
+            log.info("removing %s: a model build whose builder is gone", directory)
+            shutil.rmtree(directory, ignore_errors=True)
 
 
 def build_char_tokenizer():
@@ -157,13 +211,15 @@ class TinyModel:
 
     def _cached_build(self, task, task_config: dict, path: Path) -> str:
         """Build and warm-start the model into `path` unless it is already there."""
+        remove_abandoned_builds(path.parent)
         if (path / "rlmm_model.json").exists():
             check_warm_start(json.loads((path / "rlmm_model.json").read_text()), path)  # one cached before the check
             return str(path)
         log.info("building the %s model in %s (cached for later runs)", self.prefix, path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        # Build in a temporary directory and rename, so concurrent runs never see half a model.
-        tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=".building-"))
+        # Build in a temporary directory and rename, so concurrent runs never see half a model, and one
+        # killed half-way leaves only a directory that names its builder (removed by a later build).
+        tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=building_prefix()))
         try:
             report = self._build(task, tmp)
             check_warm_start(report, path)  # before it is cached
@@ -174,6 +230,8 @@ class TinyModel:
                 tmp.rename(path)
             except OSError:  # another process finished first; use theirs
                 shutil.rmtree(tmp, ignore_errors=True)
+                if not (path / "rlmm_model.json").exists():  # no: the rename itself failed
+                    raise
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
