@@ -1,6 +1,7 @@
 """Hydra entry points behind the `rlmm` subcommands."""
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import sys
@@ -15,7 +16,7 @@ from omegaconf import DictConfig
 import rlmm.schema  # noqa: F401  (registers the schemas with Hydra)
 from rlmm.logging import NoOpLogger, redact
 from rlmm.config import BUILD_TIME_ARGS, CONF_DIR, build, to_container, validate
-from rlmm.errors import ConfigError, JobFailed, RunStopped
+from rlmm.errors import MACHINE_FAULT_EXIT, ConfigError, JobFailed, MachineFault, RunStopped
 from rlmm.resume import AlreadyFinished, ResumeRefused
 
 log = logging.getLogger("rlmm")
@@ -38,6 +39,49 @@ def user_error(err: BaseException) -> str | None:
     if not raised_in.startswith(str(Path(__file__).resolve().parent)):
         return None
     return str(err).splitlines()[0] if str(err) else type(err).__name__
+
+
+# The OSErrors that are the disk's or the file system's, not a bug's: what each means for the user.
+DISK_FAULTS = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is exceeded",
+               errno.EROFS: "the file system is read-only", errno.EACCES: "permission denied",
+               errno.EPERM: "not permitted (an immutable file or directory?)", errno.EIO: "an I/O error of the disk"}
+
+
+def machine_fault(err: BaseException) -> str | None:
+    """What failed, in a few words, when `err` (or an error it was raised from or while handling) is a fault of
+    the machine: rlmm's `MachineFault` (a dead sampler process), an OSError of the disk (`DISK_FAULTS`; rlmm's
+    writes name their file: rlmm/disk.py), or torch's distributed errors (a rank gone); None otherwise."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        text = str(err).splitlines()[0] if str(err) else type(err).__name__
+        if isinstance(err, MachineFault):
+            return text
+        if isinstance(err, OSError) and err.errno in DISK_FAULTS:
+            return f"{DISK_FAULTS[err.errno]} ({err.filename or text})"
+        if any(kind.__name__ == "DistError" for kind in type(err).__mro__):  # torch.distributed's, torch not imported
+            return f"a rank of the run failed or is gone ({type(err).__name__}: {text})"
+        err = err.__cause__ or err.__context__
+    return None
+
+
+def what_the_record_holds(run_dir: Path, app: str) -> str:
+    """The run's record after a fault, and how to go on: for `rlmm train`, the steps logged and the newest
+    checkpoint, from which the same command resumes."""
+    if app != "train":
+        return "run the same command again once it is fixed"
+    from rlmm.records import read_steps
+    from rlmm.resume import newest_checkpoint
+
+    rows = read_steps(run_dir)
+    if (run_dir / "summary.json").exists():
+        return f"the run finished: its record in {run_dir} is complete (summary.json); what came after it is missing"
+    if not rows:
+        return f"no step was recorded in {run_dir}; run the same command again once it is fixed"
+    checkpoint = newest_checkpoint(run_dir)
+    resumes = f"resumes from its checkpoint of step {checkpoint[1]['step']}" if checkpoint else "starts over"
+    return (f"{run_dir}/steps.jsonl holds steps {rows[0]['step']}-{rows[-1]['step']}; once it is fixed the same "
+            f"command {resumes}")
 
 
 def start_run(cfg: DictConfig, app: str) -> tuple[dict[str, str], Path]:
@@ -186,6 +230,11 @@ def run_app(command: str, config_name: str) -> None:
         except Exception as err:
             if isinstance(err, RunStopped):  # the run stopped itself: not a bug
                 end(f"rlmm: stopped: {err}", 3, submitted)
+            fault = machine_fault(err)
+            if fault is not None:  # the disk may be the fault: the line goes to the console, not the run's log
+                run_dir = Path(HydraConfig.get().runtime.output_dir)
+                end(f"rlmm: machine fault: {fault}; {what_the_record_holds(run_dir, command)}", MACHINE_FAULT_EXIT,
+                    submitted, touch_run_dir=False)
             message = user_error(err)
             if message is None and not submitted:
                 raise

@@ -12,8 +12,9 @@
     <run dir>/checkpoints/step-000040/state.json         step, the sampler's request counter
     <run dir>/checkpoints/latest                         name of the newest *complete* checkpoint
 
-`latest` is replaced atomically after every rank has written its files, so a job killed while
-checkpointing resumes from the previous complete one. Files are read back with safetensors and
+Every rank writes into `checkpoints/.partial-step-000040`; once all have, rank 0 writes state.json there, renames
+the directory to `step-000040`, then replaces `latest` atomically: a job killed while checkpointing resumes from
+the previous complete one, and the half-written directory is removed at the next start (`remove_partial`). Files are read back with safetensors and
 `torch.load(weights_only=True)` (only tensors, plain containers and the trainer's own allow-listed
 bookkeeping types are rebuilt; no pickled code runs).
 
@@ -32,11 +33,14 @@ from pathlib import Path
 import torch
 
 from rlmm.critic import NoCritic
+from rlmm.disk import writing
 from rlmm.interfaces import Critic
+from rlmm.resume import newest_checkpoint
 
 CHECKPOINTS = "checkpoints"
 CRITIC_WEIGHTS = "critic.safetensors"
 SHARDS = "shards"
+PARTIAL = ".partial-"  # a checkpoint being written: checkpoints/.partial-step-000040, renamed once complete
 # Where a sharded tensor stood in a rank's state (rankN.pt); its data is in shards/ under its path.
 IN_SHARDS = "<in shards/>"
 
@@ -56,11 +60,8 @@ def _barrier() -> None:
 
 def latest(run_dir: str | Path) -> Path | None:
     """The newest complete checkpoint of the run, or None."""
-    marker = Path(run_dir) / CHECKPOINTS / "latest"
-    if not marker.exists():
-        return None
-    path = marker.parent / marker.read_text().strip()
-    return path if (path / "state.json").exists() else None
+    newest = newest_checkpoint(Path(run_dir))
+    return newest[0] if newest else None
 
 
 def save(run_dir: str | Path, step: int, trainer, sampler, critic: Critic = NoCritic(), keep: int = 2,
@@ -75,30 +76,37 @@ def save(run_dir: str | Path, step: int, trainer, sampler, critic: Critic = NoCr
     rank, world = _rank_and_world()
     root = Path(run_dir) / CHECKPOINTS
     path = root / f"step-{step:06d}"
+    partial = root / f"{PARTIAL}{path.name}"  # every file is written here, then the directory renamed to `path`
     # Read on every rank: a collective under ZeRO-3 and FSDP (whose weights are gathered as they are read).
     weights = dict(trainer.state_dict().items())
     critic_weights = dict(critic.state_dict().items())
     if rank == 0:
-        if path.exists():
-            shutil.rmtree(path)
-        path.mkdir(parents=True)
-        # clone: tied weights share storage, which safetensors refuses to write twice
-        save_file({k: v.detach().cpu().clone().contiguous() for k, v in weights.items()}, path / "model.safetensors")
-        if critic_weights:
-            save_file({k: v.detach().cpu().clone().contiguous() for k, v in critic_weights.items()},
-                      path / CRITIC_WEIGHTS)
+        remove_partial(run_dir)  # a checkpoint a killed run was writing
+        with writing(partial):
+            partial.mkdir(parents=True)
+            # clone: tied weights share storage, which safetensors refuses to write twice
+            save_file({k: v.detach().cpu().clone().contiguous() for k, v in weights.items()},
+                      partial / "model.safetensors")
+            if critic_weights:
+                save_file({k: v.detach().cpu().clone().contiguous() for k, v in critic_weights.items()},
+                          partial / CRITIC_WEIGHTS)
     _barrier()
     rank_state, shards = split_sharded({"trainer": trainer.checkpoint_state(), "torch_rng": torch.get_rng_state(),
                                         **critic_entry(critic), **({"rollouts": rollouts} if rollouts else {})})
-    if shards:  # a collective: every rank of a sharded trainer has them
-        import torch.distributed.checkpoint as dcp
+    with writing(partial):
+        if shards:  # a collective: every rank of a sharded trainer has them (its metadata names files relative to it)
+            import torch.distributed.checkpoint as dcp
 
-        dcp.save(shards, checkpoint_id=path / SHARDS)
-    torch.save(rank_state, path / f"rank{rank}.pt")
+            dcp.save(shards, checkpoint_id=partial / SHARDS)
+        torch.save(rank_state, partial / f"rank{rank}.pt")
     _barrier()
     if rank == 0:
         state = {"step": step, "world_size": world, "sampler_calls": sampler.calls, "loop": loop or {}}
-        (path / "state.json").write_text(json.dumps(state, indent=2))
+        with writing(partial):
+            (partial / "state.json").write_text(json.dumps(state, indent=2))
+        if path.exists():  # written before by a run killed before it moved `latest` (which names an older one)
+            shutil.rmtree(path)
+        os.replace(partial, path)
         tmp = root / "latest.tmp"
         tmp.write_text(path.name)
         os.replace(tmp, root / "latest")
@@ -106,6 +114,12 @@ def save(run_dir: str | Path, step: int, trainer, sampler, critic: Critic = NoCr
             shutil.rmtree(old, ignore_errors=True)
     _barrier()
     return path
+
+
+def remove_partial(run_dir: str | Path) -> None:
+    """Remove the checkpoints a killed run left half-written (never loaded: `latest` names complete ones only)."""
+    for partial in (Path(run_dir) / CHECKPOINTS).glob(f"{PARTIAL}*"):
+        shutil.rmtree(partial, ignore_errors=True)
 
 
 def load(path: Path, trainer, sampler, critic: Critic = NoCritic()) -> dict:

@@ -68,6 +68,7 @@ def build_components(cfg: DictConfig, prompts: Callable[[object], list], max_row
     algo = instantiate(cfg.algo) if "algo" in cfg else None
     correction = instantiate(cfg.correction) if "correction" in cfg else None
     routing = instantiate(cfg.routing) if "routing" in cfg else RoutingReplay("none", measure=False, compare=False)
+    routing.check_checkpoint(model_path)  # a routing the model cannot take, refused before any engine starts
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     with timed(seconds, "sampler_init"):
         # A trainer with an fp32 head trains it apart from a tied input embedding: the sampler must hold both.

@@ -5,6 +5,9 @@ so every module can raise and catch these without an import cycle.
   exits 2 (`rlmm.apps.user_error`).
 - `RunStopped` and its kinds: the run stopped itself cleanly (exit 3): it is not a bug, and the
   message says where it can resume.
+- `MachineFault`: a fault of the machine, not of the input or of rlmm (a dead sampler process, a disk full,
+  read-only or not permitted, a rank gone): one line, exit 4, with what the run's record still holds
+  (`rlmm.apps.machine_fault`; OSErrors of the disk and torch's distributed errors are told apart there).
 - `JobFailed`: why a job of a submitted sweep failed, carried back to `rlmm ... -m`.
 """
 from __future__ import annotations
@@ -27,6 +30,13 @@ class TrainingStopped(RunStopped):
 
 class NonFiniteWeights(RunStopped):
     """The update produced NaN/Inf weights (an optimizer without an overflow check); never synced."""
+
+
+class MachineFault(RuntimeError):
+    """A fault of the machine the run met (exit 4); the message says what failed."""
+
+
+MACHINE_FAULT_EXIT = 4
 
 
 class JobFailed(RuntimeError):

@@ -70,8 +70,11 @@ def fail_on_unknown_options(parsed: list, app: str | None = None) -> None:
     for override in parsed:
         group = override.key_or_group
         if group in OVERLAY_GROUPS and override.is_add():
-            fail(f"+{group}={override.get_value_element_as_str()}: write {group}="
-                 f"{override.get_value_element_as_str()}, no '+' ({group}: null is in the app's defaults list)")
+            value = override.get_value_element_as_str()
+            other_app = _other_app_of(group, value, app)
+            if other_app:
+                fail(f"+{group}={value}: {value} is rlmm {other_app}'s {group}: run rlmm {other_app} {group}={value}")
+            fail(f"+{group}={value}: write {group}={value}, no '+' ({group}: null is in the app's defaults list)")
         options = _hydra_group_options(group) if group.startswith("hydra/") else group_options(group, app)
         if options and not override.is_delete():
             values = list(override.sweep_string_iterator()) if override.is_sweep_override() else [override.value()]
@@ -83,9 +86,20 @@ def fail_on_unknown_options(parsed: list, app: str | None = None) -> None:
                     if problem:
                         fail(problem)
                     continue
-                if str(value) in group_options(group):  # an overlay of the other app
-                    fail(f"{group} '{value}' is not one of rlmm {app}'s (allowed: {', '.join(options)})")
+                other_app = _other_app_of(group, str(value), app)
+                if other_app:  # an overlay of the other app
+                    fail(f"{group} '{value}' is not one of rlmm {app}'s but rlmm {other_app}'s: run rlmm {other_app} "
+                         f"{group}={value} (rlmm {app}'s: {', '.join(options)})")
                 fail(f"unknown {group} '{value}' (allowed: {', '.join(options)})")
+
+
+def _other_app_of(group: str, value: str, app: str | None) -> str | None:
+    """The other app whose `group` (experiment, debug) has option `value` when `app`'s has not; else None."""
+    from rlmm.config import group_options
+
+    if app is None or value in group_options(group, app):
+        return None
+    return next((other for other in ("train", "probe") if other != app and value in group_options(group, other)), None)
 
 
 def composed_and_validated(config_name: str, combination: list[str], composed_groups: dict | None = None):

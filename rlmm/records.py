@@ -16,6 +16,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from rlmm.disk import writing
 from rlmm.logging import redact
 
 
@@ -54,18 +55,23 @@ class RunRecord:
         self._steps = open(path, "a", encoding="utf-8")
 
     def log(self, metrics: dict, step: int) -> None:
-        self._steps.write(json.dumps(_plain({"step": step, **metrics})) + "\n")
-        self._steps.flush()
-        os.fsync(self._steps.fileno())
+        with writing(self._steps.name):
+            self._steps.write(json.dumps(_plain({"step": step, **metrics})) + "\n")
+            self._steps.flush()
+            os.fsync(self._steps.fileno())
 
     def summary(self, summary: dict) -> None:
         path = self.dir / "summary.json"
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(_plain(summary), indent=2))
-        tmp.replace(path)
+        with writing(path):
+            tmp.write_text(json.dumps(_plain(summary), indent=2))
+            tmp.replace(path)
 
     def close(self) -> None:
-        self._steps.close()
+        try:
+            self._steps.close()
+        except OSError:  # a write the disk refused, raised by `log` already: the rows before it are on disk
+            pass
 
 
 class NullRecord:

@@ -84,6 +84,16 @@ def listed(changed: list[str]) -> str:
     return "; ".join(changed[:SHOWN_DIFFERENCES]) + (f" (and {more} more)" if more > 0 else "")
 
 
+def newest_checkpoint(run_dir: Path) -> tuple[Path, dict] | None:
+    """The newest complete checkpoint, the one `checkpoints/latest` names, and its state.json; None if there is
+    none (a checkpoint is complete once its state.json is written: rlmm/checkpoint.py::save)."""
+    marker = Path(run_dir) / "checkpoints" / "latest"
+    if not marker.exists():
+        return None
+    path = marker.parent / marker.read_text().strip()
+    return (path, json.loads((path / "state.json").read_text())) if (path / "state.json").exists() else None
+
+
 def check_train_dir(run_dir: Path, config: dict, world: int, resume: bool) -> None:
     """Raise ResumeRefused or AlreadyFinished per the module docstring; return when the run may start (fresh, or
     resuming). `config`: the run's record config ({"choices": ..., **the config}, redacted, as RunRecord writes
@@ -106,14 +116,11 @@ def check_train_dir(run_dir: Path, config: dict, world: int, resume: bool) -> No
                             f"with its own settings, or give this run another hydra.run.dir")
     if (run_dir / "summary.json").exists():
         raise AlreadyFinished(f"rlmm: {run_dir} holds this run, finished (summary.json): nothing to do")
-    marker = run_dir / "checkpoints" / "latest"
-    state = marker.parent / marker.read_text().strip() / "state.json" if marker.exists() else None
-    if state is not None and state.exists():
-        written_by = json.loads(state.read_text())["world_size"]
-        if written_by != world:
-            raise ResumeRefused(f"train.resume: checkpoint {state.parent} was written by {written_by} ranks, this run "
-                                f"has {world} (resume with the same number of ranks, or give this run another "
-                                f"hydra.run.dir)")
+    checkpoint = newest_checkpoint(run_dir)
+    if checkpoint is not None and checkpoint[1]["world_size"] != world:
+        raise ResumeRefused(f"train.resume: checkpoint {checkpoint[0]} was written by {checkpoint[1]['world_size']} "
+                            f"ranks, this run has {world} (resume with the same number of ranks, or give this run "
+                            f"another hydra.run.dir)")
 
 
 def check_probe_dir(run_dir: Path, config: dict) -> None:

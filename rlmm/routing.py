@@ -231,6 +231,11 @@ def recorded_routing(model: nn.Module) -> Iterator[dict[int, torch.Tensor]]:
         hooks.rows = outer
 
 
+# Where a Hugging Face config counts its experts: Qwen2-MoE, Qwen3-MoE, OLMoE (num_experts); Mixtral, GPT-OSS
+# (num_local_experts); DeepSeek-V2/V3 (n_routed_experts); ERNIE-4.5-MoE (moe_num_experts).
+EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+
+
 class RoutingReplay:
     """What the RL step does with an MoE model's routing: `routing=none|r2|r3` (conf/routing/; the module
     docstring). The step asks it which rollouts π_old is scored on (`scored`) and which the updates train
@@ -260,13 +265,26 @@ class RoutingReplay:
         """Whether the sampler is to return the experts it chose (`Rollouts.routed_experts`)."""
         return self.mode == "r3" or self.measure or self.compare
 
+    def check_checkpoint(self, model_path: str) -> None:
+        """Before any engine starts: r2 and r3 need an MoE model, read from the checkpoint's config.json (its
+        count of experts under any of EXPERT_COUNT_KEYS; `bind` checks the built module again)."""
+        if self.mode == "none":
+            return
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(model_path)
+        if not any((getattr(config, key, 0) or 0) > 0 for key in EXPERT_COUNT_KEYS):
+            self._refuse_dense((getattr(config, "architectures", None) or [config.model_type])[0])
+
+    def _refuse_dense(self, model_name: str) -> None:
+        raise ValueError(f"routing={self.mode}: the model ({model_name}) has no mixture-of-experts router; routing "
+                         f"replay needs an MoE model such as model=tiny_moe (a dense model takes routing=none)")
+
     def bind(self, model: nn.Module) -> RoutingReplay:
         """Check the trainer's model against the mode (r2 and r3 need an MoE model) and install its hooks."""
         self.shape = moe_shape(model)
         if self.shape is None and self.mode != "none":
-            raise ValueError(f"routing={self.mode}: the model ({type(unwrap(model)).__name__}) has no mixture-of-"
-                             f"experts router; routing replay needs an MoE model such as model=tiny_moe "
-                             f"(a dense model takes routing=none)")
+            self._refuse_dense(type(unwrap(model)).__name__)
         if self.shape is not None:
             hooks_of(model)
         return self

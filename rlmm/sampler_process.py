@@ -46,12 +46,23 @@ from dataclasses import dataclass
 
 import torch
 
+from rlmm.errors import MachineFault
+
 # How often a side waiting on the other checks that it is still alive (seconds).
 POLL_SECONDS = 1.0
 
 
 class SamplerProcessError(RuntimeError):
-    """The sampler process failed (an error it raised, or its exit), as the trainer sees it."""
+    """The sampler process failed (an error it raised, or a reply out of order), as the trainer sees it."""
+
+
+class SamplerProcessExited(SamplerProcessError, MachineFault):
+    """The sampler process is gone (killed: by the OOM killer, a signal, a crash of its engine)."""
+
+    def __init__(self, exitcode: int | None, doing: str):
+        how = (f"was killed by {signal.Signals(-exitcode).name}" if exitcode is not None and exitcode < 0
+               and -exitcode in signal.Signals._value2member_map_ else f"exited (code {exitcode})")
+        super().__init__(f"train.overlap: the sampler process {how} {doing}")
 
 
 @dataclass
@@ -179,7 +190,7 @@ class SamplerProcess:
 
     def _send(self, kind: str, value) -> None:
         if not self.process.is_alive():
-            raise SamplerProcessError(f"train.overlap: the sampler process has exited (code {self.process.exitcode})")
+            raise SamplerProcessExited(self.process.exitcode, "before the trainer's request")
         self.requests.put((kind, value))
 
     def _receive(self, kind: str | None):
@@ -190,8 +201,7 @@ class SamplerProcess:
                 reply = pickle.loads(self.responses.get(timeout=POLL_SECONDS))
             except queue.Empty:
                 if not self.process.is_alive():
-                    raise SamplerProcessError(f"train.overlap: the sampler process exited (code "
-                                              f"{self.process.exitcode}) while the trainer waited for it") from None
+                    raise SamplerProcessExited(self.process.exitcode, "while the trainer waited for it") from None
                 continue
             got, value = reply
             if got == "ready":  # the first reply, whether or not it was asked for yet

@@ -24,6 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 from rlmm.collectives import mean_over_ranks
 from rlmm.components import Components, build_components
 from rlmm.config import CONF_DIR, to_container
+from rlmm.disk import writing
 from rlmm.errors import TrainingStopped
 from rlmm.formatting import format_number
 from rlmm.monitor import build_monitor
@@ -79,6 +80,8 @@ def run_train(cfg: DictConfig, run_dir: Path, choices: dict[str, str], logger) -
                                                options.eval_prompts), sampler_factory=SamplerProcess if options.overlap else None)
     trainer, sampler, precision_report = components.trainer, components.sampler, components.precision_report
     rank, world = dist.get_rank(), dist.get_world_size()
+    if rank == 0:
+        checkpoint.remove_partial(run_dir)  # what a run killed while checkpointing left
     last = checkpoint.latest(run_dir) if options.resume else None
     resumed = checkpoint.load(last, trainer, sampler, components.critic) if last else {"step": 0}
     first_step = resumed["step"] + 1
@@ -408,5 +411,6 @@ def plot_training(history: list[dict], accuracy: dict[int, float], trained_accur
         ax.set_xlabel("step")
     fig.suptitle(" ".join(f"{k}={v}" for k, v in choices.items()), fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    with writing(path):
+        fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -194,5 +194,20 @@ def test_an_overlay_of_the_other_app_fails_naming_this_apps_options(app, overrid
     assert exit_.value.code == 2
     mine = [n for n in (EXPERIMENTS if group == "experiment" else DEBUG)
             if (app_of(n) if group == "experiment" else debug_app(n)) == app]
-    assert capsys.readouterr().err.strip() == (f"rlmm: error: {group} '{value}' is not one of rlmm {app}'s "
-                                               f"(allowed: {', '.join(mine)})")
+    other = "probe" if app == "train" else "train"
+    assert capsys.readouterr().err.strip() == (f"rlmm: error: {group} '{value}' is not one of rlmm {app}'s but rlmm "
+                                               f"{other}'s: run rlmm {other} {override} (rlmm {app}'s: "
+                                               f"{', '.join(mine)})")
+
+
+@pytest.mark.parametrize("app,override", [("train", "+experiment=fp16_vs_bf16"), ("probe", "+debug=train")])
+def test_the_plus_spelling_of_the_other_apps_overlay_names_the_app_that_takes_it(app, override, capsys):
+    """`rlmm train +experiment=fp16_vs_bf16` once said to write experiment=fp16_vs_bf16, which rlmm train then
+    refused as a probe experiment."""
+    group, value = override.removeprefix("+").split("=")
+    other = "probe" if app == "train" else "train"
+    with pytest.raises(SystemExit) as exit_:
+        check_overrides(app, [override])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.strip() == (f"rlmm: error: {override}: {value} is rlmm {other}'s {group}: run "
+                                               f"rlmm {other} {group}={value}")

@@ -113,11 +113,30 @@ def test_replaying_other_experts_changes_exactly_the_tokens_they_reach(moe_model
         assert torch.equal(model(input_ids=ids, use_cache=False, **{REPLAY_KWARG: unrouted}).logits, plain)
 
 
+def test_an_moe_checkpoint_takes_replay_and_rlmm_train_refuses_it_for_a_dense_one_before_any_engine(moe_model_path):
+    RoutingReplay("r3", measure=True, compare=False).check_checkpoint(moe_model_path)
+    import subprocess
+    import sys
+
+    from tests.conftest import subprocess_env
+
+    refused = subprocess.run([sys.executable, "-m", "rlmm.cli", "train", "debug=train", "routing=r3"], text=True,
+                             capture_output=True, timeout=300, env=subprocess_env(), stdin=subprocess.DEVNULL)
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    assert refused.stdout == ("rlmm: error: routing=r3: the model (Qwen2ForCausalLM) has no mixture-of-experts router; "
+                              "routing replay needs an MoE model such as model=tiny_moe (a dense model takes "
+                              "routing=none)\n")
+    assert "vllm" not in refused.stderr.lower() and "deepspeed" not in refused.stderr.lower(), refused.stderr[-3000:]
+
+
 def test_a_router_the_replay_cannot_reproduce_is_refused_by_name(small_model_path):
     model = load(small_model_path)
     assert routers(model) == [] and moe_shape(model) is None
     with pytest.raises(ValueError, match="routing=r3: the model \\(Qwen2ForCausalLM\\) has no mixture-of-experts"):
         RoutingReplay("r3", measure=True, compare=False).bind(model)
+    # the same from the checkpoint's config.json, before any engine starts
+    with pytest.raises(ValueError, match="routing=r2: the model \\(Qwen2ForCausalLM\\) has no mixture-of-experts"):
+        RoutingReplay("r2", measure=True, compare=False).check_checkpoint(small_model_path)
     with pytest.raises(ValueError, match="routing.mode: unknown mode 'r4' \\(allowed: none, r2, r3\\)"):
         RoutingReplay("r4", measure=True, compare=False)
     RoutingReplay("none", measure=True, compare=False).bind(model)  # a dense model takes routing=none

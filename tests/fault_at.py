@@ -1,0 +1,127 @@
+"""`rlmm` with a fault injected at one point of a run: `python tests/fault_at.py ACTION POINT N [rlmm args...]`.
+
+At the N-th time (1-based) the run reaches POINT, ACTION happens:
+    kill  SIGKILL this process (no handler runs: the machine lost power, the OOM killer came)
+    fill  fill the file system of $RLMM_FAULT_FILLER (a file outside the run directory) to the last byte,
+          then go on: the run's next write meets a full disk
+
+POINT (the function whose N-th call it is):
+    sampling        entering rlmm.step.sample_groups (the sampler generating a step's rollouts)
+    update          entering rlmm.step.OldPolicy.score (the update, between the scoring forward and the optimizer)
+    weight_sync     entering rlmm.step.send_weights (the trainer has stepped, the sampler has the old weights)
+    record          RunRecord.log (a kill writes half of the row first: a torn last line)
+    record_written  after RunRecord.log returned (the row on disk)
+    checkpoint      inside checkpoint.save, after rank 0 wrote model.safetensors, before the ranks' states
+    checkpointed    after checkpoint.save returned (`latest` moved)
+    summary         after RunRecord.summary returned (only the plot is left)
+    sampler_process SamplerProcess.request_batch (`train.overlap`): a kill is of the sampler process, not this one
+"""
+import errno
+import os
+import signal
+import sys
+from pathlib import Path
+
+ACTION, POINT, NTH = sys.argv[1], sys.argv[2], int(sys.argv[3])
+calls = {"n": 0}
+
+
+def fill_disk() -> None:
+    filler = Path(os.environ["RLMM_FAULT_FILLER"])
+    descriptor = os.open(filler, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    try:
+        for size in (1 << 20, 1 << 12, 1):  # down to the last byte
+            block = b"\0" * size
+            while True:
+                try:
+                    os.write(descriptor, block)
+                except OSError as err:
+                    if err.errno != errno.ENOSPC:
+                        raise
+                    break
+    finally:
+        os.close(descriptor)
+
+
+def fault(*_, **__) -> None:
+    if ACTION == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif ACTION == "fill":
+        fill_disk()
+    else:
+        raise SystemExit(f"fault_at: unknown action {ACTION!r} (kill, fill)")
+
+
+def reached() -> bool:
+    calls["n"] += 1
+    return calls["n"] == NTH
+
+
+def before(owner, name: str, act=fault) -> None:
+    original = getattr(owner, name)
+
+    def wrapped(*args, **kwargs):
+        if reached():
+            act(*args, **kwargs)
+        return original(*args, **kwargs)
+
+    setattr(owner, name, wrapped)
+
+
+def after(owner, name: str) -> None:
+    original = getattr(owner, name)
+
+    def wrapped(*args, **kwargs):
+        result = original(*args, **kwargs)
+        if reached():
+            fault()
+        return result
+
+    setattr(owner, name, wrapped)
+
+
+def torn_row(record, metrics, step=None) -> None:
+    """Half of the row, on disk, then the fault."""
+    import json
+
+    line = json.dumps({"step": step, **{k: v for k, v in metrics.items() if isinstance(v, (int, float))}})
+    record._steps.write(line[: len(line) // 2])
+    record._steps.flush()
+    os.fsync(record._steps.fileno())
+    fault()
+
+
+def kill_the_sampler_process(process, index, **_) -> None:
+    process.process.kill()
+    process.process.join(timeout=30)
+
+
+import rlmm.checkpoint  # noqa: E402
+import rlmm.step  # noqa: E402
+from rlmm.records import RunRecord  # noqa: E402
+from rlmm.sampler_process import SamplerProcess  # noqa: E402
+
+if POINT == "sampling":
+    before(rlmm.step, "sample_groups")
+elif POINT == "update":
+    before(rlmm.step.OldPolicy, "score")
+elif POINT == "weight_sync":
+    before(rlmm.step, "send_weights")
+elif POINT == "record":
+    before(RunRecord, "log", act=torn_row if ACTION == "kill" else fault)
+elif POINT == "record_written":
+    after(RunRecord, "log")
+elif POINT == "checkpoint":
+    before(rlmm.checkpoint, "split_sharded")
+elif POINT == "checkpointed":
+    after(rlmm.checkpoint, "save")
+elif POINT == "summary":
+    after(RunRecord, "summary")
+elif POINT == "sampler_process":
+    before(SamplerProcess, "request_batch", act=kill_the_sampler_process)
+else:
+    raise SystemExit(f"fault_at: unknown point {POINT!r}")
+
+from rlmm.cli import main  # noqa: E402
+
+main(sys.argv[4:])

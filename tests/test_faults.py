@@ -1,0 +1,117 @@
+"""Faults of the machine a run meets, each one line (exit 4) with the record intact up to its last step, and the
+same command resuming to the uninterrupted run's records: the disk filling up at a checkpoint, at steps.jsonl, at
+the plot (a small tmpfs, filled from outside the run as the run reaches each point: tests/fault_at.py), a
+read-only or immutable run directory, and a sampler process killed under `train.overlap`."""
+import json
+import subprocess
+import sys
+import uuid
+
+import pytest
+
+from rlmm.records import read_steps
+from tests.conftest import subprocess_env
+
+RUN = ("train", "debug=train", "sampler=hf", "trainer=torch", "precision=fp32", "train.steps=3",
+       "train.checkpoint_every=1")
+
+
+def comparable(rows):
+    return [{k: v for k, v in row.items() if not k.startswith("perf/")} for row in rows]
+
+
+def rlmm(run_dir, *overrides, fault=None, filler=None):
+    """`rlmm` (with `fault` = (action, point, n): tests/fault_at.py) in `run_dir`."""
+    program = ["tests/fault_at.py", *map(str, fault)] if fault else ["-m", "rlmm.cli"]
+    env = subprocess_env(**({"RLMM_FAULT_FILLER": str(filler)} if filler else {}))
+    return subprocess.run([sys.executable, *program, *overrides, f"hydra.run.dir={run_dir}"], capture_output=True,
+                          text=True, timeout=600, env=env, stdin=subprocess.DEVNULL)
+
+
+def mount(where, *options) -> None:
+    where.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", ",".join(("size=256m", *options)), "tmpfs", str(where)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"a small disk needs `mount -t tmpfs` (root with CAP_SYS_ADMIN): {done.stderr.strip()}")
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 256 MiB tmpfs (two checkpoints of the built-in model are ~80 MB), unmounted afterwards."""
+    disk = tmp_path / f"disk-{uuid.uuid4().hex[:6]}"
+    mount(disk)
+    yield disk
+    subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("straight") / "run"
+    done = rlmm(run_dir, *RUN)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return read_steps(run_dir)
+
+
+@pytest.mark.parametrize("point,n,fails_at,kept,resumes", [
+    # row 1 written, the disk fills, then step 1's checkpoint fails
+    ("record_written", 2, "checkpoints/.partial-step-000001", [0, 1], "starts over"),
+    # step 1's checkpoint written, then step 2's row fails
+    ("checkpointed", 1, "steps.jsonl", [0, 1], "resumes from its checkpoint of step 1"),
+])
+def test_a_full_disk_is_one_line_with_the_record_intact_and_the_same_command_resumes(small_disk, straight, point, n,
+                                                                                    fails_at, kept, resumes):
+    run_dir, filler = small_disk / "run", small_disk / "filler"
+    full = rlmm(run_dir, *RUN, fault=("fill", point, n), filler=filler)
+    assert full.returncode == 4, full.stdout[-2000:] + full.stderr[-3000:]
+    assert full.stdout == (f"rlmm: machine fault: the disk is full ({run_dir / fails_at}); {run_dir}/steps.jsonl holds "
+                           f"steps 0-{kept[-1]}; once it is fixed the same command {resumes}\n")
+    assert "Traceback" not in full.stderr, full.stderr[-3000:]
+    assert [row["step"] for row in read_steps(run_dir)] == kept
+    assert not (run_dir / "checkpoints" / "step-000002").exists()  # a checkpoint is whole or absent
+    filler.unlink()
+    resumed = rlmm(run_dir, *RUN)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert comparable(read_steps(run_dir)) == comparable(straight)
+    assert not list((run_dir / "checkpoints").glob(".partial-*"))  # removed at the start
+
+
+def test_a_full_disk_at_the_plot_says_the_record_is_complete(small_disk, straight):
+    run_dir, filler = small_disk / "run", small_disk / "filler"
+    full = rlmm(run_dir, *RUN, fault=("fill", "summary", 1), filler=filler)
+    assert full.returncode == 4, full.stdout[-2000:] + full.stderr[-3000:]
+    assert full.stdout == (f"rlmm: machine fault: the disk is full ({run_dir / 'training.png'}); the run finished: its "
+                           f"record in {run_dir} is complete (summary.json); what came after it is missing\n")
+    assert comparable(read_steps(run_dir)) == comparable(straight)
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 3
+
+
+def test_a_read_only_run_directory_is_one_line_before_anything_starts(tmp_path):
+    disk = tmp_path / "disk"
+    mount(disk, "ro")
+    try:
+        existing = rlmm(disk, *RUN)  # the run directory is there: rlmm's first write fails
+        assert existing.returncode == 4, existing.stdout[-2000:] + existing.stderr[-3000:]
+        assert existing.stdout == (f"rlmm: machine fault: the file system is read-only ({disk / '.hydra'}); no step "
+                                   f"was recorded in {disk}; run the same command again once it is fixed\n")
+        missing = rlmm(disk / "new", *RUN)  # Hydra would make it: refused before Hydra starts
+        assert missing.returncode == 4, missing.stdout[-2000:] + missing.stderr[-3000:]
+        assert missing.stderr == (f"rlmm: machine fault: cannot make the run directory {disk / 'new'}: {disk} is not "
+                                  f"writable (permissions, a read-only or immutable file system); choose another "
+                                  f"hydra.run.dir\n")
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+def test_an_immutable_run_directory_is_one_line(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    if subprocess.run(["chattr", "+i", str(run_dir)], capture_output=True).returncode != 0:
+        pytest.skip("chattr +i is not supported here (needs root and an ext4/xfs/btrfs file system)")
+    try:
+        refused = rlmm(run_dir, *RUN)
+        assert refused.returncode == 4, refused.stdout[-2000:] + refused.stderr[-3000:]
+        assert refused.stdout.startswith(f"rlmm: machine fault: not permitted (an immutable file or directory?) "
+                                         f"({run_dir / '.hydra'}); "), refused.stdout
+    finally:
+        subprocess.run(["chattr", "-i", str(run_dir)], check=False)
