@@ -89,13 +89,30 @@ class NullRecord:
 
 def read_steps(run_dir: str | Path) -> list[dict]:
     """Every complete step of a run's record (a torn last line is skipped)."""
+    return read_steps_and_damage(run_dir)[0]
+
+
+def read_steps_and_damage(run_dir: str | Path) -> tuple[list[dict], str]:
+    """The record's step rows up to its first line that is not a JSON object with a "step" (a torn line, or
+    damage), and what was skipped: "" when nothing, or only the torn last line of a run that did not finish (a
+    kill mid-write leaves it: it is redone on resume), else e.g. "line 5 of steps.jsonl (after step 3) is torn
+    or not JSON, it and the 2 lines after it skipped"."""
     rows = []
     path = Path(run_dir) / "steps.jsonl"
     if not path.exists():
-        return rows
-    for line in path.read_text(encoding="utf-8").splitlines():
+        return rows, ""
+    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    for number, line in enumerate(lines, start=1):
         try:
-            rows.append(json.loads(line))
+            row = json.loads(line)
         except json.JSONDecodeError:
-            break
-    return rows
+            row = None
+        if not isinstance(row, dict) or "step" not in row:
+            if number == len(lines) and not (Path(run_dir) / "summary.json").exists():
+                return rows, ""  # the last line of a run killed while writing it: expected, not damage
+            after = f"after step {rows[-1]['step']}" if rows else "before any step"
+            rest = len(lines) - number
+            skipped = f"it and the {rest} line{'s' if rest != 1 else ''} after it skipped" if rest else "skipped"
+            return rows, f"line {number} of steps.jsonl ({after}) is torn or not JSON, {skipped}"
+        rows.append(row)
+    return rows, ""

@@ -112,7 +112,7 @@ elif POINT == "record":
 elif POINT == "record_written":
     after(RunRecord, "log")
 elif POINT == "checkpoint":
-    before(rlmm.checkpoint, "split_sharded")
+    before(rlmm.checkpoint, "critic_entry")  # once a save (split_sharded recurses)
 elif POINT == "checkpointed":
     after(rlmm.checkpoint, "save")
 elif POINT == "summary":

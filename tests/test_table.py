@@ -228,7 +228,7 @@ def test_cli_end_to_end(sweep, tmp_path):
     assert md.splitlines()[0] in result.stdout and "wrote table.md" in result.stdout
     csv = pd.read_csv(out / "table.csv")
     assert list(csv.columns) == ["precision", "correction", "metric", "reduction", "mean", "ci95", "std", "n", "ok",
-                                 "incomplete", "failed"]
+                                 "incomplete", "failed", "damaged"]
     assert len(csv) == 12 and csv["n"].tolist() == [3] * 12
     assert csv["failed"].sum() == 2 * 3 and csv["incomplete"].sum() == 3
     tex = (out / "table.tex").read_text()
@@ -412,3 +412,23 @@ def test_rlmm_command_lists_table():
     assert "unknown command 'tabel' (allowed: train, probe, table, prefetch)" in one_line_error(rlmm("tabel"))
     result = rlmm("--help")
     assert result.returncode == 0 and "rlmm table SWEEP_DIR" in result.stdout
+
+
+def test_a_torn_line_is_a_warning_naming_the_run_and_the_step_and_its_cells_are_marked(tmp_path):
+    """A complete run whose steps.jsonl has a torn line after step 3 (as a write cut by a full disk or a kill
+    leaves): `rlmm table` warns naming the run and the step, and the cells it counts in are marked with the step
+    its values stop at (it once showed as ok, its "final" value silently step 3's)."""
+    train_run(tmp_path / "s" / "0", "bf16", "tis", 0)
+    train_run(tmp_path / "s" / "1", "fp16", "tis", 0)
+    steps = tmp_path / "s" / "1" / "steps.jsonl"
+    lines = steps.read_text().splitlines()
+    steps.write_text("\n".join([*lines[:4], lines[4][:20], *lines[5:]]) + "\n")  # step 4's row torn
+    result = rlmm("table", str(tmp_path / "s"), "--out", str(tmp_path / "t"), "--metric", "rollout/reward_mean")
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.strip() == ("rlmm table: warning: 1: line 5 of steps.jsonl (after step 3) is torn or not JSON, "
+                                     "it and the 1 line after it skipped; its final values are those of step 3")
+    md = (tmp_path / "t" / "table.md").read_text()
+    assert f"| fp16 | 1 ok | {format_number(BASE['fp16', 'tis'] + 0.03)} (n=1) † |" in md
+    assert f"| bf16 | 1 ok | {format_number(BASE['bf16', 'tis'] + 0.05)} (n=1) |" in md
+    assert ("† 1: line 5 of steps.jsonl (after step 3) is torn or not JSON, it and the 1 line after it skipped; its "
+            "values are those up to step 3.") in md

@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import sys
 from pathlib import Path
 
 from rlmm.errors import fail
@@ -85,6 +86,10 @@ def main(argv: list[str] | None = None) -> None:
     directions = {**{p: "min" for p in args.lower_is_better}, **{p: "max" for p in args.higher_is_better}}
     try:
         runs = read_runs(args.sources)
+        for run in runs:
+            if run.damage:  # its final values are an earlier step's: say so, not silently
+                print(f"rlmm table: warning: {run.name}: {run.damage}; its final values are those of step "
+                      f"{run.steps}", file=sys.stderr)
         df = load_runs(runs, directions)
         metrics = args.metric or default_metrics(df)
         if not metrics:

@@ -22,6 +22,8 @@ class Run:
     history: list[dict] = field(default_factory=list)    # one dict per step, with "step"
     values: dict[str, float] = field(default_factory=dict)  # one-off numbers: summary/*, probe metrics
     note: str = ""                                       # why not complete
+    damage: str = ""                                     # what of its record could not be read (then its
+                                                         # final values are those of the last step before it)
 
 
 def set_status(run: Run, complete: bool, error: str = "", note: str = "") -> Run:

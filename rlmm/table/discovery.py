@@ -9,7 +9,7 @@ import os
 import re
 from pathlib import Path
 
-from rlmm.records import read_steps
+from rlmm.records import read_steps_and_damage
 from rlmm.table.base import Run, TableError, is_number, number, set_status
 from rlmm.table.wandb_source import read_wandb
 
@@ -73,7 +73,7 @@ def read_local_run(run_dir: Path, name: str) -> Run:
         run.kind, run.steps = "probe", 1
         run.values = probe_values(record)
         return set_status(run, complete=True)
-    run.history = read_steps(run_dir)
+    run.history, run.damage = read_steps_and_damage(run_dir)
     run.kind = "train" if run.history else ""
     run.steps = max((int(row.get("step", 0)) for row in run.history), default=0)
     summary = run_dir / "summary.json"

@@ -46,7 +46,7 @@ def load_runs(sources, directions: dict[str, str] | None = None) -> pd.DataFrame
     rows = []
     for run in runs:
         row = {"run": run.name, "status": run.status, "steps": run.steps, "kind": run.kind, "note": run.note,
-               "path": run.path, **{k: run.overrides.get(k, "(default)") for k in keys}}
+               "damage": run.damage, "path": run.path, **{k: run.overrides.get(k, "(default)") for k in keys}}
         series: dict[str, list[float]] = {}
         for step in sorted(run.history, key=lambda r: r.get("step", 0)):
             for key, value in step.items():
@@ -83,7 +83,7 @@ def varying_axes(df: pd.DataFrame, replicate=REPLICATE_AXES) -> list[str]:
     return [k for k in keys if k in df and k not in replicate and df[k].nunique(dropna=False) > 1]
 
 
-_RUN_COLUMNS = ("run", "status", "steps", "kind", "note", "path")
+_RUN_COLUMNS = ("run", "status", "steps", "kind", "note", "damage", "path")
 
 
 def parse_metric(spec: str) -> tuple[str, str]:

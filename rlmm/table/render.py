@@ -17,13 +17,18 @@ from rlmm.table.plots import plot_bars, plot_curves, plot_paired
 from rlmm.table.stats import CONFIDENCE, aggregate
 
 
+# Beside a cell one of whose runs has a record line that could not be read (the note under the table names it).
+DAMAGED_MARK = "†"
+
+
 def cell(row) -> str:
     """'mean ± ci (n=k)', or 'mean (n=1)', or '—' when no run counts."""
     if row["n"] == 0:
         return "—"
     ci = row["ci95"]
     spread = "" if math.isnan(ci) else f" ± {format_number(ci)}"
-    return f"{format_number(row['mean'])}{spread} (n={row['n']})"
+    damaged = f" {DAMAGED_MARK}" if row.get("damaged") else ""
+    return f"{format_number(row['mean'])}{spread} (n={row['n']}){damaged}"
 
 
 def runs_cell(row) -> str:
@@ -56,6 +61,9 @@ def markdown(wide: pd.DataFrame, df: pd.DataFrame, by: list[str], include_incomp
               "a value)."]
     if fixed:
         lines.append("Same in every run: " + ", ".join(fixed) + ".")
+    if "damage" in df:
+        for run, steps, damage in df.loc[df["damage"] != "", ["run", "steps", "damage"]].to_numpy().tolist():
+            lines.append(f"{DAMAGED_MARK} {run}: {damage}; its values are those up to step {steps}.")
     others = df[df["status"] != "complete"]
     if len(others):
         lines.append("Not complete: " + "; ".join(f"{run} ({status}: {note})" for run, status, note in

@@ -61,5 +61,8 @@ def aggregate(df: pd.DataFrame, metrics: list[str], by: list[str] | None = None,
                          "mean": mean,
                          "ci95": ci_half_width(values), "std": std, "n": n,
                          "ok": int(status.get("complete", 0)), "incomplete": int(status.get("incomplete", 0)),
-                         "failed": int(status.get("failed", 0))})
+                         "failed": int(status.get("failed", 0)),
+                         # counted runs whose record has a line it could not read: their values stop before it
+                         "damaged": int((group.loc[counted[group.index], "damage"].astype(str) != "").sum())
+                         if "damage" in group else 0})
     return pd.DataFrame(rows)

@@ -1,0 +1,103 @@
+"""Crash consistency, in the spirit of SQLite's crash tests: a short run SIGKILLed at a chosen point (a phase of a
+step: tests/fault_at.py), then the same command again, must end with the records of a run never interrupted:
+every step row once, every number but the timings equal, the summary written, no half-written checkpoint left,
+and no file outside the run directory changed.
+
+The default run tries a few points (a torn row of steps.jsonl, a checkpoint half written, the weight sync); the
+whole sweep (every point at every step, with staleness 1 and its batch in flight, the overlapped sampler whose
+process is killed instead, and the MoE model under routing replay) is `slow`: docs/testing.md has its figures.
+"""
+import hashlib
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rlmm.models.tiny import BUILTIN_DIR
+from rlmm.records import read_steps
+from tests.conftest import subprocess_env
+
+STEPS = 3
+BASE = ("train", "debug=train", "sampler=hf", "trainer=torch", "precision=fp32", f"train.steps={STEPS}",
+        "train.checkpoint_every=1")
+VARIANTS = {
+    "sync": (),
+    "staleness1": ("train.staleness=1",),  # a batch in flight between steps, in the checkpoint
+    "overlap": ("train.staleness=1", "train.overlap=true"),  # the sampler in a process of its own
+    "moe_r3": ("model=tiny_moe", "routing=r3"),  # the sampler's experts replayed in every policy forward
+}
+# The calls of each point in a 3-step run with a checkpoint every step, counted (RunRecord.log is also step 0's).
+POINTS = {"sampling": 3, "update": 3, "weight_sync": 3, "record": 4, "record_written": 4, "checkpoint": 3,
+          "checkpointed": 3}
+DEFAULT = [("sync", "record", 3), ("sync", "checkpoint", 2), ("staleness1", "weight_sync", 2)]
+
+
+def every_point() -> list[tuple[str, str, int]]:
+    points = [(variant, point, n) for variant in VARIANTS for point, calls in POINTS.items()
+              for n in range(1, calls + 1) if variant != "overlap" or point not in ("sampling",)]
+    points += [("overlap", "sampler_process", n) for n in (1, 2, 3)]
+    return [p for p in points if p not in DEFAULT]
+
+
+def rlmm(run_dir: Path, *overrides: str, fault=None):
+    program = ["tests/fault_at.py", *map(str, fault)] if fault else ["-m", "rlmm.cli"]
+    return subprocess.run([sys.executable, *program, *overrides, f"hydra.run.dir={run_dir}"], capture_output=True,
+                          text=True, timeout=600, env=subprocess_env(), stdin=subprocess.DEVNULL)
+
+
+def comparable(rows):
+    return [{k: v for k, v in row.items() if not k.startswith("perf/")} for row in rows]
+
+
+def digests(root: Path, leaving_out: Path | None = None) -> dict[str, str]:
+    return {str(p): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(root.rglob("*"))
+            if p.is_file() and (leaving_out is None or leaving_out not in p.parents)}
+
+
+@pytest.fixture(scope="module")
+def straight_runs(tmp_path_factory):
+    """Each variant's uninterrupted records, run when first asked for."""
+    runs = {}
+
+    def of(variant: str) -> list[dict]:
+        if variant not in runs:
+            run_dir = tmp_path_factory.mktemp(f"straight-{variant}") / "run"
+            done = rlmm(run_dir, *BASE, *VARIANTS[variant])
+            assert done.returncode == 0, done.stderr[-3000:]
+            runs[variant] = read_steps(run_dir)
+        return runs[variant]
+
+    return of
+
+
+def assert_killed_run_resumes_to_the_straight_records(straight_runs, tmp_path, variant, point, n):
+    overrides = (*BASE, *VARIANTS[variant])
+    run_dir = tmp_path / "run"
+    (tmp_path / "neighbour.txt").write_text("a file outside the run directory")
+    outside = {**digests(tmp_path, leaving_out=run_dir), **digests(BUILTIN_DIR)}
+    killed = rlmm(run_dir, *overrides, fault=("kill", point, n))
+    # SIGKILL of the trainer; a killed sampler process is a machine fault the trainer reports (exit 4)
+    expected = 4 if point == "sampler_process" else -signal.SIGKILL
+    assert killed.returncode == expected, killed.stdout[-2000:] + killed.stderr[-3000:]
+    resumed = rlmm(run_dir, *overrides)
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-3000:]
+    rows = read_steps(run_dir)
+    assert [row["step"] for row in rows] == list(range(STEPS + 1))  # none missing, none twice, no torn line
+    assert len((run_dir / "steps.jsonl").read_text().splitlines()) == STEPS + 1
+    assert comparable(rows) == comparable(straight_runs(variant))
+    assert (run_dir / "summary.json").exists()
+    assert not list((run_dir / "checkpoints").glob(".partial-*"))
+    assert {**digests(tmp_path, leaving_out=run_dir), **digests(BUILTIN_DIR)} == outside
+
+
+@pytest.mark.parametrize("variant,point,n", DEFAULT)
+def test_a_run_killed_at_a_point_resumes_to_the_uninterrupted_records(straight_runs, tmp_path, variant, point, n):
+    assert_killed_run_resumes_to_the_straight_records(straight_runs, tmp_path, variant, point, n)
+
+
+@pytest.mark.slow  # ~70 kill points x two runs of seconds each: minutes (docs/testing.md)
+@pytest.mark.parametrize("variant,point,n", every_point())
+def test_every_kill_point_resumes_to_the_uninterrupted_records(straight_runs, tmp_path, variant, point, n):
+    assert_killed_run_resumes_to_the_straight_records(straight_runs, tmp_path, variant, point, n)
