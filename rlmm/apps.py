@@ -80,8 +80,9 @@ def what_the_record_holds(run_dir: Path, app: str) -> str:
         return f"no step was recorded in {run_dir}; run the same command again once it is fixed"
     checkpoint = newest_checkpoint(run_dir)
     resumes = f"resumes from its checkpoint of step {checkpoint[1]['step']}" if checkpoint else "starts over"
-    return (f"{run_dir}/steps.jsonl holds steps {rows[0]['step']}-{rows[-1]['step']}; once it is fixed the same "
-            f"command {resumes}")
+    first, last = rows[0]["step"], rows[-1]["step"]
+    held = f"steps {first}-{last}" if last != first else f"step {first}"
+    return f"{run_dir}/steps.jsonl holds {held}; once it is fixed the same command {resumes}"
 
 
 def start_run(cfg: DictConfig, app: str) -> tuple[dict[str, str], Path]:

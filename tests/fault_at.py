@@ -22,7 +22,6 @@ import signal
 import sys
 from pathlib import Path
 
-ACTION, POINT, NTH = sys.argv[1], sys.argv[2], int(sys.argv[3])
 calls = {"n": 0}
 
 
@@ -96,32 +95,40 @@ def kill_the_sampler_process(process, index, **_) -> None:
     process.process.join(timeout=30)
 
 
-import rlmm.checkpoint  # noqa: E402
-import rlmm.step  # noqa: E402
-from rlmm.records import RunRecord  # noqa: E402
-from rlmm.sampler_process import SamplerProcess  # noqa: E402
+def main() -> None:
+    """Install the fault at its point, then run `rlmm` (only in the main process: a spawned sampler process
+    imports this file as its main module and must not)."""
+    import rlmm.checkpoint
+    import rlmm.step
+    from rlmm.records import RunRecord
+    from rlmm.sampler_process import SamplerProcess
 
-if POINT == "sampling":
-    before(rlmm.step, "sample_groups")
-elif POINT == "update":
-    before(rlmm.step.OldPolicy, "score")
-elif POINT == "weight_sync":
-    before(rlmm.step, "send_weights")
-elif POINT == "record":
-    before(RunRecord, "log", act=torn_row if ACTION == "kill" else fault)
-elif POINT == "record_written":
-    after(RunRecord, "log")
-elif POINT == "checkpoint":
-    before(rlmm.checkpoint, "critic_entry")  # once a save (split_sharded recurses)
-elif POINT == "checkpointed":
-    after(rlmm.checkpoint, "save")
-elif POINT == "summary":
-    after(RunRecord, "summary")
-elif POINT == "sampler_process":
-    before(SamplerProcess, "request_batch", act=kill_the_sampler_process)
-else:
-    raise SystemExit(f"fault_at: unknown point {POINT!r}")
+    if POINT == "sampling":
+        before(rlmm.step, "sample_groups")
+    elif POINT == "update":
+        before(rlmm.step.OldPolicy, "score")
+    elif POINT == "weight_sync":
+        before(rlmm.step, "send_weights")
+    elif POINT == "record":
+        before(RunRecord, "log", act=torn_row if ACTION == "kill" else fault)
+    elif POINT == "record_written":
+        after(RunRecord, "log")
+    elif POINT == "checkpoint":
+        before(rlmm.checkpoint, "critic_entry")  # once a save (split_sharded recurses)
+    elif POINT == "checkpointed":
+        after(rlmm.checkpoint, "save")
+    elif POINT == "summary":
+        after(RunRecord, "summary")
+    elif POINT == "sampler_process":
+        before(SamplerProcess, "request_batch", act=kill_the_sampler_process)
+    else:
+        raise SystemExit(f"fault_at: unknown point {POINT!r}")
 
-from rlmm.cli import main  # noqa: E402
+    from rlmm.cli import main as rlmm_main
 
-main(sys.argv[4:])
+    rlmm_main(sys.argv[4:])
+
+
+if __name__ == "__main__":
+    ACTION, POINT, NTH = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    main()

@@ -115,3 +115,16 @@ def test_an_immutable_run_directory_is_one_line(tmp_path):
                                          f"({run_dir / '.hydra'}); "), refused.stdout
     finally:
         subprocess.run(["chattr", "-i", str(run_dir)], check=False)
+
+
+def test_a_killed_sampler_process_is_one_line_naming_the_signal(tmp_path):
+    """`train.overlap`: the sampler process SIGKILLed (the OOM killer's way) as the trainer asks for batch 3 (step
+    2, after step 1's checkpoint): the trainer stops in one line, exit 4, the record intact (once a 30-line
+    traceback of SamplerProcessError). Its resume: tests/test_crash_consistency.py (slow)."""
+    run_dir = tmp_path / "run"
+    killed = rlmm(run_dir, *RUN, "train.staleness=1", "train.overlap=true", fault=("kill", "sampler_process", 3))
+    assert killed.returncode == 4, killed.stdout[-2000:] + killed.stderr[-3000:]
+    assert killed.stdout == ("rlmm: machine fault: train.overlap: the sampler process was killed by SIGKILL before the "
+                             f"trainer's request; {run_dir}/steps.jsonl holds steps 0-1; once it is fixed the same "
+                             "command resumes from its checkpoint of step 1\n")
+    assert "Traceback" not in killed.stderr, killed.stderr[-3000:]
