@@ -32,23 +32,24 @@ def overrides_of(args: list[str]) -> list[str]:
 
 
 def unwritable_run_dir(args: list[str]) -> str | None:
-    """Why the run directory (an explicit hydra.run.dir / hydra.sweep.dir, else outputs/ or multirun/ here) cannot
-    be made, when it does not exist and its nearest existing parent is not writable; else None. Hydra makes it
-    before rlmm's code runs (its failure there would be Hydra's traceback); one that exists is rlmm's to write
-    into, and its faults are rlmm's one line (rlmm/apps.py::machine_fault)."""
+    """Why the run directory (an explicit hydra.run.dir / hydra.sweep.dir, else outputs/ or multirun/ here, the
+    roots of Hydra's default ones) cannot be made, or None once it is there. Hydra makes it before rlmm's code
+    runs, and its failure there would be Hydra's traceback; writing into one that exists is rlmm's, and its
+    faults are rlmm's one line (rlmm/apps.py::machine_fault)."""
     from pathlib import Path
 
     sweep = "-m" in args or "--multirun" in args
     key = "hydra.sweep.dir=" if sweep else "hydra.run.dir="
     named = [arg.removeprefix(key) for arg in overrides_of(args) if arg.startswith(key)]
-    directory = Path(named[-1] if named else ("multirun" if sweep else "outputs")).absolute()
-    existing = directory
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    if existing == directory or os.access(existing, os.W_OK):
+    if named and "$" in named[-1]:  # an interpolation (${now:...}): Hydra's to resolve
         return None
-    return (f"cannot make the run directory {directory}: {existing} is not writable (permissions, a read-only or "
-            f"immutable file system); choose another hydra.{'sweep' if sweep else 'run'}.dir")
+    directory = Path(named[-1] if named else ("multirun" if sweep else "outputs"))
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        return (f"cannot make the run directory {directory}: {err.strerror}; choose another "
+                f"hydra.{'sweep' if sweep else 'run'}.dir")
+    return None
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -77,13 +78,13 @@ def main(argv: list[str] | None = None) -> None:
         run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
         run_id = run_id if run_id != "none" else os.environ.get("MASTER_PORT", "0")
         args.append(f"hydra.run.dir=outputs/{command}/{time.strftime('%Y-%m-%d')}/ranks-{run_id}")
-    unwritable = unwritable_run_dir(args)
-    if unwritable:
-        print(f"rlmm: machine fault: {unwritable}", file=sys.stderr)
-        raise SystemExit(MACHINE_FAULT_EXIT)
     from rlmm.overrides import check_overrides
 
     check_overrides(APPS[command], overrides_of(args))
+    unwritable = unwritable_run_dir(args)  # after the overrides: a typo makes no directory
+    if unwritable:
+        print(f"rlmm: machine fault: {unwritable}", file=sys.stderr)
+        raise SystemExit(MACHINE_FAULT_EXIT)
     if "-m" in args or "--multirun" in args:
         from rlmm.launcher import launcher_target, sweep_launcher_warning
 
