@@ -50,7 +50,8 @@ DISK_FAULTS = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota i
 def machine_fault(err: BaseException) -> str | None:
     """What failed, in a few words, when `err` (or an error it was raised from or while handling) is a fault of
     the machine: rlmm's `MachineFault` (a dead sampler process), an OSError of the disk (`DISK_FAULTS`; rlmm's
-    writes name their file: rlmm/disk.py), or torch's distributed errors (a rank gone); None otherwise."""
+    writes name their file: rlmm/disk.py), or a collective's peer gone (torch's distributed errors, gloo's
+    "Connection reset by peer"): a rank died; None otherwise."""
     seen = set()
     while err is not None and id(err) not in seen:
         seen.add(id(err))
@@ -59,8 +60,12 @@ def machine_fault(err: BaseException) -> str | None:
             return text
         if isinstance(err, OSError) and err.errno in DISK_FAULTS:
             return f"{DISK_FAULTS[err.errno]} ({err.filename or text})"
-        if any(kind.__name__ == "DistError" for kind in type(err).__mro__):  # torch.distributed's, torch not imported
-            return f"a rank of the run failed or is gone ({type(err).__name__}: {text})"
+        # torch.distributed's own errors (torch not imported here), and gloo's, a RuntimeError naming its source:
+        # "[.../gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:2478: Connection reset by peer"
+        if (any(kind.__name__ == "DistError" for kind in type(err).__mro__)
+                or ("/gloo/" in text and "peer" in text)):
+            said = text.split("] ", 1)[-1].split(". ", 1)[0]  # without gloo's source line and its advice
+            return f"a rank of the run failed or is gone ({type(err).__name__}: {said})"
         err = err.__cause__ or err.__context__
     return None
 

@@ -15,6 +15,8 @@ POINT (the function whose N-th call it is):
     checkpointed    after checkpoint.save returned (`latest` moved)
     summary         after RunRecord.summary returned (only the plot is left)
     sampler_process SamplerProcess.request_batch (`train.overlap`): a kill is of the sampler process, not this one
+
+Under torchrun, $RLMM_FAULT_RANK names the one rank that meets the fault (unset: every rank).
 """
 import errno
 import os
@@ -121,7 +123,7 @@ def main() -> None:
         after(RunRecord, "summary")
     elif POINT == "sampler_process":
         before(SamplerProcess, "request_batch", act=kill_the_sampler_process)
-    else:
+    elif POINT != "nowhere":
         raise SystemExit(f"fault_at: unknown point {POINT!r}")
 
     from rlmm.cli import main as rlmm_main
@@ -131,4 +133,6 @@ def main() -> None:
 
 if __name__ == "__main__":
     ACTION, POINT, NTH = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    if os.environ.get("RLMM_FAULT_RANK", os.environ.get("RANK", "0")) != os.environ.get("RANK", "0"):
+        POINT = "nowhere"  # under torchrun, only rank $RLMM_FAULT_RANK meets the fault
     main()

@@ -127,3 +127,34 @@ def test_a_killed_sampler_process_is_one_line_naming_the_signal(tmp_path):
                              f"trainer's request; {run_dir}/steps.jsonl holds steps 0-1; once it is fixed the same "
                              "command resumes from its checkpoint of step 1\n")
     assert "Traceback" not in killed.stderr, killed.stderr[-3000:]
+
+
+@pytest.mark.slow  # torchrun, twice: a minute (docs/testing.md)
+@pytest.mark.parametrize("fault,overrides,says", [
+    (("kill", "weight_sync", 2), (), "a rank of the run failed or is gone"),  # rank 1 SIGKILLed mid-step
+    (("kill", "sampler_process", 3), ("train.staleness=1", "train.overlap=true"),  # rank 1's sampler process
+     "train.overlap: the sampler process was killed by SIGKILL"),
+])
+def test_a_fault_on_one_of_two_ranks_is_one_line_and_the_same_command_resumes(tmp_path, fault, overrides, says):
+    """Two ranks (torchrun), the fault on rank 1 only ($RLMM_FAULT_RANK): a rank's line says what failed, exit 4
+    or the signal, never a hang; the record keeps its steps, and the same torchrun command finishes the run."""
+    from pathlib import Path
+
+    root = Path(__file__).parent.parent
+    run_dir = tmp_path / "run"
+    common = (*RUN, "train.prompts_per_step=2", *overrides, f"hydra.run.dir={run_dir}")
+
+    def torchrun(program, **env):
+        return subprocess.run([str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc_per_node", "2",
+                               *program, *common], capture_output=True, text=True, timeout=600, cwd=root,
+                              env=subprocess_env(OMP_NUM_THREADS="1", PYTHONPATH=str(root), **env),
+                              stdin=subprocess.DEVNULL)
+
+    failed = torchrun(["tests/fault_at.py", *map(str, fault)], RLMM_FAULT_RANK="1")
+    assert failed.returncode != 0
+    output = failed.stdout + failed.stderr
+    assert f"rlmm: machine fault: {says}" in output, output[-4000:]
+    assert [row["step"] for row in read_steps(run_dir)][:2] == [0, 1]
+    resumed = torchrun(["-m", "rlmm.cli"])
+    assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-4000:]
+    assert [row["step"] for row in read_steps(run_dir)] == [0, 1, 2, 3]
