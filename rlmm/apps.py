@@ -17,7 +17,7 @@ import rlmm.schema  # noqa: F401  (registers the schemas with Hydra)
 from rlmm.logging import NoOpLogger, redact
 from rlmm.config import BUILD_TIME_ARGS, CONF_DIR, build, to_container, validate
 from rlmm.errors import MACHINE_FAULT_EXIT, ConfigError, JobFailed, MachineFault, RunStopped
-from rlmm.resume import AlreadyFinished, ResumeRefused
+from rlmm.resume import AlreadyFinished, ResumeRefused, check_probe_dir, check_train_dir, newest_checkpoint
 
 log = logging.getLogger("rlmm")
 
@@ -76,11 +76,10 @@ def what_the_record_holds(run_dir: Path, app: str) -> str:
     if app != "train":
         return "run the same command again once it is fixed"
     from rlmm.records import read_steps
-    from rlmm.resume import newest_checkpoint
 
-    rows = read_steps(run_dir)
     if (run_dir / "summary.json").exists():
         return f"the run finished: its record in {run_dir} is complete (summary.json); what came after it is missing"
+    rows = read_steps(run_dir)
     if not rows:
         return f"no step was recorded in {run_dir}; run the same command again once it is fixed"
     checkpoint = newest_checkpoint(run_dir)
@@ -96,7 +95,6 @@ def start_run(cfg: DictConfig, app: str) -> tuple[dict[str, str], Path]:
     then, on rank 0, Hydra's `.hydra/` files of this run written into it (`hydra.output_subdir: null` keeps
     Hydra from writing them before the check)."""
     from rlmm.devices import world_size
-    from rlmm.resume import check_probe_dir, check_train_dir
 
     hydra_cfg = HydraConfig.get()
     choices = {k: v for k, v in hydra_cfg.runtime.choices.items() if k in BUILD_TIME_ARGS}

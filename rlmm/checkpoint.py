@@ -14,9 +14,9 @@
 
 Every rank writes into `checkpoints/.partial-step-000040`; once all have, rank 0 writes state.json there, renames
 the directory to `step-000040`, then replaces `latest` atomically: a job killed while checkpointing resumes from
-the previous complete one, and the half-written directory is removed at the next start (`remove_partial`). Files are read back with safetensors and
-`torch.load(weights_only=True)` (only tensors, plain containers and the trainer's own allow-listed
-bookkeeping types are rebuilt; no pickled code runs).
+the previous complete one, and the half-written directory is removed at the next start (`remove_partial`, from
+rlmm/train.py). Files are read back with safetensors and `torch.load(weights_only=True)` (only tensors, plain
+containers and the trainer's own allow-listed bookkeeping types are rebuilt; no pickled code runs).
 
 What makes a resumed run repeat the uninterrupted one: the prompts of step t are a pure function of
 (seed, t) (the task's example list), the sampler seeds request k of the run with (seed, k), the
@@ -81,7 +81,6 @@ def save(run_dir: str | Path, step: int, trainer, sampler, critic: Critic = NoCr
     weights = dict(trainer.state_dict().items())
     critic_weights = dict(critic.state_dict().items())
     if rank == 0:
-        remove_partial(run_dir)  # a checkpoint a killed run was writing
         with writing(partial):
             partial.mkdir(parents=True)
             # clone: tied weights share storage, which safetensors refuses to write twice

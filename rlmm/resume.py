@@ -42,11 +42,16 @@ class AlreadyFinished(Exception):
     """The run directory holds this very run, finished: there is nothing to do (the record stays as it is)."""
 
 
+def latest_marker(run_dir: Path) -> Path:
+    """`checkpoints/latest`, naming the newest complete checkpoint (rlmm/checkpoint.py::save moves it)."""
+    return Path(run_dir) / "checkpoints" / "latest"
+
+
 def training_record(run_dir: Path) -> bool:
     """Whether `run_dir` holds a training run's record: a step row, a summary or a checkpoint."""
     steps = run_dir / "steps.jsonl"
     return ((steps.exists() and steps.stat().st_size > 0) or (run_dir / "summary.json").exists()
-            or (run_dir / "checkpoints" / "latest").exists())
+            or latest_marker(run_dir).exists())
 
 
 def leaves(tree, prefix: str = "") -> dict[str, object]:
@@ -87,7 +92,7 @@ def listed(changed: list[str]) -> str:
 def newest_checkpoint(run_dir: Path) -> tuple[Path, dict] | None:
     """The newest complete checkpoint, the one `checkpoints/latest` names, and its state.json; None if there is
     none (a checkpoint is complete once its state.json is written: rlmm/checkpoint.py::save)."""
-    marker = Path(run_dir) / "checkpoints" / "latest"
+    marker = latest_marker(run_dir)
     if not marker.exists():
         return None
     path = marker.parent / marker.read_text().strip()

@@ -60,8 +60,12 @@ class SamplerProcessExited(SamplerProcessError, MachineFault):
     """The sampler process is gone (killed: by the OOM killer, a signal, a crash of its engine)."""
 
     def __init__(self, exitcode: int | None, doing: str):
-        how = (f"was killed by {signal.Signals(-exitcode).name}" if exitcode is not None and exitcode < 0
-               and -exitcode in signal.Signals._value2member_map_ else f"exited (code {exitcode})")
+        how = f"exited (code {exitcode})"
+        if exitcode is not None and exitcode < 0:  # multiprocessing's -N: killed by signal N
+            try:
+                how = f"was killed by {signal.Signals(-exitcode).name}"
+            except ValueError:
+                pass
         super().__init__(f"train.overlap: the sampler process {how} {doing}")
 
 

@@ -61,9 +61,8 @@ def markdown(wide: pd.DataFrame, df: pd.DataFrame, by: list[str], include_incomp
               "a value)."]
     if fixed:
         lines.append("Same in every run: " + ", ".join(fixed) + ".")
-    if "damage" in df:
-        for run, steps, damage in df.loc[df["damage"] != "", ["run", "steps", "damage"]].to_numpy().tolist():
-            lines.append(f"{DAMAGED_MARK} {run}: {damage}; its values are those up to step {steps}.")
+    for run, steps, damage in df.loc[df["damage"] != "", ["run", "steps", "damage"]].to_numpy().tolist():
+        lines.append(f"{DAMAGED_MARK} {run}: {damage}; its values are those up to step {steps}.")
     others = df[df["status"] != "complete"]
     if len(others):
         lines.append("Not complete: " + "; ".join(f"{run} ({status}: {note})" for run, status, note in

@@ -63,6 +63,5 @@ def aggregate(df: pd.DataFrame, metrics: list[str], by: list[str] | None = None,
                          "ok": int(status.get("complete", 0)), "incomplete": int(status.get("incomplete", 0)),
                          "failed": int(status.get("failed", 0)),
                          # counted runs whose record has a line it could not read: their values stop before it
-                         "damaged": int((group.loc[counted[group.index], "damage"].astype(str) != "").sum())
-                         if "damage" in group else 0})
+                         "damaged": int((group.loc[counted[group.index], "damage"] != "").sum())})
     return pd.DataFrame(rows)
