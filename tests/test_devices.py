@@ -124,3 +124,12 @@ def test_a_set_onednn_isa_or_the_machines_own_capability_is_left_alone(monkeypat
     monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx512")
     hold_onednn_below_amx_for_a_forced_capability()
     assert "ONEDNN_MAX_CPU_ISA" not in os.environ
+
+
+def test_ranks_that_exit_with_their_group_alive_exit_cleanly():
+    # Without the group destroyed at exit, 7 in 10 of these five-rank runs aborted (SIGABRT) as they exited
+    # here, so three clean runs in a row leave a broken rlmm.devices ~3% to pass.
+    from tests.conftest import torchrun
+
+    for _ in range(3):
+        torchrun(["tests/gloo_exit.py"], ranks=5, timeout=120)
