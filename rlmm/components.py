@@ -38,6 +38,8 @@ class Components:
     # precision of eval/accuracy_trained's copy of the trainer's weights (rlmm/train.py::TrainedCopyEngine)
     precision_report: dict = field(default_factory=dict)  # asked for vs what each engine really runs
     routing: RoutingReplay = field(default_factory=lambda: RoutingReplay("none", measure=False, compare=False))
+    engine_args: dict = field(default_factory=dict)  # what the sampler was built with beside its YAML (another
+    # engine of the same kind, e.g. the probe's `sampler.perturb` stand-ins, is built with the same)
 
     def close(self) -> None:
         self.critic.close()
@@ -105,7 +107,7 @@ def build_components(cfg: DictConfig, prompts: Callable[[object], list], max_row
                 raise
     return Components(task=task, tokenizer=tokenizer, sampler=sampler, trainer=trainer, correction=correction,
                       algo=algo, sampling=sampling, model_path=model_path, critic=critic,
-                      trainer_precision=precision.trainer, routing=routing,
+                      trainer_precision=precision.trainer, routing=routing, engine_args=engine_args,
                       precision_report=check_precision(precision, sampler.actual_precision, trainer.actual_precision))
 
 

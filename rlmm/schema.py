@@ -51,6 +51,7 @@ class ProbeOptions:
     trainer_layouts: dict[str, TrainerLayout] = MISSING
     early_vs_late: EarlyVsLateOptions = field(default_factory=EarlyVsLateOptions)
     batch_invariance: BatchInvarianceOptions = field(default_factory=BatchInvarianceOptions)
+    simulated: list[float] = MISSING  # sampler.perturb stand-ins measured beside the real sampler ([]: none)
 
 
 @dataclass

@@ -51,6 +51,11 @@ def test_default_probe_vllm_deepspeed(tmp_path):
     assert 1 <= inv["unique_greedy_completions_mean"] <= 3 and inv["num_observations"] == 1 + 2 + 2  # sizes 1, 4, 8
     assert 0 <= record["rollouts"]["mean_reward"] <= 1
     assert "sampler vs trainer" in record["stdout"] and "kl_k3" in record["stdout"]
+    decoding = record["decode_vs_prefill"]  # vLLM re-scoring its own tokens in one prefill
+    assert decoding["num_tokens"] == metrics["num_tokens"] and 0 <= decoding["frac_responses_identical"] <= 1
+    assert decoding["bitwise_identical"] == (decoding["first_divergence_min"] is None)
+    assert decoding["logprob_abs_diff_max"] < 0.1 and "decode vs prefill" in record["stdout"]
+    assert record["real_vs_simulated"] == {}  # probe.simulated: [] by default
     assert list((tmp_path / "wandb").glob("offline-run-*")), "W&B offline run directory missing"
     assert "WANDB_API_KEY" not in (tmp_path / "probe.json").read_text()
 
@@ -63,6 +68,9 @@ def test_fp32_hf_sampler_vs_fp32_trainer_is_near_zero(tmp_path, small_model_path
     assert record["precision"]["actual"]["sampler"] == {"dtype": "fp32", "head_dtype": "fp32"}
     assert record["sampler_vs_trainer"]["logprob_abs_diff_max"] < 1e-4
     assert record["sampler_vs_itself"]["unique_greedy_completions"] >= 1
+    # transformers' KV-cache decoding against one forward over the same tokens: fp32 rounding apart, the same.
+    assert record["decode_vs_prefill"]["num_tokens"] == record["sampler_vs_trainer"]["num_tokens"]
+    assert record["decode_vs_prefill"]["logprob_abs_diff_max"] < 1e-4
     # Whether fp32 transformers generate and fp32 torch scoring agree to the bit depends on the CPU's kernels:
     # the verdict must follow the measured gap either way.
     agreement = record["agreement"]
@@ -263,3 +271,42 @@ def test_trainer_across_layouts_scores_each_layout(small_model_path, prompts):
         check_layouts(OmegaConf.create({"a/b": {"micro_batch_tokens": None, "padding_free": False}}), 2)
     trainer.close()
     sampler.close()
+
+
+def test_real_vs_simulated_interpolates_the_matching_epsilon_log_log():
+    from rlmm.probe.measurements import real_vs_simulated
+
+    simulated = {0.01: {"logprob_abs_diff_mean": 1e-3, "kl_k3": 1e-5}, 0.1: {"logprob_abs_diff_mean": 1e-2, "kl_k3": 1e-3},
+                 0.2: {"logprob_abs_diff_mean": 4e-2, "kl_k3": 4e-3}}
+    record = real_vs_simulated({"logprob_abs_diff_mean": 1e-2 * 2 ** 0.5, "kl_k3": 1e-4}, simulated)
+    assert record["epsilons"] == [0.01, 0.1, 0.2] and set(record["simulated"]) == {"0.01", "0.1", "0.2"}
+    assert record["matching_epsilon"]["logprob_abs_diff_mean"] == pytest.approx(0.1 * 2 ** 0.25)  # between 0.1 and 0.2
+    assert record["matching_epsilon"]["kl_k3"] == pytest.approx(0.01 * 10 ** 0.5)  # halfway in log between 0.01, 0.1
+    assert real_vs_simulated({"logprob_abs_diff_mean": 1.0, "kl_k3": 1e-9}, simulated)["matching_epsilon"] == {
+        "logprob_abs_diff_mean": None, "kl_k3": None}  # outside the grid
+
+
+def test_decode_vs_prefill_finds_where_the_engine_departs_from_itself(small_model_path, prompts):
+    """sampler=hf in fp32: decoding and one prefill agree to fp32 rounding; a response whose decode log-probs are
+    moved from position 1 on is reported as first differing at 1."""
+    import torch
+
+    from rlmm.precision import SidePrecision
+    from rlmm.probe.measurements import decode_vs_prefill
+    from tests.conftest import build_sampler, sampling
+
+    options = sampling(max_new_tokens=8)
+    sampler = build_sampler("hf", small_model_path, SidePrecision("fp32", False), options, seed=0)
+    rollouts = sampler.generate(prompts[:4], n=2)
+    prefill = sampler.prefill_logprobs(rollouts.prompt_ids, rollouts.response_ids)
+    assert all(torch.allclose(p, d, atol=1e-5) for p, d in zip(prefill, rollouts.sampler_logprobs))
+    long = next(i for i, r in enumerate(rollouts.response_ids) if len(r) > 2)
+    for i, row in enumerate(prefill):  # the decode log-probs made exactly the prefill's, then one row moved
+        rollouts.sampler_logprobs[i] = row.clone()
+    rollouts.sampler_logprobs[long][1:] -= 0.5
+    record = decode_vs_prefill(sampler, rollouts, options, ratio_cap=2.0, bucket_size=2)
+    assert record["first_divergence_min"] == record["first_divergence_max"] == 1
+    assert record["frac_responses_identical"] == pytest.approx(1 - 1 / len(prefill))
+    assert record["logprob_abs_diff_max"] == pytest.approx(0.5)
+    tempered = sampling(max_new_tokens=8, temperature=0.7)
+    assert "skipped" in decode_vs_prefill(sampler, rollouts, tempered, ratio_cap=2.0, bucket_size=2)

@@ -27,8 +27,9 @@ def test_batch_invariant_mode_is_refused_without_a_gpu(small_model_path):
 
 def test_vllm_engine_options_resolve_per_device_and_are_recorded(small_model_path):
     """The null engine options pick the CPU's values and the run's report records what the engine got;
-    max_model_len follows the run's longest prompt; sleep mode is refused on a CPU when asked for, and
-    a no-op when left to the device (it says so once per process in the log)."""
+    max_model_len follows the run's longest prompt (+ max_new_tokens + 1, for a prefill re-scoring); sleep mode
+    is refused on a CPU when asked for, and a no-op when left to the device (it says so once per process in the
+    log)."""
     import pytest
     import torch
 
@@ -44,7 +45,7 @@ def test_vllm_engine_options_resolve_per_device_and_are_recorded(small_model_pat
     try:
         assert sampler.actual_precision["engine"] == {
             "enforce_eager": True, "enable_prefix_caching": False, "distributed_executor_backend": None,
-            "max_model_len": 20, "kv_cache_bytes": 2**30, "seed_per_request": True, "threads": None, "sleep_mode": False,
+            "max_model_len": 21, "kv_cache_bytes": 2**30, "seed_per_request": True, "threads": None, "sleep_mode": False,
             "untied_head": False, "capture_routing": False, "device": "cpu"}
         sampler.sleep()
         assert sampler.generate([[1, 5, 6]], n=2).response_ids  # still generates after a skipped sleep

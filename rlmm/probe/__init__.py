@@ -10,6 +10,9 @@ Reads top to bottom:
      Nondeterminism in LLM Inference": 80 unique completions of 1000 without batch-invariant kernels);
      with an MoE model, the routing part: how often the two sides route a token differently, and how much of
      the sampler-vs-trainer gap goes when the trainer replays the sampler's experts (`routing_decomposition`);
+     the sampler's decoding against its own prefill re-scoring of the same tokens (`decode_vs_prefill`);
+     with `probe.simulated` (a list of ε), the same prompts sampled by the same engine unquantized with
+     `sampler.perturb=ε`, and the ε that matches the real sampler's gap (`real_vs_simulated`);
   5. print a table, write `probe.json` and `probe.png` into the run directory, log to the logger.
 
 Modules: `checks` (the options before any engine starts, the scored log-probs), `measurements` (each engine
@@ -26,12 +29,12 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from rlmm.components import build_components
-from rlmm.config import to_container
+from rlmm.config import build, to_container
 from rlmm.logging import redact
 from rlmm.metrics import early_vs_late, mismatch_metrics, position_profile
 from rlmm.probe.checks import check_finite, check_options
-from rlmm.probe.measurements import (batch_invariance, routing_decomposition, token_agreement,
-                                     trainer_across_layouts, trainer_against_itself)
+from rlmm.probe.measurements import (batch_invariance, decode_vs_prefill, real_vs_simulated, routing_decomposition,
+                                     token_agreement, trainer_across_layouts, trainer_against_itself)
 from rlmm.probe.plot import plot_probe
 from rlmm.probe.report import print_probe
 from rlmm.timing import timed
@@ -59,6 +62,7 @@ def run_probe(cfg: DictConfig, run_dir: Path, choices: dict[str, str]) -> dict:
     rewards = [task.reward(examples[i // options.samples_per_prompt], text) for i, text in enumerate(completions)]
     sampler_logprobs, mask = rollouts.padded_sampler_logprobs()
     routing = components.routing
+    sampled = rollouts
     rollouts = routing.scored(rollouts)  # r3: the trainer replays the sampler's experts in every scoring below
     with timed(stage_seconds, "score"), routing.recorded(trainer.model) as own_routing:
         train_logprobs = trainer.logprobs(rollouts)
@@ -80,10 +84,16 @@ def run_probe(cfg: DictConfig, run_dir: Path, choices: dict[str, str]) -> dict:
     with timed(stage_seconds, "routing"):
         routing_part = routing_decomposition(routing, trainer, rollouts, own_routing, train_logprobs,
                                              sampler_logprobs, mask, options.ratio_cap)
+    with timed(stage_seconds, "decode_vs_prefill"):
+        decoding = decode_vs_prefill(sampler, sampled, components.sampling, options.ratio_cap, bucket_size)
     with timed(stage_seconds, "sampler_vs_itself"):
         sampler_vs_itself = batch_invariance(sampler, task, tokenizer, options)
-    trainer.close()
     sampler.close()
+    with timed(stage_seconds, "simulated"):
+        simulated = ({} if not options.simulated else real_vs_simulated(sampler_vs_trainer, {
+            float(eps): stand_in_gap(cfg, components.engine_args, float(eps), prompt_ids, trainer, options)
+            for eps in options.simulated}))
+    trainer.close()
 
     record = {
         "choices": choices,
@@ -98,6 +108,8 @@ def run_probe(cfg: DictConfig, run_dir: Path, choices: dict[str, str]) -> dict:
         "early_vs_late": same_responses,
         "trainer_vs_itself": trainer_vs_itself,
         "sampler_vs_itself": sampler_vs_itself,
+        "decode_vs_prefill": decoding,
+        "real_vs_simulated": simulated,
         "routing": routing_part,
         "seconds": time.perf_counter() - started,
         "stage_seconds": stage_seconds,
@@ -107,3 +119,17 @@ def run_probe(cfg: DictConfig, run_dir: Path, choices: dict[str, str]) -> dict:
     plot_probe(record, run_dir / "probe.png")
     print_probe(record)
     return record
+
+
+def stand_in_gap(cfg: DictConfig, engine_args: dict, perturb: float, prompt_ids: list[list[int]], trainer,
+                 options) -> dict:
+    """The probe's sampler-vs-trainer metrics for the same engine, unquantized, with `sampler.perturb` = ε on the
+    same prompts with the same seed (the simulated stand-in for a quantized sampler: rlmm/samplers/perturb.py)."""
+    plain = {key: value for key, value in (("quantization", "none"), ("kv_cache_dtype", "auto")) if key in cfg.sampler}
+    sampler = build(cfg.sampler, **engine_args, **plain, perturb=perturb)
+    try:
+        rollouts = sampler.generate(prompt_ids, n=options.samples_per_prompt)
+    finally:
+        sampler.close()
+    sampler_logprobs, mask = rollouts.padded_sampler_logprobs()
+    return mismatch_metrics(trainer.logprobs(rollouts), sampler_logprobs, mask, ratio_cap=options.ratio_cap)

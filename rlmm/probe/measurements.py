@@ -1,13 +1,16 @@
 """The probe's measurements of each engine against itself (the sampler against the trainer is
 rlmm/metrics.py's, called from `run_probe`): the trainer at two micro-batch sizes (`trainer_against_itself`)
 and across micro-batch layouts (`trainer_across_layouts`), the sampler greedy inside batches of different
-sizes and alone (`batch_invariance`); and how many tokens the sampler and the trainer score to the same bits
-(`token_agreement`)."""
+sizes and alone (`batch_invariance`), the sampler's decoding against its own prefill (`decode_vs_prefill`); how
+many tokens the sampler and the trainer score to the same bits (`token_agreement`); and where a real (quantized)
+sampler's gap sits among `sampler.perturb` stand-ins (`real_vs_simulated`)."""
 from __future__ import annotations
+
+import math
 
 import torch
 
-from rlmm.metrics import mismatch_metrics
+from rlmm.metrics import mismatch_metrics, position_profile
 from rlmm.probe.checks import check_micro_batch_sizes
 from rlmm.routing import differing_decisions, routing_disagreement, scored_both_ways
 from rlmm.samplers.base import Rollouts, pad_right
@@ -141,3 +144,58 @@ def routing_decomposition(routing, trainer, rollouts: Rollouts, own: dict | None
     return {"disagreement": {k.removeprefix("routing/"): v for k, v in disagreement.items()} | counts,
             "own": gaps["own"], "replayed": gaps["replayed"], "share_removed": removed,
             "bytes_per_token": routing.shape.bytes_per_token()}
+
+
+def untempered(sampling) -> bool:
+    """Whether the sampler's processed log-probs are the raw ones (temperature 1, no top-k or top-p)."""
+    return sampling.temperature == 1.0 and sampling.top_p == 1.0 and sampling.top_k in (0, -1, None)
+
+
+def decode_vs_prefill(sampler, rollouts: Rollouts, sampling, ratio_cap: float, bucket_size: int) -> dict:
+    """The sampler against its own decoding: the log-prob it reported for each sampled token while decoding
+    (one step per token, K/V from its cache) against the same tokens re-scored by the same engine in one prefill
+    of prompt + response (`Sampler.prefill_logprobs`), the prefill playing the trainer in δ = log π_prefill -
+    log π_decode. vLLM issue #54035: with an FP8 KV cache the two diverge from position ~97 on (Hopper, FA3)
+    while a BF16 cache is bit-identical; here per KV cache dtype and engine. Returns the mismatch metrics, the
+    share of responses identical to the bit, the first position where a response's two log-probs differ
+    (min / median / max over the responses that differ), and the per-position profile. Skipped, with the reason,
+    when sampling is tempered (the prefill's log-probs are raw, the decode's processed)."""
+    if not untempered(sampling):
+        return {"skipped": "sampling is tempered or truncated: the prefill's raw log-probs are not comparable"}
+    prefill = sampler.prefill_logprobs(rollouts.prompt_ids, rollouts.response_ids)
+    decode, mask = rollouts.padded_sampler_logprobs()
+    prefill_padded, _ = pad_right(prefill)
+    first = [next((j for j, (a, b) in enumerate(zip(d.tolist(), p.tolist())) if a != b), None)
+             for d, p in zip(rollouts.sampler_logprobs, prefill)]
+    diverging = sorted(f for f in first if f is not None)
+    record = {**mismatch_metrics(prefill_padded, decode, mask, ratio_cap=ratio_cap),
+              **token_agreement(prefill_padded, decode, mask),
+              "frac_responses_identical": 1 - len(diverging) / len(first) if first else 1.0,
+              "first_divergence_min": diverging[0] if diverging else None,
+              "first_divergence_median": diverging[len(diverging) // 2] if diverging else None,
+              "first_divergence_max": diverging[-1] if diverging else None}
+    record["position_profile"] = position_profile(prefill_padded, decode, mask, bucket_size=bucket_size)
+    return record
+
+
+# The gap measures the real sampler and its simulated stand-ins are matched on.
+MATCHED_KEYS = ("logprob_abs_diff_mean", "kl_k3")
+
+
+def real_vs_simulated(real: dict, simulated: dict[float, dict]) -> dict:
+    """Where the real (quantized) sampler's mismatch sits among `sampler.perturb=ε` stand-ins measured on the same
+    prompts (`simulated`: ε -> its sampler-vs-trainer metrics): for each of `MATCHED_KEYS` the ε that gives the
+    real gap, interpolated log-log between the two grid points that bracket it (None outside the grid)."""
+    grid = sorted(simulated)
+    matching = {}
+    for key in MATCHED_KEYS:
+        target = real[key]
+        matching[key] = None
+        for low, high in zip(grid, grid[1:]):
+            a, b = simulated[low][key], simulated[high][key]
+            if min(a, b) <= target <= max(a, b) and a > 0 and b > 0 and low > 0 and target > 0:
+                t = 0.0 if a == b else (math.log(target) - math.log(a)) / (math.log(b) - math.log(a))
+                matching[key] = math.exp(math.log(low) + t * (math.log(high) - math.log(low)))
+                break
+    return {"epsilons": grid, "simulated": {f"{eps:g}": metrics for eps, metrics in simulated.items()},
+            "matching_epsilon": matching}

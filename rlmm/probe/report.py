@@ -45,8 +45,11 @@ def print_probe(record: dict) -> None:
         print_routing(console, routing)
     inv = record["sampler_vs_itself"]
     precision = record["precision"]
-    engines = {side: ", ".join(f"{k} {v}" for k, v in precision["actual"][side].items() if k != "engine")
-               for side in ("sampler", "trainer")}
+    engines = {side: ", ".join(f"{k} {v}" for k, v in precision["actual"][side].items()
+                               if k not in ("engine", "quantization")) for side in ("sampler", "trainer")}
+    quantized = precision["actual"]["sampler"].get("quantization", {})
+    if quantized.get("weights", "none") != "none" or quantized.get("kv_cache_dtype", "auto") != "auto":
+        console.print("sampler quantization: " + "; ".join(f"{k} {v}" for k, v in quantized.items()))
     console.print(f"engines run: sampler ({engines['sampler']}); trainer ({engines['trainer']}); fp32 matmul "
                   f"{precision['actual']['fp32_matmul']}")
     for line in precision["silent_casts"]:
@@ -55,6 +58,8 @@ def print_probe(record: dict) -> None:
                   f"{inv['num_greedy_completions']} completions across batch sizes (mean over prompts "
                   f"{inv['unique_greedy_completions_mean']:.2f}); alone vs batched identical for "
                   f"{inv['frac_identical_alone_vs_batched']:.0%} of prompts; |delta| mean {format_number(inv['logprob_abs_diff_mean'])}")
+    print_decoding(console, record.get("decode_vs_prefill") or {}, record.get("real_vs_simulated") or {},
+                   record["sampler_vs_trainer"])
     if early_late := record["early_vs_late"]:
         console.print(f"early vs late in the same {early_late['num_sequences']} responses of >= "
                       f"{early_late['response_tokens']} tokens: mean |delta| "
@@ -103,3 +108,32 @@ def print_routing(console, routing: dict) -> None:
     for key, share in routing["share_removed"].items():
         table.add_row(key, format_number(routing["own"][key]), format_number(routing["replayed"][key]), f"{share:.1%}")
     console.print(table)
+
+
+def print_decoding(console, decoding: dict, simulated: dict, real: dict) -> None:
+    """The sampler's decoding against its own prefill, and the real sampler's gap among its simulated stand-ins."""
+    if "skipped" in decoding:
+        console.print(f"decode vs prefill: skipped ({decoding['skipped']})")
+    elif decoding:
+        where = ("no response differs" if decoding["first_divergence_min"] is None else
+                 f"first differing position min {decoding['first_divergence_min']}, median "
+                 f"{decoding['first_divergence_median']}, max {decoding['first_divergence_max']}")
+        console.print(f"decode vs prefill (the sampler re-scoring its own tokens in one prefill): "
+                      f"{decoding['frac_responses_identical']:.0%} of responses identical to the bit, {where}; "
+                      f"mean |delta| {format_number(decoding['logprob_abs_diff_mean'])}, "
+                      f"KL k3 {format_number(decoding['kl_k3'])}")
+    if simulated:
+        from rich.table import Table
+
+        table = Table(title="real vs simulated (sampler.perturb=ε, same engine unquantized, same prompts)",
+                      title_justify="left")
+        for column in ("sampler", "mean |Δlogp|", "KL k3"):
+            table.add_column(column, justify="right" if column != "sampler" else "left")
+        table.add_row("this sampler", format_number(real["logprob_abs_diff_mean"]), format_number(real["kl_k3"]))
+        for eps, metrics in simulated["simulated"].items():
+            table.add_row(f"perturb={eps}", format_number(metrics["logprob_abs_diff_mean"]),
+                          format_number(metrics["kl_k3"]))
+        matching = simulated["matching_epsilon"]
+        table.add_row("matching ε", *(format_number(matching[k]) if matching[k] is not None else "outside the grid"
+                                      for k in ("logprob_abs_diff_mean", "kl_k3")))
+        console.print(table)

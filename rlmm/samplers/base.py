@@ -135,6 +135,13 @@ class Sampler(Protocol):
         """Replace the engine's weights in place with a Hugging Face-named state dict."""
         ...
 
+    def prefill_logprobs(self, prompt_ids: list[list[int]], response_ids: list[list[int]]) -> list[torch.Tensor]:
+        """The engine's log-prob of each response token given its prompt and the response before it, all
+        positions in one forward (prefill) instead of one decode step each: the engine against its own decoding
+        (`rlmm probe`'s decode_vs_prefill). Untempered (raw logits): equal to the decode's processed log-probs
+        only when sampling is untempered too."""
+        ...
+
     @staticmethod
     def unsupported(precision) -> str | None:
         """Why this machine cannot run `precision` (a SidePrecision) on this engine, or None: asked by the CLI

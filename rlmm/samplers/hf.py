@@ -69,8 +69,9 @@ class HFSampler:
         eos = self.model.generation_config.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, list) else [eos if eos is not None else tokenizer.eos_token_id])
         self.actual_precision = model_precision(self.model)
-        self.actual_precision["quantization"] = {"weights": self.quantization.describe() + (
-            ", emulated (dequantized in transformers' forward)" if self.quantization.quantizes_weights else "")}
+        if self.quantization.quantizes_weights:
+            self.actual_precision["quantization"] = {
+                "weights": self.quantization.describe() + ", emulated (dequantized in transformers' forward)"}
         self.routing = hooks_of(self.model) if capture_routing and routers(self.model) else None
         self.emulation = Emulation(self.model, quantization, quantized_modules(model_path)
                                    if self.quantization.quantizes_weights else set())
@@ -128,6 +129,29 @@ class HFSampler:
                 out.routed_experts.append(torch.cat([
                     prompt[row, width - len(prompts[row // n]):], response[row, :length - 1],
                     torch.full((1, *prompt.shape[2:]), NO_ROUTE, dtype=prompt.dtype)]))
+
+    @torch.no_grad()
+    def prefill_logprobs(self, prompt_ids: list[list[int]], response_ids: list[list[int]]) -> list[torch.Tensor]:
+        """Each response scored by one forward over left-padded prompt + response (positions from the attention
+        mask, as generate derives them), in `batch_size` rows at a time; raw log-softmax of the logits."""
+        rows = [list(p) + list(r) for p, r in zip(prompt_ids, response_ids)]
+        step = self.batch_size or len(rows)
+        scored = []
+        for start in range(0, len(rows), step):
+            batch = rows[start:start + step]
+            width = max(map(len, batch))
+            ids = torch.tensor([[self.pad_id] * (width - len(r)) + r for r in batch], device=self.device)
+            attention = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in batch], device=self.device)
+            positions = (attention.cumsum(-1) - 1).clamp(min=0)
+            logits = self.model(input_ids=ids, attention_mask=attention, position_ids=positions).logits.float().cpu()
+            for i, response in enumerate(response_ids[start:start + step]):
+                length = len(response)
+                if not length:
+                    scored.append(torch.zeros(0))
+                    continue
+                predicted = logits[i, width - length - 1:width - 1].log_softmax(-1)
+                scored.append(predicted.gather(-1, torch.tensor(response)[:, None])[:, 0])
+        return scored
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Copy Hugging Face-named weights into the model (cast to each parameter's own dtype), with

@@ -135,7 +135,8 @@ class VLLMSampler:
         self.sleeping: set[str] = set()  # the sleep-mode tags ("weights", "kv_cache") now offloaded or dropped
         self.needs_weights = False  # True while the engine holds no weights (level-2 sleep) until a sync
         if max_model_len is None and prompt_tokens:
-            max_model_len = prompt_tokens + sampling.max_new_tokens
+            # +1: re-scoring a full-length answer in one prefill (`prefill_logprobs`) asks for one token past it.
+            max_model_len = prompt_tokens + sampling.max_new_tokens + 1
         self.untied = untie_head and checkpoint_ties_head(model_path)
         kv_cache_bytes = kv_cache_size(model_path, precision, max_model_len, max_rows, kv_cache_gb, cuda,
                                        kv_cache_dtype=self.quantization.kv_cache)
@@ -251,6 +252,20 @@ class VLLMSampler:
                 lengths[-1].append(len(prompt) + len(tokens))
         rollouts.routed_experts = self.routing.rows(outputs, lengths)
         return rollouts
+
+    def prefill_logprobs(self, prompt_ids: list[list[int]], response_ids: list[list[int]]) -> list[torch.Tensor]:
+        """Each response scored in one prefill of prompt + response: vLLM's `prompt_logprobs` (the log-prob of
+        every prompt token after the ones before it, from the raw logits), read at the response's positions."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        self._wake("weights", "kv_cache")
+        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
+        with intra_op_threads(self.threads):
+            outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p) + list(r))
+                                         for p, r in zip(prompt_ids, response_ids)], params, use_tqdm=False)
+        return [torch.tensor([out.prompt_logprobs[len(p) + j][token].logprob for j, token in enumerate(r)],
+                             dtype=torch.float32) for p, r, out in zip(prompt_ids, response_ids, outputs)]
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Reload weights in place (vLLM repacks them for its CPU/GPU kernels as on first load), with

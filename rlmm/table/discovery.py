@@ -16,7 +16,8 @@ from rlmm.table.wandb_source import read_wandb
 RUN_DIR_MARKERS = (".hydra/overrides.yaml", "config.yaml", "steps.jsonl", "summary.json", "probe.json")
 # probe.json sections -> metric prefixes (the sampler-vs-trainer numbers under the names train logs).
 PROBE_SECTIONS = {"sampler_vs_trainer": "mismatch", "trainer_vs_itself": "trainer_vs_itself",
-                  "sampler_vs_itself": "sampler_vs_itself", "early_vs_late": "position", "agreement": "agreement"}
+                  "sampler_vs_itself": "sampler_vs_itself", "early_vs_late": "position", "agreement": "agreement",
+                  "decode_vs_prefill": "decode_vs_prefill"}
 PROBE_ROLLOUTS = {"mean_reward": "reward_mean", "mean_response_length": "response_length_mean",
                   "frac_truncated": "frac_truncated", "num": "num"}
 
@@ -91,6 +92,7 @@ def read_local_run(run_dir: Path, name: str) -> Run:
 def probe_values(record: dict) -> dict[str, float]:
     """probe.json's scalar numbers as metrics: `mismatch/*` (sampler vs trainer), `trainer_vs_itself/*`,
     `sampler_vs_itself/*`, `position/*` (early vs late), `agreement/*` (tokens scored to the same bits),
+    `decode_vs_prefill/*` (the sampler's decoding against its own prefill), `simulated/*` (real vs simulated),
     `rollout/*`, `perf/seconds`."""
     values = {}
     for section, prefix in PROBE_SECTIONS.items():
@@ -107,6 +109,13 @@ def probe_values(record: dict) -> dict[str, float]:
         for key, value in routing.get(part, {}).items():
             if is_number(value):
                 values[f"routing/{part}/{key}"] = number(value)
+    # Real vs simulated: simulated/<ε>/<gap key> per stand-in, simulated/matching_epsilon/<gap key>.
+    simulated = record.get("real_vs_simulated") or {}
+    for eps, metrics in simulated.get("simulated", {}).items():
+        values.update({f"simulated/{eps}/{k}": number(v) for k, v in metrics.items() if is_number(v)})
+    for key, value in simulated.get("matching_epsilon", {}).items():
+        if is_number(value):
+            values[f"simulated/matching_epsilon/{key}"] = number(value)
     for key, value in record.get("rollouts", {}).items():
         if key in PROBE_ROLLOUTS and is_number(value):
             values[f"rollout/{PROBE_ROLLOUTS[key]}"] = number(value)
