@@ -83,3 +83,23 @@ def test_moe_expert_kernel_benchmark_times_both_kernels_on_the_same_logits(tmp_p
     assert set(summary) == {"eager", "grouped_mm"}
     assert all(s["forward"] > 0 and s["forward_backward"] > 0 for s in summary.values())
     assert summary["grouped_mm"]["max_abs_logit_diff_vs_eager"] < 1e-4
+
+
+def test_quantized_rollouts_benchmark_counts_tokens_and_times_syncs(tmp_path):
+    """`benchmarks/quantized_rollouts.py` at its smallest: every response is --new-tokens long (the benchmark
+    model's eos cannot be sampled), so each call's token count is fixed; the int8 engine holds half the weight
+    bytes of its quantized layers, and the fp8 weights the CPU kernel cannot take are a recorded refusal."""
+    out = tmp_path / "quantized.json"
+    result = subprocess.run([sys.executable, "-m", "benchmarks.quantized_rollouts", "--model", "smoke", "--rows", "4",
+                             "--new-tokens", "4", "--repeats", "1", "--calls", "1", "--modes", "bf16,int8,fp8",
+                             "--out", str(out)], capture_output=True, text=True, timeout=600, env=subprocess_env())
+    assert result.returncode == 0, result.stderr[-3000:]
+    record = json.loads(out.read_text())
+    summary, runs = record["summary"], record["runs"]
+    assert [r["mode"] for r in runs] == ["bf16", "int8", "fp8"]
+    assert all(r["tokens_per_call"] == 4 * 4 for r in runs if "refused" not in r)
+    assert summary["bf16"]["throughput_vs_bf16"] == 1.0 and summary["int8"]["tokens_per_second"] > 0
+    assert summary["int8"]["kernel"].startswith("CPUInt8ScaledMMLinearKernel") and summary["bf16"]["kernel"] == "-"
+    assert summary["int8"]["served_weight_mib"] < summary["bf16"]["served_weight_mib"]
+    assert "sampler.quantization=fp8" in summary["fp8"]["refused"]
+    assert all(summary[m]["sync_seconds"] > 0 for m in ("bf16", "int8"))
