@@ -39,6 +39,10 @@ def check_overrides(config_name: str, overrides: list[str]) -> None:
             # values surface here, before a sweep is submitted or an engine starts.
             built = {group: instantiate(cfg[group]) for group in ("model", "precision", "correction", "algo")
                      if group in cfg}
+            if "sampler" in cfg:
+                from rlmm.samplers.quantize import check_sampler_options
+
+                check_sampler_options(cfg.sampler, this_machine=not elsewhere)
             if not elsewhere:  # a SLURM job asks its own node's hardware when it starts
                 check_engines_support(cfg, built["precision"])
             if "probe" in cfg:

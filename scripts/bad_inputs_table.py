@@ -20,6 +20,7 @@ EXTRA = [  # bad input caught later than composition, or tested elsewhere (file 
     ("rlmm train +experiment=fp16_vs_bf16", "tests/test_config_groups.py"),
     ("rlmm train debug=train routing=r3", "tests/test_routing.py"),
     ("rlmm train hydra.run.dir=/proc/rlmm-run", "tests/test_faults.py"),
+    ("rlmm train sampler.quantization=fp8", "tests/test_quantized_rollouts.py"),
     ("rlmm train task=gsm8k task.path=/no/such.jsonl", "tests/test_tasks.py"),
     ("rlmm table /no/such/sweep", "tests/test_table.py"),
     ("rlmm trian", "tests/test_cli.py"),

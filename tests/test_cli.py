@@ -20,6 +20,11 @@ CASES = [
     (["precision.sampler_dtype=fp8"], "precision.sampler_dtype: unknown precision 'fp8' (allowed: fp32, bf16, fp16)"),
     (["sampling.temprature=0.7"], "Key 'temprature' not in 'SamplingOptions'"),
     (["sampler.kv_cache=2"], "(allowed: batch_invariant, kv_cache_gb,"),
+    (["sampler.quantization=int4"], "sampler.quantization: unknown mode 'int4' (allowed: none, int8, fp8)"),
+    (["-m", "sampler.kv_cache_dtype=auto,fp8"],
+     "sampler.kv_cache_dtype: unknown dtype 'fp8' (allowed: auto, fp8_e4m3, fp8_e5m2)"),
+    (["sampler=hf", "sampler.kv_cache_dtype=fp8_e4m3"], "Key 'kv_cache_dtype' is not in struct (allowed: batch_size, "
+                                                         "quantization, perturb)"),
     (["+trainer.zero=3"], "trainer=deepspeed: unknown key 'zero' (allowed: micro_batch_size, zero_stage, lr,"),
     (["trainer.zero_stage=three"], "trainer=deepspeed: Value 'three' of type 'str' could not be converted to Integer"),
     (["probe.num_prompts=many"], "Value 'many' of type 'str' could not be converted to Integer"),

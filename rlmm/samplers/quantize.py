@@ -167,6 +167,19 @@ def engine_quantization_config(mode: str) -> dict:
     raise ValueError(f"sampler.quantization: no engine configuration for {mode!r}")
 
 
+def check_sampler_options(sampler, this_machine: bool) -> None:
+    """The quantization keys of a sampler's config node, checked before any model is read or engine started: the
+    values (`Quantization`), and with `this_machine` what this machine's CPU cannot run whatever the model (an
+    FP8 KV cache without AVX-512 or AMX). What depends on the model's shapes is refused when the sampler starts."""
+    if "quantization" not in sampler and "kv_cache_dtype" not in sampler:
+        return
+    quantization = Quantization(sampler.get("quantization", "none"), sampler.get("kv_cache_dtype", "auto"))
+    if this_machine and not torch.cuda.is_available():
+        problem = machine_kv_cache_refusal(quantization.kv_cache)
+        if problem:
+            raise ValueError(problem)
+
+
 def weights_refusal(mode: str, model_path: str, cuda: bool, moe: bool) -> str | None:
     """Why `sampler=vllm` cannot quantize this model's weights with `mode` here (None: it can), in one line naming
     the value and what runs instead; read from config.json before any engine starts."""
@@ -212,14 +225,21 @@ def kv_cache_refusal(kv_cache: str, model_path: str, cuda: bool) -> str | None:
     and only for a head size divisible by 32."""
     if kv_cache == "auto" or cuda:
         return None
-    if not (torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported()):
-        return (f"sampler.kv_cache_dtype={kv_cache}: vLLM-CPU keeps an FP8 KV cache only with AVX-512 or AMX, "
-                "which this CPU lacks (runs here: auto)")
+    problem = machine_kv_cache_refusal(kv_cache)
+    if problem:
+        return problem
     config = text_config(model_path)
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     if head_dim % 32:
         return (f"sampler.kv_cache_dtype={kv_cache}: vLLM-CPU's FP8 KV cache needs a head size divisible by 32, "
                 f"this model's is {head_dim} (runs here: auto)")
+    return None
+
+
+def machine_kv_cache_refusal(kv_cache: str) -> str | None:
+    if kv_cache != "auto" and not (torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported()):
+        return (f"sampler.kv_cache_dtype={kv_cache}: vLLM-CPU keeps an FP8 KV cache only with AVX-512 or AMX, "
+                "which this CPU lacks (runs here: auto)")
     return None
 
 
