@@ -195,7 +195,7 @@ def main() -> None:
 
     eval_seconds = None
     if job.get("eval_prompts"):
-        from rlmm.train import accuracy
+        from rlmm.evaluation import accuracy
 
         start = time.perf_counter()
         accuracy(c, c.sampler, c.task.examples("test", job["eval_prompts"]))  # the sampler's greedy eval

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
-from rlmm.config import build, to_container
+from rlmm.config import build, from_yaml, to_container
 from rlmm.critic import NoCritic, ValueCritic
 from rlmm.devices import init_process_group, select_device
 from rlmm.interfaces import Algorithm, Correction, Critic, Sampler, Trainer
@@ -35,9 +35,9 @@ class Components:
     critic: Critic = field(default_factory=NoCritic)  # an algorithm's value model (PPO), else NoCritic
     model_path: str = ""
     trainer_precision: SidePrecision | None = None  # what the trainer side computes in (asked for): the
-    # precision of eval/accuracy_trained's copy of the trainer's weights (rlmm/train.py::TrainedCopyEngine)
+    # precision of eval/accuracy_trained's copy of the trainer's weights (rlmm/evaluation.py::TrainedCopyEngine)
     precision_report: dict = field(default_factory=dict)  # asked for vs what each engine really runs
-    routing: RoutingReplay = field(default_factory=lambda: RoutingReplay("none", measure=False, compare=False))
+    routing: RoutingReplay = field(default_factory=lambda: from_yaml("routing", "none"))  # conf/routing/none.yaml
     engine_args: dict = field(default_factory=dict)  # what the sampler was built with beside its YAML (another
     # engine of the same kind, e.g. the probe's `sampler.perturb` stand-ins, is built with the same)
 
@@ -69,7 +69,7 @@ def build_components(cfg: DictConfig, prompts: Callable[[object], list], max_row
     sampling = SamplingOptions(**cfg.sampling)
     algo = instantiate(cfg.algo) if "algo" in cfg else None
     correction = instantiate(cfg.correction) if "correction" in cfg else None
-    routing = instantiate(cfg.routing) if "routing" in cfg else RoutingReplay("none", measure=False, compare=False)
+    routing = instantiate(cfg.routing)
     routing.check_checkpoint(model_path)  # a routing the model cannot take, refused before any engine starts
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     with timed(seconds, "sampler_init"):

@@ -68,7 +68,7 @@ class Trainer(Protocol):
         """Whether `model` can generate the trained policy as it is, on this rank alone: it holds the full
         weights (not ZeRO-3's or several FSDP ranks' shards) and computes as a fresh load of the checkpoint in
         the trainer's precision would (no padding-free attention installed). The evaluation then generates
-        with it instead of a copy (rlmm/train.py's `Evaluation`)."""
+        with it instead of a copy (rlmm/evaluation.py's `Evaluation`)."""
         ...
 
     def logprobs(self, rollouts: Rollouts, micro_batch_size: int | None = None, *,

@@ -237,38 +237,37 @@ EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "mo
 
 
 class RoutingReplay:
-    """What the RL step does with an MoE model's routing: `routing=none|r2|r3` (conf/routing/; the module
-    docstring). The step asks it which rollouts π_old is scored on (`scored`) and which the updates train
-    on (`trained`), and for the routing/ metrics of the step.
+    """What the RL step does with an MoE model's routing: `routing=none|r2|r3` (conf/routing/, one class each;
+    the module docstring). The step asks it which rollouts π_old is scored on (`scored`) and which the updates
+    train on (`trained`), and for the routing/ metrics of the step. This base class is the routing of
+    `routing=none` in every respect but its name: the trainer routes every token itself (`TrainerRouting`).
 
     Args:
-        mode: "none" (the trainer routes itself), "r2" (the update replays π_old's own routing) or "r3" (every
-            policy forward replays the sampler's routing).
         measure: the sampler returns its experts and the trainer records its own, for the routing/ metrics
             (an MoE model only; r3 captures the sampler's experts whatever this says).
         compare: score the rollouts a second time with the other routing and log the mismatch both ways.
     """
 
-    MODES = ("none", "r2", "r3")
+    name = "none"  # as conf/routing/ spells it, in messages
+    replays = False  # whether a policy forward replays experts (r2, r3: only an MoE model can)
+    replays_own_routing = False  # r2: an update whose forwards did not score π_old must be given its routing
 
-    def __init__(self, mode: str, measure: bool, compare: bool):
-        if mode not in self.MODES:
-            raise ValueError(f"routing.mode: unknown mode {mode!r} (allowed: {', '.join(self.MODES)})")
-        for name, value in (("measure", measure), ("compare", compare)):
+    def __init__(self, measure: bool, compare: bool):
+        for key, value in (("measure", measure), ("compare", compare)):
             if not isinstance(value, bool):
-                raise ValueError(f"routing.{name}: must be true or false, got {value!r}")
-        self.mode, self.measure, self.compare = mode, measure, compare
+                raise ValueError(f"routing.{key}: must be true or false, got {value!r}")
+        self.measure, self.compare = measure, compare
         self.shape: MoEShape | None = None
 
     @property
     def capture(self) -> bool:
         """Whether the sampler is to return the experts it chose (`Rollouts.routed_experts`)."""
-        return self.mode == "r3" or self.measure or self.compare
+        return self.measure or self.compare
 
     def check_checkpoint(self, model_path: str) -> None:
-        """Before any engine starts: r2 and r3 need an MoE model, read from the checkpoint's config.json (its
+        """Before any engine starts: a replay needs an MoE model, read from the checkpoint's config.json (its
         count of experts under any of EXPERT_COUNT_KEYS; `bind` checks the built module again)."""
-        if self.mode == "none":
+        if not self.replays:
             return
         from transformers import AutoConfig
 
@@ -277,46 +276,32 @@ class RoutingReplay:
             self._refuse_dense((getattr(config, "architectures", None) or [config.model_type])[0])
 
     def _refuse_dense(self, model_name: str) -> None:
-        raise ValueError(f"routing={self.mode}: the model ({model_name}) has no mixture-of-experts router; routing "
+        raise ValueError(f"routing={self.name}: the model ({model_name}) has no mixture-of-experts router; routing "
                          f"replay needs an MoE model such as model=tiny_moe (a dense model takes routing=none)")
 
     def bind(self, model: nn.Module) -> RoutingReplay:
-        """Check the trainer's model against the mode (r2 and r3 need an MoE model) and install its hooks."""
+        """Check the trainer's model against the routing (a replay needs an MoE model) and install its hooks."""
         self.shape = moe_shape(model)
-        if self.shape is None and self.mode != "none":
+        if self.shape is None and self.replays:
             self._refuse_dense(type(unwrap(model)).__name__)
         if self.shape is not None:
             hooks_of(model)
         return self
 
     def scored(self, rollouts):
-        """The rollouts as π_old's scoring forward takes them: the sampler's experts to replay under r3
-        (`Rollouts.replayed_experts`), none otherwise."""
-        if self.mode != "r3":
-            return replace(rollouts, replayed_experts=None)
-        if rollouts.routed_experts is None:
-            raise ValueError("routing=r3: the sampler returned no routing (its engine cannot capture it: "
-                             "docs/routing.md)")
-        return replace(rollouts, replayed_experts=rollouts.routed_experts)
+        """The rollouts as π_old's scoring forward takes them: no experts to replay (r3 replays the sampler's)."""
+        return replace(rollouts, replayed_experts=None)
 
     def trained(self, rollouts, own: dict[int, torch.Tensor] | None):
-        """The rollouts the updates train on: r3 the sampler's experts, r2 the experts π_old's scoring chose
-        (`own`, from `recorded`), none no replay."""
-        if self.mode == "r2":
-            return replace(rollouts, replayed_experts=[own[i] for i in range(len(rollouts))])
+        """The rollouts the updates train on (`own`: the experts π_old's scoring chose, from `recorded`): as
+        π_old scored them (r2 replays `own`)."""
         return self.scored(rollouts)
-
-    @property
-    def replays_own_routing(self) -> bool:
-        """Whether the update replays the routing of π_old's scoring (r2): an update whose forwards did not
-        score π_old must be given it."""
-        return self.mode == "r2"
 
     @contextmanager
     def recorded(self, model: nn.Module) -> Iterator[dict[int, torch.Tensor] | None]:
         """The trainer's own experts per rollout row, recorded in the policy forwards made inside, when the
         model is MoE and the run measures or replays them (else None)."""
-        if self.shape is None or not (self.measure or self.compare or self.mode == "r2"):
+        if self.shape is None or not (self.measure or self.compare or self.replays_own_routing):
             yield None
             return
         with recorded_routing(model) as own:
@@ -339,6 +324,40 @@ class RoutingReplay:
         if sampler is None or own is None or not self.measure:
             return {}
         return routing_disagreement(sampler, [own[i] for i in range(len(sampler))])
+
+
+class TrainerRouting(RoutingReplay):
+    """`routing=none`: the trainer routes every token itself, in π_old's scoring and in the update (what PPO
+    assumes is harmless); with an MoE model the run still measures how often its routing differs from the
+    sampler's."""
+
+
+class OwnRoutingReplay(RoutingReplay):
+    """`routing=r2`, vanilla routing replay (the baseline of Ma et al. 2025): the update sends each token to the
+    experts the trainer chose when it scored π_old, so the ratio π_θ / π_old compares the same experts; the
+    sampler's routing is only measured."""
+
+    name, replays, replays_own_routing = "r2", True, True
+
+    def trained(self, rollouts, own: dict[int, torch.Tensor] | None):
+        return replace(rollouts, replayed_experts=[own[i] for i in range(len(rollouts))])
+
+
+class SamplerRoutingReplay(RoutingReplay):
+    """`routing=r3`, Rollout Routing Replay (Ma et al. 2025): every policy forward (π_old's scoring and the
+    update) sends each token to the experts the sampler chose for it, so the sampler always captures them."""
+
+    name, replays = "r3", True
+
+    @property
+    def capture(self) -> bool:
+        return True
+
+    def scored(self, rollouts):
+        if rollouts.routed_experts is None:
+            raise ValueError("routing=r3: the sampler returned no routing (its engine cannot capture it: "
+                             "docs/routing.md)")
+        return replace(rollouts, replayed_experts=rollouts.routed_experts)
 
 
 def scored_both_ways(trainer, scored, logprobs: torch.Tensor) -> dict[str, torch.Tensor]:

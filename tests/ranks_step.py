@@ -85,7 +85,6 @@ def step_on_share(model_path: str, recorded: dict, backend: str, scratch: Path, 
     from rlmm.collectives import mean_over_ranks
     from rlmm.components import Components
     from rlmm.critic import NoCritic, ValueCritic
-    from rlmm.routing import RoutingReplay
     from rlmm.step import rl_step
     from tests.test_update import GROUP, OPTIONS, OddLengthReward, algo, sgd_trainer, stacked_correction
 
@@ -94,7 +93,7 @@ def step_on_share(model_path: str, recorded: dict, backend: str, scratch: Path, 
     examples = {e.prompt: e for e in task.examples("train", 64)}
     prompts = [examples[p] for p in recorded["prompts"]]
     trainer = sgd_trainer(backend, model_path, scratch, **values)
-    replay = RoutingReplay(routing or "none", measure=routing is not None, compare=False).bind(trainer.model)
+    replay = from_yaml("routing", routing or "none", measure=routing is not None, compare=False).bind(trainer.model)
     if algorithm == "ppo":
         rl = from_yaml("algo", "ppo", group_size=GROUP, critic_warmup_steps=0)
         torch.manual_seed(0)  # the value head is new: the same draw on every rank and in the 1-rank run

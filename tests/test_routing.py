@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from rlmm.precision import SidePrecision
-from rlmm.routing import (REPLAY_KWARG, RoutingReplay, differing_decisions, hooks_of, moe_shape, recorded_routing,
+from rlmm.config import from_yaml
+from rlmm.routing import (REPLAY_KWARG, differing_decisions, hooks_of, moe_shape, recorded_routing,
                           routers, routing_disagreement)
 from rlmm.samplers.base import NO_ROUTE, Rollouts
 from rlmm.trainers.update import minibatch_step
@@ -114,7 +115,7 @@ def test_replaying_other_experts_changes_exactly_the_tokens_they_reach(moe_model
 
 
 def test_an_moe_checkpoint_takes_replay_and_rlmm_train_refuses_it_for_a_dense_one_before_any_engine(moe_model_path):
-    RoutingReplay("r3", measure=True, compare=False).check_checkpoint(moe_model_path)
+    from_yaml("routing", "r3", measure=True, compare=False).check_checkpoint(moe_model_path)
     import subprocess
     import sys
 
@@ -129,17 +130,27 @@ def test_an_moe_checkpoint_takes_replay_and_rlmm_train_refuses_it_for_a_dense_on
     assert "vllm" not in refused.stderr.lower() and "deepspeed" not in refused.stderr.lower(), refused.stderr[-3000:]
 
 
+@pytest.mark.parametrize("option", ["none", "r2", "r3"])
+def test_each_routing_option_is_its_own_class_and_knows_its_name(option):
+    """conf/routing/<option>.yaml builds the class of that routing, which names itself as the YAML is named
+    (the name its messages give) and replays what that routing replays."""
+    routing = from_yaml("routing", option)
+    assert routing.name == option
+    assert routing.replays == (option != "none") and routing.replays_own_routing == (option == "r2")
+    assert routing.capture == (routing.measure or routing.compare or option == "r3")
+
+
 def test_a_router_the_replay_cannot_reproduce_is_refused_by_name(small_model_path):
     model = load(small_model_path)
     assert routers(model) == [] and moe_shape(model) is None
     with pytest.raises(ValueError, match="routing=r3: the model \\(Qwen2ForCausalLM\\) has no mixture-of-experts"):
-        RoutingReplay("r3", measure=True, compare=False).bind(model)
+        from_yaml("routing", "r3", measure=True, compare=False).bind(model)
     # the same from the checkpoint's config.json, before any engine starts
     with pytest.raises(ValueError, match="routing=r2: the model \\(Qwen2ForCausalLM\\) has no mixture-of-experts"):
-        RoutingReplay("r2", measure=True, compare=False).check_checkpoint(small_model_path)
-    with pytest.raises(ValueError, match="routing.mode: unknown mode 'r4' \\(allowed: none, r2, r3\\)"):
-        RoutingReplay("r4", measure=True, compare=False)
-    RoutingReplay("none", measure=True, compare=False).bind(model)  # a dense model takes routing=none
+        from_yaml("routing", "r2", measure=True, compare=False).check_checkpoint(small_model_path)
+    with pytest.raises(ValueError, match="routing.measure: must be true or false, got 'yes'"):
+        from_yaml("routing", "none", measure="yes")
+    from_yaml("routing", "none", measure=True, compare=False).bind(model)  # a dense model takes routing=none
 
 
 # -- the capture ----------------------------------------------------------------------------------------------
@@ -252,7 +263,7 @@ def test_the_step_logs_routing_metrics_and_compares_both_ways(moe_model_path, ar
         torch.manual_seed(0)
         sampler = build_sampler("hf", moe_model_path, BF16, OPTIONS, seed=0, capture_routing=True)
         trainer = build_trainer("torch", moe_model_path, FP32, OPTIONS)
-        routing = RoutingReplay(mode, measure=True, compare=True).bind(trainer.model)
+        routing = from_yaml("routing", mode, measure=True, compare=True).bind(trainer.model)
         c = Components(task=OddLengthReward(arithmetic_task), tokenizer=AutoTokenizer.from_pretrained(moe_model_path),
                        sampler=sampler, trainer=trainer, correction=TokenTIS(cap=2.0), algo=algo(), sampling=OPTIONS,
                        routing=routing)

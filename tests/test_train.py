@@ -271,7 +271,7 @@ def test_evaluation_reads_the_deployed_sampler_and_the_trainers_own_weights(smal
     import torch
 
     from rlmm.precision import SidePrecision
-    from rlmm.train import Evaluation
+    from rlmm.evaluation import Evaluation
 
     task = FingerprintTask(arithmetic_task)
     c = make_components(small_model_path, task, "hf", "torch", "fp32")
@@ -332,7 +332,7 @@ def test_trained_accuracy_is_the_same_on_the_trainers_module_as_on_a_copy(small_
     """After a step, greedy generation with the trainer's own module (what the evaluation now uses where it
     holds the full weights) gives the copy's tokens and log-probs bit for bit, so eval/accuracy_trained is
     the number the copy gave: the same weights in the same dtypes (an fp32 head too) through the same kernels."""
-    from rlmm.train import Evaluation, TrainedCopyEngine, TrainerModuleEngine, accuracy
+    from rlmm.evaluation import Evaluation, TrainedCopyEngine, TrainerModuleEngine, accuracy
 
     task = FingerprintTask(arithmetic_task)
     c = evaluated_components(small_model_path, task, trainer_name, precision_name, **trainer_values)
@@ -365,7 +365,7 @@ def test_evaluation_copies_the_weights_only_where_the_trainers_module_cannot_gen
     """ZeRO-3 (each rank holds a partition) and padding-free attention need the copy; ZeRO-0 on one rank
     does not. (FSDP over several ranks: tests/test_update.py's two-rank runs are its place; one rank is here
     in the slow grid above.)"""
-    from rlmm.train import Evaluation, TrainedCopyEngine, TrainerModuleEngine
+    from rlmm.evaluation import Evaluation, TrainedCopyEngine, TrainerModuleEngine
 
     c = evaluated_components(small_model_path, FingerprintTask(arithmetic_task), trainer_name, "fp32",
                              **trainer_values)
@@ -388,7 +388,7 @@ def test_evaluating_on_the_trainers_module_leaves_training_as_it_was(small_model
     KV cache kept) as they were and makes no gradient; the next step's new weights are those of a run
     without the evaluation, bit for bit. (The trained-weights half of an evaluation: the
     deployed sampler's greedy half is the sampler's business.)"""
-    from rlmm.train import Evaluation, accuracy
+    from rlmm.evaluation import Evaluation, accuracy
 
     def state(model):  # no state_dict(): FSDP2's would reshard the root unit and hide a frozen flag
         return {"training": [m.training for m in model.modules()],

@@ -180,7 +180,7 @@ class HFSampler:
     def on_model(cls, model: torch.nn.Module, model_path: str, sampling: SamplingOptions, seed: int,
                  batch_size: int) -> HFSampler:
         """A sampler that generates with `model` as it is: nothing loaded, copied or perturbed. For the
-        trainer's own module (`eval/accuracy_trained`, rlmm/train.py's `TrainerModuleEngine`), which stays
+        trainer's own module (`eval/accuracy_trained`, rlmm/evaluation.py's `TrainerModuleEngine`), which stays
         its owner's: `close` drops this reference only. `model_path` gives the tokenizer's padding id."""
         from transformers import AutoTokenizer
 

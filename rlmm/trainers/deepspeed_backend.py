@@ -181,7 +181,7 @@ class DeepSpeedTrainer:
     @property
     def generates_in_place(self) -> bool:
         """Whether `model` can generate the trained policy as it is (the evaluation then needs no copy of it,
-        rlmm/train.py's `Evaluation`): ZeRO-0/1/2 keep every full weight on each rank, ZeRO-3 only its
+        rlmm/evaluation.py's `Evaluation`): ZeRO-0/1/2 keep every full weight on each rank, ZeRO-3 only its
         partitions; not a value model, nor with padding-free attention installed."""
         return self.engine.zero_optimization_stage() < 3 and self.head is not None and not self.batching.padding_free
 

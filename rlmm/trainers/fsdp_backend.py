@@ -150,7 +150,7 @@ class FSDPTrainer:
     @property
     def generates_in_place(self) -> bool:
         """Whether `model` can generate the trained policy as it is (the evaluation then needs no copy of it,
-        rlmm/train.py's `Evaluation`): over one rank, where each unit's "shard" is the whole parameter and its
+        rlmm/evaluation.py's `Evaluation`): over one rank, where each unit's "shard" is the whole parameter and its
         all-gather a local cast to the compute dtype; not over several (a forward on rank 0 alone would wait
         for the others' shards), not a value model, nor with padding-free attention installed."""
         import torch.distributed as dist

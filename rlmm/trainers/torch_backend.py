@@ -119,7 +119,7 @@ class TorchTrainer:
     @property
     def generates_in_place(self) -> bool:
         """Whether `model` can generate the trained policy as it is (the evaluation then needs no copy of it,
-        rlmm/train.py's `Evaluation`): every rank holds the full weights; not a value model, nor with
+        rlmm/evaluation.py's `Evaluation`): every rank holds the full weights; not a value model, nor with
         padding-free attention installed."""
         return self.head is not None and not self.batching.padding_free
 
