@@ -52,6 +52,7 @@ class ProbeOptions:
     early_vs_late: EarlyVsLateOptions = field(default_factory=EarlyVsLateOptions)
     batch_invariance: BatchInvarianceOptions = field(default_factory=BatchInvarianceOptions)
     simulated: list[float] = MISSING  # sampler.perturb stand-ins measured beside the real sampler ([]: none)
+    attribution: bool = MISSING  # the op-class attribution of the gap at the sampler's dtype (rlmm/attribution.py)
 
 
 @dataclass

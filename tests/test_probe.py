@@ -25,8 +25,11 @@ def run_probe(tmp_path, *overrides: str) -> dict:
 
 
 def test_default_probe_vllm_deepspeed(tmp_path):
-    """The built-in default: vLLM bf16 sampler, DeepSpeed fp32 trainer, W&B offline."""
-    record = run_probe(tmp_path)
+    """The built-in default: vLLM bf16 sampler, DeepSpeed fp32 trainer, W&B offline; with the op-class
+    attribution (probe.attribution) in the record, its table, its plot and `rlmm table`'s values."""
+    from rlmm.table.discovery import probe_values
+
+    record = run_probe(tmp_path, "probe.attribution=true")
     assert record["choices"]["sampler"] == "vllm" and record["choices"]["trainer"] == "deepspeed"
     assert record["precision"]["actual"]["sampler"]["dtype"] == "bf16"
     assert record["precision"]["actual"]["trainer"]["dtype"] == "fp32"
@@ -56,6 +59,15 @@ def test_default_probe_vllm_deepspeed(tmp_path):
     assert decoding["bitwise_identical"] == (decoding["first_divergence_min"] is None)
     assert decoding["logprob_abs_diff_max"] < 0.1 and "decode vs prefill" in record["stdout"]
     assert record["real_vs_simulated"] == {}  # probe.simulated: [] by default
+    attribution = record["attribution"]  # bf16 against the fp32 DeepSpeed trainer, on the probe's own rollouts
+    assert attribution["dtype"] == "bf16" and attribution["tokens"] == metrics["num_tokens"]
+    assert list(attribution["ops"]) == ["embeddings", "rmsnorm", "attn_proj", "rope", "attention", "mlp", "residual",
+                                        "lm_head"]
+    assert attribution["all_low"]["logprob_abs_diff_mean"] > 0
+    assert "attribution: the bf16 gap against fp32" in record["stdout"]
+    assert (tmp_path / "attribution.png").stat().st_size > 10_000
+    values = probe_values(record)
+    assert values["attribution/lm_head/share_raised/kl_k3"] == attribution["ops"]["lm_head"]["share_raised"]["kl_k3"]
     assert list((tmp_path / "wandb").glob("offline-run-*")), "W&B offline run directory missing"
     assert "WANDB_API_KEY" not in (tmp_path / "probe.json").read_text()
 

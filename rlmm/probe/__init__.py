@@ -31,6 +31,7 @@ from omegaconf import DictConfig
 from rlmm.components import build_components
 from rlmm.config import build, to_container
 from rlmm.logging import redact
+from rlmm.attribution import attribute, plot_attribution
 from rlmm.metrics import early_vs_late, mismatch_metrics, position_profile
 from rlmm.probe.checks import check_finite, check_options
 from rlmm.probe.measurements import (batch_invariance, decode_vs_prefill, real_vs_simulated, routing_decomposition,
@@ -84,6 +85,9 @@ def run_probe(cfg: DictConfig, run_dir: Path, choices: dict[str, str]) -> dict:
     with timed(stage_seconds, "routing"):
         routing_part = routing_decomposition(routing, trainer, rollouts, own_routing, train_logprobs,
                                              sampler_logprobs, mask, options.ratio_cap)
+    with timed(stage_seconds, "attribution"):
+        attribution = (attribute(trainer, rollouts, cfg.precision.sampler_dtype, options.ratio_cap)
+                       if options.attribution else {})
     with timed(stage_seconds, "decode_vs_prefill"):
         decoding = decode_vs_prefill(sampler, sampled, components.sampling, options.ratio_cap, bucket_size)
     with timed(stage_seconds, "sampler_vs_itself"):
@@ -111,12 +115,15 @@ def run_probe(cfg: DictConfig, run_dir: Path, choices: dict[str, str]) -> dict:
         "decode_vs_prefill": decoding,
         "real_vs_simulated": simulated,
         "routing": routing_part,
+        "attribution": attribution,
         "seconds": time.perf_counter() - started,
         "stage_seconds": stage_seconds,
         "config": redact(to_container(cfg)),
     }
     (run_dir / "probe.json").write_text(json.dumps(record, indent=2, default=float))
     plot_probe(record, run_dir / "probe.png")
+    if attribution:
+        plot_attribution(attribution, run_dir / "attribution.png", choices)
     print_probe(record)
     return record
 

@@ -33,6 +33,10 @@ def check_options(cfg: DictConfig) -> dict[str, MicroBatching]:
     check_micro_batch_sizes(cfg.probe.trainer_micro_batch_sizes)
     check_early_vs_late(cfg.probe.early_vs_late, cfg.sampling.max_new_tokens)
     check_batch_invariance(cfg.probe.batch_invariance)
+    if cfg.probe.attribution:
+        from rlmm.attribution import check_attribution
+
+        check_attribution(cfg.precision.sampler_dtype, cfg.precision.trainer_dtype, cfg.trainer)
     return check_layouts(cfg.probe.trainer_layouts, cfg.trainer.micro_batch_size)
 
 

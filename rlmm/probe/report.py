@@ -43,6 +43,10 @@ def print_probe(record: dict) -> None:
         console.print(table)
     if routing := record.get("routing"):
         print_routing(console, routing)
+    if attribution := record.get("attribution"):
+        from rlmm.attribution import print_attribution
+
+        print_attribution(console, attribution)
     inv = record["sampler_vs_itself"]
     precision = record["precision"]
     engines = {side: ", ".join(f"{k} {v}" for k, v in precision["actual"][side].items()

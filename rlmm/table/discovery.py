@@ -93,6 +93,7 @@ def probe_values(record: dict) -> dict[str, float]:
     """probe.json's scalar numbers as metrics: `mismatch/*` (sampler vs trainer), `trainer_vs_itself/*`,
     `sampler_vs_itself/*`, `position/*` (early vs late), `agreement/*` (tokens scored to the same bits),
     `decode_vs_prefill/*` (the sampler's decoding against its own prefill), `simulated/*` (real vs simulated),
+    `attribution/*` (the op-class attribution),
     `rollout/*`, `perf/seconds`."""
     values = {}
     for section, prefix in PROBE_SECTIONS.items():
@@ -116,6 +117,13 @@ def probe_values(record: dict) -> dict[str, float]:
     for key, value in simulated.get("matching_epsilon", {}).items():
         if is_number(value):
             values[f"simulated/matching_epsilon/{key}"] = number(value)
+    # The op-class attribution: attribution/<op>/share_raised|share_lowered/<gap key>, attribution/all_low/<gap key>.
+    attribution = record.get("attribution") or {}
+    for op, parts in attribution.get("ops", {}).items():
+        for part in ("share_raised", "share_lowered"):
+            values.update({f"attribution/{op}/{part}/{k}": number(v) for k, v in parts[part].items() if is_number(v)})
+    values.update({f"attribution/all_low/{k}": number(v) for k, v in attribution.get("all_low", {}).items()
+                   if is_number(v)})
     for key, value in record.get("rollouts", {}).items():
         if key in PROBE_ROLLOUTS and is_number(value):
             values[f"rollout/{PROBE_ROLLOUTS[key]}"] = number(value)
