@@ -350,3 +350,98 @@ def plot_attribution(attribution: dict, path, choices: dict) -> None:
     with writing(path):
         fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+class TrainingAttribution:
+    """`train.attribution.every=N`: the op-class attribution (`attribute`) of the gap at the sampler's dtype every
+    N steps of `rlmm train`, on the same held-out prompts each time (the sampler's greedy answers with its
+    current weights, so no random draw of the run's is taken), logged as attribution/<op>/share_raised|
+    share_lowered/<G> and attribution/all_low/<G>, with the weight and logit statistics that could explain a
+    growing gap (`model_statistics`). Rank 0 measures, as it evaluates (its sampler and trainer replica; the
+    other ranks do not wait for it in a collective)."""
+
+    def __init__(self, c, examples: list, every: int, sampler_dtype: str, ratio_cap: float):
+        self.c, self.every, self.dtype, self.ratio_cap = c, every, sampler_dtype, ratio_cap
+        self.prompt_ids = [c.tokenizer(e.prompt).input_ids for e in examples]
+
+    def due(self, step: int) -> bool:
+        return step % self.every == 0
+
+    def __call__(self) -> dict[str, float]:
+        rollouts = self.c.sampler.generate(self.prompt_ids, greedy=True)
+        result = attribute(self.c.trainer, rollouts, self.dtype, self.ratio_cap)
+        metrics = {f"attribution/all_low/{k}": v for k, v in result["all_low"].items()}
+        for op, parts in result["ops"].items():
+            for part in ("share_raised", "share_lowered"):
+                metrics.update({f"attribution/{op}/{part}/{k}": v for k, v in parts[part].items()})
+        metrics["perf/attribution_seconds"] = result["seconds"]
+        return metrics | model_statistics(self.c.trainer.model, rollouts)
+
+
+class NoTrainingAttribution:
+    """`train.attribution.every=0` (the default): nothing measured, nothing logged, the run the same to the bit."""
+
+    def due(self, step: int) -> bool:
+        return False
+
+
+def model_statistics(model: nn.Module, rollouts) -> dict[str, float]:
+    """What could explain a gap that grows in training (Liu et al. 2025 and the Precision-RL authors report it
+    does, the cause open): per decoder layer the RMS and the largest |w| of its weights (`weights/layer_<i>/rms`,
+    `max_abs`), the same of the LM head, and on the given rollouts (one row at a time, so no padding enters)
+    the largest pre-softmax attention score over layers, heads and allowed positions
+    (`logits/attention_max`) and the LM head's logit range max_v z_v - min_v z_v, averaged over positions
+    (`logits/lm_head_range_mean`) and its largest (`logits/lm_head_range_max`)."""
+    from rlmm.routing import decoder_layers
+
+    inner = unwrap(model)
+    stats = {}
+    for index, layer in enumerate(decoder_layers(inner)):
+        weights = torch.cat([p.detach().float().flatten() for p in layer.parameters()])
+        stats[f"weights/layer_{index}/rms"] = weights.square().mean().sqrt().item()
+        stats[f"weights/layer_{index}/max_abs"] = weights.abs().max().item()
+    head = inner.get_output_embeddings().weight.detach().float()
+    stats["weights/lm_head/rms"], stats["weights/lm_head/max_abs"] = head.square().mean().sqrt().item(), head.abs().max().item()
+    ranges, largest = [], [float("-inf")]
+    device = head.device
+    with torch.no_grad(), _attention_scores(inner, largest):
+        for prompt, response in zip(rollouts.prompt_ids, rollouts.response_ids):
+            ids = torch.tensor([list(prompt) + list(response)], device=device)
+            logits = inner(input_ids=ids, use_cache=False).logits.float()[0]
+            ranges.append(logits.max(-1).values - logits.min(-1).values)
+    ranges = torch.cat(ranges)
+    stats |= {"logits/attention_max": largest[0], "logits/lm_head_range_mean": ranges.mean().item(),
+              "logits/lm_head_range_max": ranges.max().item()}
+    return stats
+
+
+@contextmanager
+def _attention_scores(model: nn.Module, largest: list[float]):
+    """The model's attention function as it is, after noting in `largest[0]` the largest causal pre-softmax score
+    q·k × scaling of each call (one unpadded row a call: every key at or before a query is allowed)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    config = model.config
+    own = config._attn_implementation
+    modeling = sys.modules[type(model).__module__]
+    function = (ALL_ATTENTION_FUNCTIONS[own] if own in ALL_ATTENTION_FUNCTIONS
+                else getattr(modeling, "eager_attention_forward"))
+
+    def attention(module, query, key, value, attention_mask, *args, scaling=None, **kwargs):
+        q, k = query.float(), key.float()
+        k = k.repeat_interleave(q.size(1) // k.size(1), dim=1)  # grouped-query attention: each q head's k
+        scores = q @ k.transpose(-1, -2) * (scaling if scaling is not None else q.size(-1) ** -0.5)
+        allowed = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).tril()
+        largest[0] = max(largest[0], scores.masked_fill(~allowed, float("-inf")).max().item())
+        return function(module, query, key, value, attention_mask, *args, scaling=scaling, **kwargs)
+
+    name = ATTENTION_NAME + "_scores"
+    AttentionInterface.register(name, attention)
+    AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[own])
+    config._attn_implementation = name
+    try:
+        yield
+    finally:
+        config._attn_implementation = own

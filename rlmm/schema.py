@@ -83,6 +83,12 @@ class MonitorOptions:
 
 
 @dataclass
+class TrainAttributionOptions:
+    every: int = MISSING  # 0: off; N: the op-class attribution at step 0 and every N steps (rlmm/attribution.py)
+    prompts: int = MISSING  # held-out prompts it is measured on, the same each time
+
+
+@dataclass
 class TrainOptions:
     steps: int = MISSING
     prompts_per_step: int = MISSING
@@ -98,6 +104,7 @@ class TrainOptions:
     decompose_staleness: bool = MISSING
     overlap: bool = MISSING
     monitor: MonitorOptions = field(default_factory=MonitorOptions)
+    attribution: TrainAttributionOptions = field(default_factory=TrainAttributionOptions)
 
 
 @dataclass

@@ -19,8 +19,9 @@ from contextlib import ExitStack
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
+from rlmm.attribution import NoTrainingAttribution, TrainingAttribution, check_attribution
 from rlmm.collectives import mean_over_ranks
 from rlmm.components import Components, build_components
 from rlmm.config import to_container
@@ -31,7 +32,8 @@ from rlmm.records import NullRecord, RunRecord
 from rlmm.rollout_source import DelayLine, Overlapped, prompt_stream
 from rlmm.sampler_process import SamplerProcess
 from rlmm.step import rl_update
-from rlmm.train_report import TrainingHistory, plot_training, print_summary, summarize
+from rlmm.train_report import (TrainingHistory, plot_attribution_over_training, plot_training, print_summary,
+                               summarize)
 
 log = logging.getLogger(__name__)
 
@@ -43,9 +45,11 @@ def check_options(options: DictConfig) -> None:
     for key, least, zero in (("steps", 1, ""), ("prompts_per_step", 1, ""), ("eval_prompts", 1, ""),
                              ("eval_every", 0, " (0: evaluate only at step 0 and the last step)"),
                              ("checkpoint_every", 0, " (0: only on a stop signal)"), ("max_bad_steps", 0, " (0: never stop)"),
-                             ("staleness", 0, " (0: each update's rollouts sampled with the weights it updates)")):
-        if options[key] < least:
-            raise ValueError(f"train.{key}: must be >= {least}, got {options[key]}{zero}")
+                             ("staleness", 0, " (0: each update's rollouts sampled with the weights it updates)"),
+                             ("attribution.every", 0, " (0: off)"), ("attribution.prompts", 1, "")):
+        value = OmegaConf.select(options, key)
+        if value < least:
+            raise ValueError(f"train.{key}: must be >= {least}, got {value}{zero}")
     if options.overlap and options.staleness < 1:
         raise ValueError(f"train.overlap=true needs train.staleness >= 1, got {options.staleness} (at 0 each update "
                          f"waits for rollouts of its own weights: nothing to sample while it trains)")
@@ -72,11 +76,14 @@ def run_train(cfg: DictConfig, run_dir: Path, choices: dict[str, str], logger) -
         raise ValueError(f"train.prompts_per_step: {options.prompts_per_step} does not split over {world_size()} "
                          "ranks")
     monitor = build_monitor(options.monitor)  # its values checked before anything is built
+    if options.attribution.every:
+        check_attribution(cfg.precision.sampler_dtype, cfg.precision.trainer_dtype, cfg.trainer)
     torch.manual_seed(cfg.seed)
     components = build_components(cfg, lambda task: (task.examples("train", options.steps * options.prompts_per_step)
                                                      + task.examples("test", options.eval_prompts)),
                                   max_rows=max(options.prompts_per_step // world_size() * cfg.algo.group_size,
-                                               options.eval_prompts), sampler_factory=SamplerProcess if options.overlap else None)
+                                               options.eval_prompts, options.attribution.prompts),
+                                  sampler_factory=SamplerProcess if options.overlap else None)
     trainer, sampler = components.trainer, components.sampler
     rank, world = dist.get_rank(), dist.get_world_size()
     if rank == 0:
@@ -97,6 +104,9 @@ def run_train(cfg: DictConfig, run_dir: Path, choices: dict[str, str], logger) -
     train_examples = components.task.examples("train", options.steps * options.prompts_per_step)
     evaluate = Evaluation(components, components.task.examples("test", options.eval_prompts),
                           options.eval_trained_weights, rank)
+    attribution = (TrainingAttribution(components, components.task.examples("test", options.attribution.prompts),
+                                       options.attribution.every, cfg.precision.sampler_dtype, options.ratio_cap)
+                   if options.attribution.every and rank == 0 else NoTrainingAttribution())
     # Each update's rollouts: batch j holds step j's prompts (and DAPO's refills of (seed, j, round)), sampled
     # `train.staleness` updates before the update that trains on it, here or (`train.overlap`) by this rank's
     # sampler process while the trainer trains; those in flight come back from the checkpoint.
@@ -112,7 +122,7 @@ def run_train(cfg: DictConfig, run_dir: Path, choices: dict[str, str], logger) -
     handing_over = False  # a stop signal on any rank: every rank checkpoints, shuts down and hands it over
     with StopSignals() as stop, shutdown(record, logger, evaluate, components):
         if first_step == 1:
-            accuracies = evaluate()
+            accuracies = evaluate() | (attribution() if attribution.due(0) else {})
             record.log(accuracies, step=0)
             logger.log(accuracies, step=0)
         shown_accuracy = float("nan")
@@ -125,6 +135,8 @@ def run_train(cfg: DictConfig, run_dir: Path, choices: dict[str, str], logger) -
             if (options.eval_every and step % options.eval_every == 0) or step == options.steps:
                 metrics.update(evaluate())
                 shown_accuracy = metrics["eval/accuracy"]
+            if attribution.due(step):
+                metrics.update(attribution())
             metrics.update(monitor.observe(metrics, step, components))  # may switch the correction from here on
             record.log({**metrics, **monitor.record_entry()}, step)
             logger.log(metrics, step=step)
@@ -158,6 +170,8 @@ def run_train(cfg: DictConfig, run_dir: Path, choices: dict[str, str], logger) -
         stop.hand_over()
     if rank == 0:
         plot_training(history, run_dir / "training.png", choices)
+        if options.attribution.every:
+            plot_attribution_over_training(history, run_dir / "attribution.png", choices)
         print_summary(summary)
     return summary
 

@@ -13,17 +13,18 @@ from rlmm.records import read_steps
 
 @dataclass(frozen=True)
 class TrainingHistory:
-    """A run's record as the summary and the plot read it: the step rows after step 0, and the greedy
-    accuracies by step (step 0's included) of the deployed sampler and of the trained weights."""
+    """A run's record as the summary and the plots read it: the step rows after step 0 (and with it), and the
+    greedy accuracies by step (step 0's included) of the deployed sampler and of the trained weights."""
 
     steps: list[dict]
     accuracy: dict[int, float]
     trained_accuracy: dict[int, float]
+    steps_with_step_0: list[dict]
 
     @classmethod
     def read(cls, run_dir: Path) -> TrainingHistory:
         rows = read_steps(run_dir)
-        return cls(steps=[row for row in rows if row["step"] > 0],
+        return cls(steps=[row for row in rows if row["step"] > 0], steps_with_step_0=rows,
                    accuracy={row["step"]: row["eval/accuracy"] for row in rows
                              if row.get("eval/accuracy") is not None},
                    trained_accuracy={row["step"]: row["eval/accuracy_trained"] for row in rows
@@ -105,6 +106,50 @@ def plot_training(record: TrainingHistory, path: Path, choices: dict) -> None:
     axes[2].plot(steps, series("loss/clipfrac"), label="clip fraction")
     axes[2].set_title("correction and clipping")
     axes[2].legend()
+    for ax in axes:
+        ax.set_xlabel("step")
+    fig.suptitle(" ".join(f"{k}={v}" for k, v in choices.items()), fontsize=9)
+    fig.tight_layout()
+    with writing(path):
+        fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_attribution_over_training(record: TrainingHistory, path: Path, choices: dict) -> None:
+    """attribution.png of a run with `train.attribution.every`: per op class the share of the KL k3 gap raising it
+    alone removes, over the steps measured; the gap it is a share of beside the run's sampler-vs-trainer
+    mismatch; and the weight and logit statistics beside them."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [h for h in record.steps_with_step_0 if h.get("attribution/all_low/kl_k3") is not None]
+    steps = [h["step"] for h in rows]
+    ops = sorted({k.split("/")[1] for h in rows for k in h if k.startswith("attribution/") and "/share_" in k})
+    fig, axes = plt.subplots(1, 3, figsize=(15, 3.8))
+    for op in ops:
+        axes[0].plot(steps, [h.get(f"attribution/{op}/share_raised/kl_k3") for h in rows], marker="o", label=op)
+    axes[0].axhline(0, color="0.3", linewidth=0.8)
+    axes[0].set_title("share of the KL k3 gap raising each op to fp32 alone removes")
+    axes[0].legend(fontsize=7, ncol=2)
+    axes[1].plot(steps, [h["attribution/all_low/kl_k3"] for h in rows], marker="o",
+                 label="every op low vs fp32 (the attributed gap)")
+    trained = [h for h in record.steps if h.get("mismatch/kl_k3") is not None]
+    axes[1].plot([h["step"] for h in trained], [h["mismatch/kl_k3"] for h in trained], alpha=0.6,
+                 label="sampler vs trainer (the run's)")
+    axes[1].set_yscale("log")
+    axes[1].set_title("KL k3")
+    axes[1].legend(fontsize=8)
+    for key, label in (("logits/attention_max", "largest attention score"),
+                       ("logits/lm_head_range_max", "largest LM-head logit range")):
+        axes[2].plot(steps, [h.get(key) for h in rows], marker="o", label=label)
+    layers = sorted({k for h in rows for k in h if k.startswith("weights/layer_") and k.endswith("/max_abs")})
+    for key in layers:
+        axes[2].plot(steps, [h.get(key) for h in rows], linestyle="--", label=key.removeprefix("weights/"))
+    axes[2].set_yscale("log")
+    axes[2].set_title("weight and logit statistics")
+    axes[2].legend(fontsize=7)
     for ax in axes:
         ax.set_xlabel("step")
     fig.suptitle(" ".join(f"{k}={v}" for k, v in choices.items()), fontsize=9)

@@ -156,3 +156,40 @@ def test_what_cannot_be_attributed_is_refused_in_one_line(small_model_path):
             OpPrecisions(trainer.model)
     finally:
         trainer.close()
+
+
+def test_rlmm_train_logs_the_attribution_every_n_steps_and_changes_nothing_else(small_model_path, tmp_path):
+    """train.attribution.every=2 over 2 steps: attribution/*, weights/* and logits/* at steps 0 and 2 only,
+    attribution.png written; every other value of the record equal to the same run without it (the greedy
+    answers it scores take no random draw of the run's)."""
+    import subprocess
+    import sys
+
+    from rlmm.records import read_steps
+    from scripts.same_run import is_timing
+    from tests.conftest import subprocess_env
+
+    records = {}
+    for every in (0, 2):
+        run_dir = tmp_path / f"every-{every}"
+        result = subprocess.run(
+            [sys.executable, "-m", "rlmm.cli", "train", "model=hf", f"model.path={small_model_path}", "sampler=hf",
+             "trainer=torch", "debug=train", f"train.attribution.every={every}", "train.attribution.prompts=4",
+             f"hydra.run.dir={run_dir}"], capture_output=True, text=True, timeout=600, env=subprocess_env(),
+            stdin=subprocess.DEVNULL)
+        assert result.returncode == 0, result.stderr[-3000:]
+        records[every] = read_steps(run_dir)
+    assert (tmp_path / "every-2" / "attribution.png").stat().st_size > 10_000
+    assert not (tmp_path / "every-0" / "attribution.png").exists()
+    measured = ("attribution/", "weights/", "logits/")
+    for off, on in zip(records[0], records[2], strict=True):
+        keys = {k for k in on if k.startswith(measured)}
+        if on["step"] in (0, 2):
+            assert {f"attribution/{op}/share_raised/kl_k3" for op in OP_CLASSES if op != "router"} <= keys
+            assert {"weights/layer_1/max_abs", "weights/lm_head/rms", "logits/attention_max",
+                    "logits/lm_head_range_mean"} <= keys
+            assert all(on[k] == on[k] for k in keys)  # finite numbers, no NaN
+        else:
+            assert not keys
+        assert {k: v for k, v in on.items() if k not in keys and not is_timing(k)} == {
+            k: v for k, v in off.items() if not is_timing(k)}
