@@ -246,17 +246,18 @@ WHOLE_WEIGHTS = ("the trainer's module must hold the full weights: one rank of t
                  "trainer=torch, without trainer.padding_free")
 
 
-def check_attribution(sampler_dtype: str, trainer_dtype: str, trainer) -> None:
+def check_attribution(sampler_dtype: str, trainer_dtype: str, trainer, option: str = "probe.attribution") -> None:
     """Before any engine starts: a 16-bit sampler dtype to attribute, the fp32 trainer as the reference, and a
-    trainer whose module holds the full weights (ZeRO-3 does not; packed rows change the attention)."""
+    trainer whose module holds the full weights (ZeRO-3 does not; packed rows change the attention); `option`
+    names the setting that asked for it in the message."""
     if to_dtype(sampler_dtype, "precision.sampler_dtype") == torch.float32:
-        raise ValueError("probe.attribution: the sampler computes in fp32, so there is no low-precision gap to "
+        raise ValueError(f"{option}: the sampler computes in fp32, so there is no low-precision gap to "
                          "attribute (a bf16 or fp16 sampler: precision=bf16_sampler_fp32_trainer)")
     if trainer_dtype != "fp32":
-        raise ValueError(f"probe.attribution: the fp32 reference is the trainer in fp32, got "
+        raise ValueError(f"{option}: the fp32 reference is the trainer in fp32, got "
                          f"precision.trainer_dtype={trainer_dtype} (precision=bf16_sampler_fp32_trainer)")
     if trainer.get("zero_stage", 0) == 3 or trainer.get("padding_free", False):
-        raise ValueError(f"probe.attribution: {WHOLE_WEIGHTS}")
+        raise ValueError(f"{option}: {WHOLE_WEIGHTS}")
 
 
 def attribute(trainer, rollouts, low: str, ratio_cap: float) -> dict:

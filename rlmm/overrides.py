@@ -53,6 +53,11 @@ def check_overrides(config_name: str, overrides: list[str]) -> None:
                 from rlmm.train import check_options as check_train_options
 
                 check_train_options(cfg.train)
+                if cfg.train.attribution.every:
+                    from rlmm.attribution import check_attribution
+
+                    check_attribution(cfg.precision.sampler_dtype, cfg.precision.trainer_dtype, cfg.trainer,
+                                      option="train.attribution")
         except (ConfigError, ValueError) as err:
             fail(str(err).splitlines()[0])
         except InstantiationException as err:

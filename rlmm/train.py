@@ -77,7 +77,8 @@ def run_train(cfg: DictConfig, run_dir: Path, choices: dict[str, str], logger) -
                          "ranks")
     monitor = build_monitor(options.monitor)  # its values checked before anything is built
     if options.attribution.every:
-        check_attribution(cfg.precision.sampler_dtype, cfg.precision.trainer_dtype, cfg.trainer)
+        check_attribution(cfg.precision.sampler_dtype, cfg.precision.trainer_dtype, cfg.trainer,
+                          option="train.attribution")
     torch.manual_seed(cfg.seed)
     components = build_components(cfg, lambda task: (task.examples("train", options.steps * options.prompts_per_step)
                                                      + task.examples("test", options.eval_prompts)),

@@ -36,6 +36,10 @@ CASES = [
      "probe.batch_invariance.max_batch_size=8: must be >= probe.batch_invariance.num_prompts=16"),
     (["probe.early_vs_late.response_tokens=8", "probe.early_vs_late.window=5"],
      "probe.early_vs_late.window=5: must be between 1 and response_tokens/2 = 4"),
+    (["probe.attribution=true", "precision=fp32"],
+     "probe.attribution: the sampler computes in fp32, so there is no low-precision gap to attribute"),
+    (["probe.attribution=true", "precision=bf16"],
+     "probe.attribution: the fp32 reference is the trainer in fp32, got precision.trainer_dtype=bf16"),
 ]
 # rlmm train's own axes and options; the same rule: one line, before any engine starts.
 TRAIN_CASES = [
@@ -65,6 +69,9 @@ TRAIN_CASES = [
     (["train.overlap=true", "train.staleness=1", "train.decompose_staleness=true"],
      "train.overlap=true with train.decompose_staleness=true: the overlapped trainer has trained past the weights"),
     (["train.overlap=maybe"], "Value 'maybe' is not a valid bool"),
+    (["train.attribution.every=-2"], "train.attribution.every: must be >= 0, got -2 (0: off)"),
+    (["train.attribution.every=5", "trainer.zero_stage=3"], "train.attribution: the trainer's module must hold the full "
+                                                            "weights: one rank of trainer=deepspeed (ZeRO-0/1/2)"),
     (["-m", "hydra/launcher=nope"], "unknown hydra/launcher 'nope' (allowed: basic, local, process, slurm,"),
     (["trainer=torch", "trainer.zero_stage=3"], "(allowed: micro_batch_size, micro_batch_tokens, padding_free, lr, weight_decay,"),
 ]
