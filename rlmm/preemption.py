@@ -40,10 +40,13 @@ class StopSignals:
 
     def hand_over(self) -> None:
         """Run the previous handler of the received signal (it may requeue and exit); if it returns or
-        there was none, exit with 128 + the signal number."""
+        there was none, exit with 128 + the signal number. A rank that stops for a signal another rank received
+        (the loop stops every rank together) has none of its own to hand over: it exits as for SIGTERM."""
         signum = self.received
-        previous = self._previous.get(signum)
         self.__exit__()
+        if signum is None:
+            sys.exit(128 + signal.SIGTERM)
+        previous = self._previous.get(signum)
         if callable(previous):
             previous(signum, None)
         sys.exit(128 + signum)

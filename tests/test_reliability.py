@@ -85,6 +85,20 @@ main(sys.argv[1:])
 """
 
 
+def test_a_rank_that_stops_for_another_ranks_signal_exits_as_for_sigterm():
+    """The loop stops every rank when any one received a stop signal; one that received none itself hands over
+    nothing and exits 128 + SIGTERM (it used to fail on 128 + None, a traceback on every such rank)."""
+    import signal
+
+    from rlmm.preemption import StopSignals
+
+    with pytest.raises(SystemExit) as exited:
+        with StopSignals() as stop:
+            stop.hand_over()
+    assert exited.value.code == 128 + signal.SIGTERM
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL or callable(signal.getsignal(signal.SIGTERM))
+
+
 def test_sigterm_right_after_step_zero_still_checkpoints(small_model_path, tmp_path):
     """The signal lands the instant step 0's evaluation is recorded, before the first training step
     (in CI the default handler was still in place there and the process died without a checkpoint)."""
