@@ -53,6 +53,7 @@ class ProbeOptions:
     batch_invariance: BatchInvarianceOptions = field(default_factory=BatchInvarianceOptions)
     simulated: list[float] = MISSING  # sampler.perturb stand-ins measured beside the real sampler ([]: none)
     attribution: bool = MISSING  # the op-class attribution of the gap at the sampler's dtype (rlmm/attribution.py)
+    layers: bool = MISSING  # the residual stream after every layer, sampler vs trainer (rlmm/layer_attribution.py)
 
 
 @dataclass

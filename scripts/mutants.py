@@ -176,6 +176,16 @@ MUTANTS = [
            [("rlmm/algos/ppo.py", "every, every_mask = rows_of_every_rank(advantages, m)",
              "every, every_mask = advantages, m")],
            tests=("tests/test_update.py::test_two_ranks_take_the_one_rank_step_on_the_same_rows",)),
+    Mutant("vllm_stream_without_residual", "the layer attribution takes vLLM's stream after a layer as its hidden "
+           "output alone, without the residual it carries apart",
+           [("rlmm/samplers/vllm_capture.py", "output = output[0] + output[1]", "output = output[0]")],
+           tests=("tests/test_layer_attribution.py",)),
+    Mutant("hf_states_one_token_late", "the HF sampler files each fed response token's hidden states under the next "
+           "position", [("rlmm/samplers/hf.py", "response[row, :length - 1]", "response[row, 1:length]")],
+           tests=("tests/test_layer_attribution.py",)),
+    Mutant("trainer_states_rows_reversed", "the trainer's states of a micro-batch are filed under its rows in reverse",
+           [("rlmm/layer_attribution.py", "zip(batch.rows, batch.per_row(", "zip(batch.rows[::-1], batch.per_row(")],
+           tests=("tests/test_layer_attribution.py",)),
 ]
 
 

@@ -40,6 +40,11 @@ CASES = [
      "probe.attribution: the sampler computes in fp32, so there is no low-precision gap to attribute"),
     (["probe.attribution=true", "precision=bf16"],
      "probe.attribution: the fp32 reference is the trainer in fp32, got precision.trainer_dtype=bf16"),
+    (["probe.layers=true", "trainer=torch", "precision=bf16", "precision.trainer_dtype=fp16"],
+     "probe.layers: compares the sampler with the trainer computing in the sampler's dtype: the sampler computes in "
+     "bf16, the trainer in fp16"),
+    (["probe.layers=true", "trainer.zero_stage=3"],
+     "probe.layers: with an fp32 trainer and a bf16 sampler, the trainer's module must hold the full weights"),
 ]
 # rlmm train's own axes and options; the same rule: one line, before any engine starts.
 TRAIN_CASES = [

@@ -26,10 +26,12 @@ def run_probe(tmp_path, *overrides: str) -> dict:
 
 def test_default_probe_vllm_deepspeed(tmp_path):
     """The built-in default: vLLM bf16 sampler, DeepSpeed fp32 trainer, W&B offline; with the op-class
-    attribution (probe.attribution) in the record, its table, its plot and `rlmm table`'s values."""
+    attribution (probe.attribution) and the layer attribution (probe.layers) in the record, their tables, their
+    plots and `rlmm table`'s values."""
+    from rlmm.layer_attribution import site_names
     from rlmm.table.discovery import probe_values
 
-    record = run_probe(tmp_path, "probe.attribution=true")
+    record = run_probe(tmp_path, "probe.attribution=true", "probe.layers=true")
     assert record["choices"]["sampler"] == "vllm" and record["choices"]["trainer"] == "deepspeed"
     assert record["precision"]["actual"]["sampler"]["dtype"] == "bf16"
     assert record["precision"]["actual"]["trainer"]["dtype"] == "fp32"
@@ -68,6 +70,18 @@ def test_default_probe_vllm_deepspeed(tmp_path):
     assert (tmp_path / "attribution.png").stat().st_size > 10_000
     values = probe_values(record)
     assert values["attribution/lm_head/share_raised/kl_k3"] == attribution["ops"]["lm_head"]["share_raised"]["kl_k3"]
+    layers = record["layers"]  # the vLLM sampler's hidden states against the DeepSpeed trainer's, in bf16 and fp32
+    assert layers["sites"] == site_names(4) and list(layers["comparisons"]) == ["kernels", "precision", "total"]
+    assert layers["tokens"] == layers["prompt_tokens"] + layers["response_tokens"]
+    assert layers["response_tokens"] == metrics["num_tokens"] - record["rollouts"]["num"]  # each row's last: never fed
+    for name, figures in layers["comparisons"].items():
+        assert all(0 <= e < 1 for e in figures["rel_error"]), (name, figures["rel_error"])
+        assert all(0 <= f <= 1 for f in figures["frac_identical"])
+    kernels = layers["comparisons"]["kernels"]
+    assert kernels["frac_identical"][0] == 1.0  # an embedding lookup of the same bf16 weights, in either engine
+    assert layers["comparisons"]["precision"]["rel_error"][0] > 0  # the fp32 embeddings rounded to bf16
+    assert "layers: at bf16 the sampler" in record["stdout"] and (tmp_path / "layers.png").stat().st_size > 10_000
+    assert values["layers/kernels/rel_error/norm"] == kernels["rel_error"][-1]
     assert list((tmp_path / "wandb").glob("offline-run-*")), "W&B offline run directory missing"
     assert "WANDB_API_KEY" not in (tmp_path / "probe.json").read_text()
 

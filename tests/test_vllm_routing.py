@@ -179,14 +179,14 @@ def test_a_position_computed_twice_keeps_its_first_routing():
 
     import numpy as np
 
-    from rlmm.samplers.vllm_routing import HookedRouting, _Step
+    from rlmm.samplers.vllm_capture import Step, TokenCapture
 
     def step(positions, tokens, expert):
         ids = torch.full((len(positions), 1, TOP_K), expert, dtype=torch.int16)
-        return _Step(np.zeros(len(positions), dtype=np.int64), np.array(positions), np.array(tokens), ids, [])
+        return Step(np.zeros(len(positions), dtype=np.int64), np.array(positions), np.array(tokens), ids, [])
 
-    capture = HookedRouting.__new__(HookedRouting)
-    capture.moe_layers, capture.top_k = (0,), TOP_K
+    capture = TokenCapture.__new__(TokenCapture)
+    capture.what, capture.shape, capture.dtype, capture.fill = "test", (1, TOP_K), torch.int16, NO_ROUTE
     capture.steps = [step([0, 1, 2], [1, 5, 6], 1), step([3], [7], 2), step([0, 1, 2, 3], [1, 5, 6, 7], 3)]
     capture.requests, capture.engine_ids = {"a": 0}, {("0", 0): "a"}
     output = SimpleNamespace(request_id="0", prompt_token_ids=[1, 5, 6],
@@ -267,7 +267,7 @@ def test_chunked_prefill_prefix_cache_hits_and_preemption(moe):
         with capture.recording():
             shared = llm.generate([TokensPrompt(prompt_token_ids=long_prompt)],
                                   SamplingParams(n=2, max_tokens=8, ignore_eos=True), use_tqdm=False)
-            chunks = sorted(n for step in capture.steps for _, start, n in step.layout if start < block)
+            chunks = sorted(n for step in capture.tokens.steps for _, start, n in step.layout if start < block)
         first, second = capture.rows(shared, [[len(long_prompt) + 8] * 2])
         assert chunks == [32] * (block // 32)  # the first block of the prompt went in over 4 steps
         for row, completion in zip((first, second), shared[0].outputs):
@@ -282,7 +282,7 @@ def test_chunked_prefill_prefix_cache_hits_and_preemption(moe):
             crowded = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
                                    SamplingParams(max_tokens=16, ignore_eos=True), use_tqdm=False)
             computed = {}
-            for step in capture.steps:
+            for step in capture.tokens.steps:
                 for engine_id, _, n in step.layout:
                     computed[engine_id] = computed.get(engine_id, 0) + n
         recomputed = [n - (len(prompts[0]) + 15) for n in computed.values()]  # once each: prompt + 15 fed tokens

@@ -24,6 +24,7 @@ import json
 import logging
 import math
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 from omegaconf import DictConfig
@@ -32,6 +33,7 @@ from rlmm.components import build_components
 from rlmm.config import build, to_container
 from rlmm.logging import redact
 from rlmm.attribution import attribute, plot_attribution
+from rlmm.layer_attribution import compare_layers, plot_layers
 from rlmm.metrics import early_vs_late, mismatch_metrics, position_profile
 from rlmm.probe.checks import check_finite, check_options
 from rlmm.probe.measurements import (batch_invariance, decode_vs_prefill, real_vs_simulated, routing_decomposition,
@@ -57,7 +59,7 @@ def run_probe(cfg: DictConfig, run_dir: Path, choices: dict[str, str]) -> dict:
     examples = task.examples(options.split, options.num_prompts)
     prompt_ids = [tokenizer(e.prompt).input_ids for e in examples]
 
-    with timed(stage_seconds, "generate"):
+    with timed(stage_seconds, "generate"), sampler.capturing_layers() if options.layers else nullcontext():
         rollouts = sampler.generate(prompt_ids, n=options.samples_per_prompt)
     completions = tokenizer.batch_decode(rollouts.response_ids, skip_special_tokens=True)
     rewards = [task.reward(examples[i // options.samples_per_prompt], text) for i, text in enumerate(completions)]
@@ -88,6 +90,9 @@ def run_probe(cfg: DictConfig, run_dir: Path, choices: dict[str, str]) -> dict:
     with timed(stage_seconds, "attribution"):
         attribution = (attribute(trainer, rollouts, cfg.precision.sampler_dtype, options.ratio_cap)
                        if options.attribution else {})
+    with timed(stage_seconds, "layers"):
+        layers = (compare_layers(trainer, rollouts, cfg.precision.sampler_dtype, bucket_size)
+                  if options.layers else {})
     with timed(stage_seconds, "decode_vs_prefill"):
         decoding = decode_vs_prefill(sampler, sampled, components.sampling, options.ratio_cap, bucket_size)
     with timed(stage_seconds, "sampler_vs_itself"):
@@ -116,6 +121,7 @@ def run_probe(cfg: DictConfig, run_dir: Path, choices: dict[str, str]) -> dict:
         "real_vs_simulated": simulated,
         "routing": routing_part,
         "attribution": attribution,
+        "layers": layers,
         "seconds": time.perf_counter() - started,
         "stage_seconds": stage_seconds,
         "config": redact(to_container(cfg)),
@@ -124,6 +130,8 @@ def run_probe(cfg: DictConfig, run_dir: Path, choices: dict[str, str]) -> dict:
     plot_probe(record, run_dir / "probe.png")
     if attribution:
         plot_attribution(attribution, run_dir / "attribution.png", choices)
+    if layers:
+        plot_layers(layers, run_dir / "layers.png", choices)
     print_probe(record)
     return record
 

@@ -37,6 +37,10 @@ def check_options(cfg: DictConfig) -> dict[str, MicroBatching]:
         from rlmm.attribution import check_attribution
 
         check_attribution(cfg.precision.sampler_dtype, cfg.precision.trainer_dtype, cfg.trainer)
+    if cfg.probe.layers:
+        from rlmm.layer_attribution import check_layers
+
+        check_layers(cfg.precision.sampler_dtype, cfg.precision.trainer_dtype, cfg.trainer)
     return check_layouts(cfg.probe.trainer_layouts, cfg.trainer.micro_batch_size)
 
 

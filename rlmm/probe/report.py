@@ -47,6 +47,10 @@ def print_probe(record: dict) -> None:
         from rlmm.attribution import print_attribution
 
         print_attribution(console, attribution)
+    if layers := record.get("layers"):
+        from rlmm.layer_attribution import print_layers
+
+        print_layers(console, layers)
     inv = record["sampler_vs_itself"]
     precision = record["precision"]
     engines = {side: ", ".join(f"{k} {v}" for k, v in precision["actual"][side].items()

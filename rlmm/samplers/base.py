@@ -73,6 +73,11 @@ class Rollouts:
     # trainer routes itself). Only `routing=` sets it (rlmm/routing.py: r3 the sampler's, r2 π_old's own), so
     # rollouts straight from a sampler are never replayed by accident.
     replayed_experts: list[torch.Tensor] | None = None
+    # The residual stream at every site (the embedding's output, each decoder layer's, the final norm's) as the
+    # sampler computed it while sampling (None: not captured; `rlmm probe probe.layers=true` asks for it through
+    # the engine's `capturing_layers`, rlmm/layer_attribution.py): one [len(prompt) + len(response), sites, hidden]
+    # tensor per row in the engine's dtype, laid out like `routed_experts`, NaN where the engine computed nothing.
+    layer_states: list[torch.Tensor] | None = None
 
     def __len__(self) -> int:
         return len(self.response_ids)
@@ -83,23 +88,23 @@ class Rollouts:
 
     def select(self, rows: list[int]) -> Rollouts:
         """The rollouts of `rows`, in that order."""
-        return Rollouts([self.prompt_ids[i] for i in rows], [self.response_ids[i] for i in rows],
-                        [self.sampler_logprobs[i] for i in rows], [self.finish_reasons[i] for i in rows],
-                        routed_experts=None if self.routed_experts is None else
-                        [self.routed_experts[i] for i in rows],
-                        replayed_experts=None if self.replayed_experts is None else
-                        [self.replayed_experts[i] for i in rows])
+        return Rollouts(*([getattr(self, name)[i] for i in rows] for name in ROW_FIELDS),
+                        **{name: None if getattr(self, name) is None else [getattr(self, name)[i] for i in rows]
+                           for name in OPTIONAL_ROW_FIELDS})
 
     @staticmethod
     def concat(parts: list[Rollouts]) -> Rollouts:
-        experts = {}
-        for name in ("routed_experts", "replayed_experts"):
+        optional = {}
+        for name in OPTIONAL_ROW_FIELDS:
             values = [getattr(p, name) for p in parts]
             if any(v is None for v in values) and not all(v is None for v in values):
                 raise ValueError(f"Rollouts.concat: some parts carry {name} and some do not")
-            experts[name] = None if not parts or values[0] is None else sum(values, [])
-        return Rollouts(*(sum((getattr(p, name) for p in parts), []) for name in
-                          ("prompt_ids", "response_ids", "sampler_logprobs", "finish_reasons")), **experts)
+            optional[name] = None if not parts or values[0] is None else sum(values, [])
+        return Rollouts(*(sum((getattr(p, name) for p in parts), []) for name in ROW_FIELDS), **optional)
+
+
+ROW_FIELDS = ("prompt_ids", "response_ids", "sampler_logprobs", "finish_reasons")
+OPTIONAL_ROW_FIELDS = ("routed_experts", "replayed_experts", "layer_states")  # None, or one entry per row
 
 
 def pad_right(rows: list[torch.Tensor], value: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:

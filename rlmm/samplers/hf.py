@@ -1,11 +1,13 @@
 """`sampler=hf`: transformers `generate` with a KV cache, as a reference engine beside vLLM."""
 from __future__ import annotations
 
-from contextlib import nullcontext
+import math
+from contextlib import ExitStack, contextmanager
 
 import torch
 
 from rlmm.devices import select_device
+from rlmm.layer_attribution import recording_states, transformers_sites
 from rlmm.logprobs import token_logprobs
 from rlmm.models.loading import load_causal_lm, model_precision, padding_id
 from rlmm.precision import SidePrecision
@@ -73,6 +75,7 @@ class HFSampler:
             self.actual_precision["quantization"] = {
                 "weights": self.quantization.describe() + ", emulated (dequantized in transformers' forward)"}
         self.routing = hooks_of(self.model) if capture_routing and routers(self.model) else None
+        self.layers = 0  # inside `capturing_layers`: the sites whose residual stream each row carries
         self.emulation = Emulation(self.model, quantization, quantized_modules(model_path)
                                    if self.quantization.quantizes_weights else set())
         if perturb > 0 or self.quantization.quantizes_weights:  # the checkpoint as loaded, through every sync's path
@@ -95,7 +98,8 @@ class HFSampler:
             torch.manual_seed(request_seed(self.seed, self.calls, request_ids[0] if request_ids else 0))
             self.calls += 1
         step = self.batch_size or len(prompt_ids)
-        out = Rollouts([], [], [], [], routed_experts=None if self.routing is None else [])
+        out = Rollouts([], [], [], [], routed_experts=None if self.routing is None else [],
+                       layer_states=[] if self.layers else None)
         for start in range(0, len(prompt_ids), step):
             self._generate_batch(prompt_ids[start:start + step], config, n, greedy, out)
         return out
@@ -106,11 +110,15 @@ class HFSampler:
         # position ids from the attention mask, so padded rows see the positions vLLM uses.
         ids = torch.tensor([[self.pad_id] * (width - len(p)) + p for p in prompts])
         attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-        with self.routing.recording() if self.routing is not None else nullcontext() as calls:
+        with ExitStack() as stack:
+            calls = None if self.routing is None else stack.enter_context(self.routing.recording())
+            states = stack.enter_context(recording_states(self.model)) if self.layers else None
             result = self.model.generate(input_ids=ids.to(self.device), attention_mask=attention.to(self.device),
                                          generation_config=config)
         generated = result.sequences[:, width:].cpu()
-        routed = None if calls is None else generate_routing(calls, self.routing.shape.layers, generated.size(0), width)
+        rows = generated.size(0)
+        routed = None if calls is None else per_token_of_generate(calls, self.routing.shape.layers, rows, width)
+        layered = None if states is None else per_token_of_generate(states, self.layers, rows, width)
         logits = torch.stack(result.logits, dim=1).cpu()  # [B*n, T, V], fp32
         options = self.sampling if not greedy else None
         for row in range(generated.size(0)):
@@ -125,10 +133,9 @@ class HFSampler:
             out.sampler_logprobs.append(lp.float())
             out.finish_reasons.append(reason)
             if routed is not None:
-                prompt, response = routed
-                out.routed_experts.append(torch.cat([
-                    prompt[row, width - len(prompts[row // n]):], response[row, :length - 1],
-                    torch.full((1, *prompt.shape[2:]), NO_ROUTE, dtype=prompt.dtype)]))
+                out.routed_experts.append(row_of_generate(routed, row, width - len(prompts[row // n]), length, NO_ROUTE))
+            if layered is not None:
+                out.layer_states.append(row_of_generate(layered, row, width - len(prompts[row // n]), length, math.nan))
 
     @torch.no_grad()
     def prefill_logprobs(self, prompt_ids: list[list[int]], response_ids: list[list[int]]) -> list[torch.Tensor]:
@@ -152,6 +159,17 @@ class HFSampler:
                 predicted = logits[i, width - length - 1:width - 1].log_softmax(-1)
                 scored.append(predicted.gather(-1, torch.tensor(response)[:, None])[:, 0])
         return scored
+
+    @contextmanager
+    def capturing_layers(self):
+        """Inside, `generate` also returns the residual stream at every site (`Rollouts.layer_states`, rows of
+        [prompt + response, sites, hidden] in the model's dtype: rlmm/layer_attribution.py): the prefill's for the
+        prompt, each decode step's for the token it was fed, NaN for the last response token and nothing else."""
+        self.layers = len(transformers_sites(self.model))
+        try:
+            yield
+        finally:
+            self.layers = 0
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Copy Hugging Face-named weights into the model (cast to each parameter's own dtype), with
@@ -198,18 +216,32 @@ class HFSampler:
         sampler.eos_ids = set(eos if isinstance(eos, list) else [eos if eos is not None else tokenizer.eos_token_id])
         sampler.actual_precision = model_precision(model)
         sampler.routing = None
+        sampler.layers = 0
         return sampler
 
 
-def generate_routing(calls: list[torch.Tensor], layers: int, rows: int,
-                     width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The router calls of one `generate` (one per MoE layer per forward: the prefill of [rows, width] left-padded
-    prompts, then one decode step per token fed back) as [rows, width, layers, k] prompt routing and [rows,
-    steps, layers, k] routing of the fed-back response tokens (step s: response token s)."""
-    if len(calls) % layers:
-        raise RuntimeError(f"routing: generate made {len(calls)} router calls, not a multiple of {layers} MoE layers")
-    forwards = [torch.stack(calls[i:i + layers], 1) for i in range(0, len(calls), layers)]  # each [tokens, L, k]
+def per_token_of_generate(calls: list[torch.Tensor], per_forward: int, rows: int,
+                          width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token values recorded in one `generate` (`per_forward` calls a forward, each [tokens, ...]: the prefill of
+    [rows, width] left-padded prompts, then one decode step per token fed back; a router's choices, a site's hidden
+    states) as [rows, width, per_forward, ...] prompt values and [rows, steps, per_forward, ...] values of the fed-back
+    response tokens (step s: response token s)."""
+    if not calls or len(calls) % per_forward:
+        raise RuntimeError(f"generate recorded {len(calls)} calls, not a multiple of {per_forward} a forward")
+    forwards = [torch.stack(calls[i:i + per_forward], 1) for i in range(0, len(calls), per_forward)]
     prompt = forwards[0].view(rows, width, *forwards[0].shape[1:])
     response = torch.stack([f.view(rows, *f.shape[1:]) for f in forwards[1:]], 1) if len(forwards) > 1 else \
         prompt.new_empty((rows, 0, *prompt.shape[2:]))
     return prompt, response
+
+
+def row_of_generate(values: tuple[torch.Tensor, torch.Tensor], row: int, padding: int, length: int,
+                    fill) -> torch.Tensor:
+    """One row's [prompt + response, ...] values from `per_token_of_generate`'s: its prompt positions (after its
+    `padding` columns), its first `length` - 1 response tokens (each fed back), and `fill` for the last one (never
+    fed back)."""
+    prompt, response = values
+    parts = [prompt[row, padding:]]
+    if length:
+        parts += [response[row, :length - 1], torch.full((1, *prompt.shape[2:]), fill, dtype=prompt.dtype)]
+    return torch.cat(parts)

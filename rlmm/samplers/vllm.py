@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+from contextlib import contextmanager
 
 import torch
 
@@ -28,6 +29,7 @@ from rlmm.samplers.vllm_internals import (KERNEL_DERIVED, batch_invariant_mode, 
                                           engine_settings, eos_ids, intra_op_threads, kv_cache_scales, layer_kernel,
                                           parameter_dtypes, quantized_layers, recording_loaded_names, reload_weights,
                                           repack_cpu_experts, shutdown)
+from rlmm.samplers.vllm_capture import HookedLayerStates, NoLayerStates
 from rlmm.samplers.vllm_routing import NoRouting, is_moe, routing_capture, routing_engine_args
 
 log = logging.getLogger(__name__)
@@ -174,6 +176,7 @@ class VLLMSampler:
         self.quantizer = WeightQuantizer(self.quantization.weights, quantized_modules(model_path)
                                          if self.quantization.quantizes_weights else set())
         self.llm = LLM(**kwargs)
+        self.layers = NoLayerStates()  # `capturing_layers` swaps in the hooks
         try:
             self.routing = routing_capture(self.llm, capture_routing, cuda)
         except Exception:
@@ -236,7 +239,7 @@ class VLLMSampler:
                 n=n, temperature=0.0 if greedy else self.sampling.temperature,
                 top_p=1.0 if greedy else self.sampling.top_p, top_k=0 if greedy else self.sampling.top_k,
                 max_tokens=self.sampling.max_new_tokens, logprobs=0, seed=seed, detokenize=False))
-        with self.routing.recording(), intra_op_threads(self.threads):
+        with self.routing.recording(), self.layers.recording(), intra_op_threads(self.threads):
             outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids], params, use_tqdm=False)
         rollouts = Rollouts([], [], [], [])
         lengths = []  # prompt + kept response, per completion: the length of its routing row
@@ -251,7 +254,23 @@ class VLLMSampler:
                 rollouts.finish_reasons.append(reason)
                 lengths[-1].append(len(prompt) + len(tokens))
         rollouts.routed_experts = self.routing.rows(outputs, lengths)
+        rollouts.layer_states = self.layers.rows(outputs, lengths)
         return rollouts
+
+    @contextmanager
+    def capturing_layers(self):
+        """Inside, `generate` also returns the residual stream at every site as the engine computed it while
+        sampling (`Rollouts.layer_states`; rlmm/samplers/vllm_capture.py's `HookedLayerStates`, hooks on the eager
+        model, removed after)."""
+        if not self.actual_precision["engine"]["enforce_eager"]:
+            raise ValueError("probe.layers: hooks on vLLM's layers need the eager model, the engine runs CUDA graphs "
+                             "(sampler.enforce_eager=true)")
+        self.layers = HookedLayerStates(self.llm)
+        try:
+            yield
+        finally:
+            self.layers.remove()
+            self.layers = NoLayerStates()
 
     def prefill_logprobs(self, prompt_ids: list[list[int]], response_ids: list[list[int]]) -> list[torch.Tensor]:
         """Each response scored in one prefill of prompt + response: vLLM's `prompt_logprobs` (the log-prob of

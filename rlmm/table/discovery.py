@@ -93,7 +93,7 @@ def probe_values(record: dict) -> dict[str, float]:
     """probe.json's scalar numbers as metrics: `mismatch/*` (sampler vs trainer), `trainer_vs_itself/*`,
     `sampler_vs_itself/*`, `position/*` (early vs late), `agreement/*` (tokens scored to the same bits),
     `decode_vs_prefill/*` (the sampler's decoding against its own prefill), `simulated/*` (real vs simulated),
-    `attribution/*` (the op-class attribution),
+    `attribution/*` (the op-class attribution), `layers/*` (the layer attribution),
     `rollout/*`, `perf/seconds`."""
     values = {}
     for section, prefix in PROBE_SECTIONS.items():
@@ -124,6 +124,14 @@ def probe_values(record: dict) -> dict[str, float]:
             values.update({f"attribution/{op}/{part}/{k}": number(v) for k, v in parts[part].items() if is_number(v)})
     values.update({f"attribution/all_low/{k}": number(v) for k, v in attribution.get("all_low", {}).items()
                    if is_number(v)})
+    # The layer attribution: layers/<comparison>/<figure>/<site> and layers/<comparison>/growth.
+    layers = record.get("layers") or {}
+    for name, figures in layers.get("comparisons", {}).items():
+        for figure in ("rel_error", "rel_error_prompt", "rel_error_response", "frac_identical"):
+            values.update({f"layers/{name}/{figure}/{site}": number(v) for site, v in zip(layers["sites"], figures[figure])
+                           if is_number(v)})
+        if is_number(figures["growth"]):
+            values[f"layers/{name}/growth"] = number(figures["growth"])
     for key, value in record.get("rollouts", {}).items():
         if key in PROBE_ROLLOUTS and is_number(value):
             values[f"rollout/{PROBE_ROLLOUTS[key]}"] = number(value)

@@ -15,6 +15,7 @@ from typing import Callable
 
 import torch
 
+from rlmm.layer_attribution import layer_states_of
 from rlmm.models.head import OutputHead
 from rlmm.routing import routed_forward
 from rlmm.trainers.packing import Batch, MicroBatching
@@ -34,7 +35,7 @@ def model_scores(model: torch.nn.Module, batch: Batch, device: torch.device, val
               "position_ids": None if batch.positions is None else batch.positions.to(device)}
     if value_model:  # the critic routes every token itself (docs/routing.md)
         return model(**inputs).logits[:, -batch.keep:, 0]  # -0: every position
-    with routed_forward(model, batch, device) as replay:
+    with routed_forward(model, batch, device) as replay, layer_states_of(model, batch):
         return model(**inputs, **replay, logits_to_keep=batch.keep).logits
 
 
