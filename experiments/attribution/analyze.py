@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
+from rlmm.attribution import OP_CLASSES
 from rlmm.records import read_steps
 from rlmm.table.discovery import read_overrides
 
@@ -30,13 +32,18 @@ GAP = {"logprob_abs_diff_mean": "mean |δ|", "kl_k3": "KL k3"}
 
 
 def probe_rows(sweep: Path, named: bool = False) -> list[dict]:
+    """The sweep's runs, or (`named`) one run directory named `<model>` or `<model>-seed<N>`."""
     rows = []
-    for run in sorted(p for p in sweep.iterdir() if (p / "probe.json").exists()) if not named else [sweep]:
+    runs = sorted((p for p in sweep.iterdir() if (p / "probe.json").exists()), key=lambda p: int(p.name))
+    for run in runs if not named else [sweep]:
         record = json.loads((run / "probe.json").read_text())
-        overrides = read_overrides(run) if not named else {}
-        rows.append({"model": run.name if named else overrides.get("model", "tiny"),
-                     "dtype": record["attribution"]["dtype"], "seed": int(overrides.get("seed", 0)),
-                     "record": record})
+        if named:
+            model, _, seed = re.fullmatch(r"(.+?)(-seed(\d+))?", run.name).groups()
+            overrides = {"model": model, "seed": seed or 0}
+        else:
+            overrides = read_overrides(run)
+        rows.append({"model": overrides.get("model", "tiny"), "dtype": record["attribution"]["dtype"],
+                     "seed": int(overrides.get("seed", 0)), "record": record})
     return rows
 
 
@@ -112,10 +119,12 @@ def plot_shares(ops: pd.DataFrame, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     groups = list(ops.groupby(["model", "dtype"], sort=False))
-    fig, axes = plt.subplots(1, len(groups), figsize=(4.2 * len(groups), 4.2), sharey=True, squeeze=False)
-    for ax, ((model, dtype), part) in zip(axes[0], groups):
+    columns = min(3, len(groups))
+    rows = -(-len(groups) // columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(4.6 * columns, 3.8 * rows), squeeze=False)
+    order = [op for op in OP_CLASSES if op in set(ops["op"])]  # one order for every panel, the router where it is
+    for ax, ((model, dtype), part) in zip(axes.flat, groups):
         part = part[(part["gap"] == "logprob_abs_diff_mean") & (part["op"] != "Σ - 1")]
-        order = list(part["op"].unique())
         for offset, direction, label in ((-0.2, "raised", "raised to fp32 alone: share removed"),
                                          (0.2, "lowered", f"lowered alone: share brought back")):
             mean = part.groupby("op")[direction].mean().reindex(order)
@@ -125,8 +134,10 @@ def plot_shares(ops: pd.DataFrame, path: Path) -> None:
         ax.axvline(0, color="0.3", linewidth=0.8)
         ax.set_yticks(range(len(order)), order)
         ax.invert_yaxis()
-        ax.set_title(f"{model}, {dtype}", fontsize=10)
+        ax.set_title(f"{model}, {dtype} ({part['seed'].nunique()} seeds)", fontsize=10)
         ax.set_xlabel("share of the all-low mean |δ|")
+    for ax in axes.flat[len(groups):]:
+        ax.set_visible(False)
     axes[0][0].legend(fontsize=7, loc="lower right")
     fig.suptitle("op-class attribution (mean over seeds, bars: the seeds' range)", fontsize=10)
     fig.tight_layout()
@@ -142,8 +153,11 @@ def plot_layers(rows: list[dict], path: Path) -> None:
 
     frame = pd.DataFrame(rows)
     groups = list(frame.groupby(["model", "dtype"], sort=False))
-    fig, axes = plt.subplots(1, len(groups), figsize=(4.2 * len(groups), 4.0), sharey=True, squeeze=False)
-    for ax, ((model, dtype), part) in zip(axes[0], groups):
+    columns = min(3, len(groups))
+    fig, axes = plt.subplots(-(-len(groups) // columns), columns, figsize=(4.6 * columns, 7.6), squeeze=False)
+    for ax in axes.flat[len(groups):]:
+        ax.set_visible(False)
+    for ax, ((model, dtype), part) in zip(axes.flat, groups):
         sites = part["record"].iloc[0]["layers"]["sites"]
         stream = [i for i, s in enumerate(sites) if "." not in s]
         for name, style in (("kernels", "o-"), ("precision", "s-"), ("total", "^-")):
@@ -163,7 +177,8 @@ def plot_layers(rows: list[dict], path: Path) -> None:
 
 
 def training(sweep: Path, path: Path) -> None:
-    """Per learning-rate arm: the op-class shares (raised, mean |δ|) and the all-low gap at each measured step."""
+    """Per learning-rate arm: the op-class shares (mean |δ|; the plot: lowered, the steadier direction on ~60 tokens)
+    and the all-low gap at each measured step."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -177,13 +192,14 @@ def training(sweep: Path, path: Path) -> None:
                 rows.append({"lr": overrides["trainer.lr"], "seed": int(overrides["seed"]), **step})
     frame = pd.DataFrame(rows)
     ops = sorted({k.split("/")[1] for k in frame.columns if k.startswith("attribution/") and "/share_raised/" in k})
-    print("\n| lr | step | every op bf16: mean \\|δ\\| | KL k3 | " + " | ".join(f"{op} raised" for op in ops)
+    print("\n| lr | step | every op bf16: mean \\|δ\\| | KL k3 | " + " | ".join(f"{op} raised / lowered" for op in ops)
           + " | attention max | LM head range | layer 0 weight RMS |")
     print("|" + "---|" * (6 + len(ops)))
     for (lr, step), part in frame.groupby(["lr", "step"]):
         cells = [f"{part['attribution/all_low/logprob_abs_diff_mean'].mean():.3g}",
                  f"{part['attribution/all_low/kl_k3'].mean():.3g}"]
-        cells += [f"{part[f'attribution/{op}/share_raised/logprob_abs_diff_mean'].mean():+.0%}" for op in ops]
+        cells += [f"{part[f'attribution/{op}/share_raised/logprob_abs_diff_mean'].mean():+.0%} / "
+                  f"{part[f'attribution/{op}/share_lowered/logprob_abs_diff_mean'].mean():+.0%}" for op in ops]
         cells += [f"{part['logits/attention_max'].mean():.3g}", f"{part['logits/lm_head_range_mean'].mean():.3g}",
                   f"{part['weights/layer_0/rms'].mean():.4g}"]
         print(f"| {lr} | {step} | " + " | ".join(cells) + " |")
@@ -192,8 +208,8 @@ def training(sweep: Path, path: Path) -> None:
     for ax, lr in zip(axes, lrs):
         part = frame[frame["lr"] == lr].groupby("step").mean(numeric_only=True)
         for op in ops:
-            ax.plot(part.index, part[f"attribution/{op}/share_raised/logprob_abs_diff_mean"], "o-", label=op)
-        ax.set_title(f"trainer.lr={lr}: share of mean |δ| raising each op removes", fontsize=9)
+            ax.plot(part.index, part[f"attribution/{op}/share_lowered/logprob_abs_diff_mean"], "o-", label=op)
+        ax.set_title(f"trainer.lr={lr}: share of mean |δ| lowering each op alone brings back", fontsize=9)
         ax.set_xlabel("step")
     axes[0].legend(fontsize=7)
     for lr in lrs:
