@@ -75,7 +75,7 @@ class HFSampler:
             self.actual_precision["quantization"] = {
                 "weights": self.quantization.describe() + ", emulated (dequantized in transformers' forward)"}
         self.routing = hooks_of(self.model) if capture_routing and routers(self.model) else None
-        self.layers = 0  # inside `capturing_layers`: the sites whose residual stream each row carries
+        self.captured_sites = 0  # inside `capturing_layers`: how many sites of hidden states each row carries
         self.emulation = Emulation(self.model, quantization, quantized_modules(model_path)
                                    if self.quantization.quantizes_weights else set())
         if perturb > 0 or self.quantization.quantizes_weights:  # the checkpoint as loaded, through every sync's path
@@ -99,7 +99,7 @@ class HFSampler:
             self.calls += 1
         step = self.batch_size or len(prompt_ids)
         out = Rollouts([], [], [], [], routed_experts=None if self.routing is None else [],
-                       layer_states=[] if self.layers else None)
+                       layer_states=[] if self.captured_sites else None)
         for start in range(0, len(prompt_ids), step):
             self._generate_batch(prompt_ids[start:start + step], config, n, greedy, out)
         return out
@@ -112,13 +112,13 @@ class HFSampler:
         attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
         with ExitStack() as stack:
             calls = None if self.routing is None else stack.enter_context(self.routing.recording())
-            states = stack.enter_context(recording_states(self.model)) if self.layers else None
+            states = stack.enter_context(recording_states(self.model)) if self.captured_sites else None
             result = self.model.generate(input_ids=ids.to(self.device), attention_mask=attention.to(self.device),
                                          generation_config=config)
         generated = result.sequences[:, width:].cpu()
         rows = generated.size(0)
         routed = None if calls is None else per_token_of_generate(calls, self.routing.shape.layers, rows, width)
-        layered = None if states is None else per_token_of_generate(states, self.layers, rows, width)
+        layered = None if states is None else per_token_of_generate(states, self.captured_sites, rows, width)
         logits = torch.stack(result.logits, dim=1).cpu()  # [B*n, T, V], fp32
         options = self.sampling if not greedy else None
         for row in range(generated.size(0)):
@@ -165,11 +165,11 @@ class HFSampler:
         """Inside, `generate` also returns the residual stream at every site (`Rollouts.layer_states`, rows of
         [prompt + response, sites, hidden] in the model's dtype: rlmm/layer_attribution.py): the prefill's for the
         prompt, each decode step's for the token it was fed, NaN for the last response token and nothing else."""
-        self.layers = len(transformers_sites(self.model))
+        self.captured_sites = len(transformers_sites(self.model))
         try:
             yield
         finally:
-            self.layers = 0
+            self.captured_sites = 0
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Copy Hugging Face-named weights into the model (cast to each parameter's own dtype), with
@@ -216,7 +216,7 @@ class HFSampler:
         sampler.eos_ids = set(eos if isinstance(eos, list) else [eos if eos is not None else tokenizer.eos_token_id])
         sampler.actual_precision = model_precision(model)
         sampler.routing = None
-        sampler.layers = 0
+        sampler.captured_sites = 0
         return sampler
 
 
