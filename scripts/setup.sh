@@ -11,6 +11,8 @@
 #     exist"). rlmm needs none of them, so they are removed.
 #  4. DeepSpeed builds from an sdist whose setup.py imports torch: build it against the torch
 #     already installed (no build isolation), with no ops compiled ahead of time.
+#  5. The one op DeepSpeed compiles on a CPU at run time (its shared-memory collectives) is built once here,
+#     in the environment's own folder (rlmm/trainers/deepspeed_ops.py says why not ~/.cache).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${RLMM_VENV:-.venv}
@@ -42,5 +44,6 @@ pip install "${extra[@]}" -e ".[dev]"
 # vLLM or another package may have re-added them through a dependency.
 [ "$flavour" = cpu ] && { pip uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true; }
 "$VENV/bin/python" -c "import torch, vllm, deepspeed, transformers, hydra; print('[setup] ok: torch', torch.__version__, 'vllm', vllm.__version__, 'deepspeed', deepspeed.__version__, 'transformers', transformers.__version__)"
+"$VENV/bin/python" -m rlmm.trainers.deepspeed_ops
 rm -f "$VENV"/.rlmm-setup-*
 touch "$stamp"

@@ -25,6 +25,7 @@ from rlmm.trainers.deepspeed_head import FP32HeadOptimizer
 from rlmm.trainers.deepspeed_internals import (checkpoint_types, current_loss_scale, grad_accum_dtype_of,
                                                keep_out_of_zero0_reduction, loss_left_unscaled, min_loss_scale,
                                                no_backward_allreduce, skip_at_min_scale)
+from rlmm.trainers.deepspeed_ops import prepare_jit_ops
 from rlmm.trainers.deepspeed_skip import BadStep
 from rlmm.trainers.optim import linear_warmup
 from rlmm.trainers.memory import ActivationBudget, optimizer_state_bytes, prepare_for_training
@@ -99,6 +100,7 @@ class DeepSpeedTrainer:
         self.device = select_device()
         forget_stale_groups()
         init_process_group()
+        prepare_jit_ops()  # its own build folder, no dead process's lock to wait on (deepspeed_ops)
         deepspeed.init_distributed(verbose=False)  # DeepSpeed's handle on the group just made (or vLLM's)
         if value_head:  # PPO's critic: the policy's body with a scalar head (rlmm/critic.py)
             model, self.head, fp32_head = load_value_model(model_path, SidePrecision("fp32", False)), None, None
