@@ -60,10 +60,30 @@ def hold_onednn_below_amx_for_a_forced_capability() -> None:
     ctypes.CDLL(None, use_errno=True).syscall(SYS_ARCH_PRCTL, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)
 
 
+def keep_compiled_kernels_apart_per_capability() -> None:
+    """Where ATEN_CPU_CAPABILITY is set: torch.compile's kernels cached in a folder of that capability's own
+    (unless TORCHINDUCTOR_CACHE_DIR is set). Inductor's cache key leaves the capability out (torch 2.13): C++
+    vectorized for the CPU's own ISA and cached by a native run is reused under `default`, which compiles it
+    without the vector headers ("'at::vec' has not been declared"), and vLLM's sampler fails. Kernels generated
+    for `avx2` on an AVX-512 machine would be reused natively the other way round."""
+    import getpass
+    import tempfile
+
+    capability = os.environ.get("ATEN_CPU_CAPABILITY", "").lower()
+    if capability:
+        try:
+            user = "".join(c if c.isalnum() else "_" for c in getpass.getuser())
+        except (KeyError, OSError):  # no name for this uid (a container without a passwd entry)
+            user = str(os.getuid())
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR",
+                              os.path.join(tempfile.gettempdir(), f"torchinductor_{user}_{capability}"))
+
+
 def set_runtime_env() -> None:
     """Environment that must be in place before torch or vLLM are imported."""
     return_freed_blocks_to_the_os()
     hold_onednn_below_amx_for_a_forced_capability()
+    keep_compiled_kernels_apart_per_capability()
     # In-process vLLM otherwise pins torch to one thread, halving the trainer's speed on CPU.
     os.environ.setdefault("OMP_NUM_THREADS", str(len(os.sched_getaffinity(0))))
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")

@@ -113,6 +113,56 @@ def test_a_forced_aten_capability_runs_long_bf16_attention(capability):
     assert result.stdout.split()[-2:] == [capability.upper(), expected_isa]
 
 
+COMPILED_COUNT = """
+from rlmm.runtime_env import set_runtime_env
+set_runtime_env()
+import torch
+
+@torch.compile
+def count_above(x, y):  # a vectorized int64 reduction, like vLLM's sampler's compiled ops
+    return (x > y[:, None]).sum(-1)
+
+print(count_above(torch.ones(4, 100), torch.zeros(4)).tolist())
+"""
+
+
+@pytest.mark.slow  # two processes' torch.compile: ~40 s
+def test_compiled_kernels_of_the_native_capability_are_not_reused_under_a_forced_one(tmp_path):
+    """torch.compile's cache key leaves ATEN_CPU_CAPABILITY out: a kernel cached natively (vectorized for the
+    CPU's ISA) failed to compile under `default` ("'at::vec' has not been declared"), and with it every vLLM
+    test of a `default` run after a native one on the same machine. rlmm keeps each capability's cache apart."""
+    import subprocess
+    import sys
+
+    from tests.conftest import subprocess_env
+
+    env = {k: v for k, v in subprocess_env().items() if k not in ("ATEN_CPU_CAPABILITY", "TORCHINDUCTOR_CACHE_DIR")}
+    env["TMPDIR"] = str(tmp_path)  # inductor's default cache folder is under it
+    for capability in (None, "default"):
+        run_env = env if capability is None else {**env, "ATEN_CPU_CAPABILITY": capability}
+        result = subprocess.run([sys.executable, "-c", COMPILED_COUNT], capture_output=True, text=True, timeout=300,
+                                env=run_env)
+        assert result.returncode == 0, (capability, result.stderr[-2000:])
+        assert result.stdout.split("\n")[-2] == "[100, 100, 100, 100]"
+    assert len(list(tmp_path.glob("torchinductor_*"))) == 2  # the native cache and `default`'s
+
+
+def test_a_forced_capability_has_its_own_compile_cache_unless_one_is_set(monkeypatch):
+    from rlmm.runtime_env import set_runtime_env
+
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "default")
+    set_runtime_env()
+    assert os.path.basename(os.environ["TORCHINDUCTOR_CACHE_DIR"]).endswith("_default")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/somewhere/mine")
+    set_runtime_env()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == "/somewhere/mine"
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY")
+    set_runtime_env()
+    assert "TORCHINDUCTOR_CACHE_DIR" not in os.environ
+
+
 def test_a_set_onednn_isa_or_the_machines_own_capability_is_left_alone(monkeypatch):
     from rlmm.runtime_env import hold_onednn_below_amx_for_a_forced_capability
 
