@@ -1,5 +1,6 @@
 """`rlmm probe` end to end: the real CLI, the built-in tiny model, real engines."""
 import json
+import os
 import subprocess
 from pathlib import Path
 import sys
@@ -286,7 +287,11 @@ def test_trainer_across_layouts_scores_each_layout(small_model_path, prompts):
     assert all(b.positions is not None and b.ids.size(0) == 1 and b.attention is None for b in packed)
     assert sum(b.ids.size(1) for b in packed) == sum(lengths)  # no padding computed
     assert record["same/logprob_abs_diff_max"] == 0
-    assert record["packed/logprob_abs_diff_max"] > 0  # bf16: packing changes the kernels' shapes
+    assert 0 <= record["packed/logprob_abs_diff_max"] < float("inf")
+    if os.environ.get("ATEN_CPU_CAPABILITY", "").lower() != "default":
+        # bf16: packing changes the vectorized kernels' shapes and so their reduction order; ATen's unvectorized
+        # kernels (`default`) reduce in one order at every shape and give 0 (docs/testing.md, machine-dependent)
+        assert record["packed/logprob_abs_diff_max"] > 0
     # regrouped padded rows: the same rows' scores to bf16 rounding (0 on row-wise kernels); a row scored
     # against another row's tokens would differ by nats
     assert record["budget/logprob_abs_diff_max"] < 0.05, record["budget/logprob_abs_diff_max"]
