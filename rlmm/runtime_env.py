@@ -66,17 +66,12 @@ def keep_compiled_kernels_apart_per_capability() -> None:
     vectorized for the CPU's own ISA and cached by a native run is reused under `default`, which compiles it
     without the vector headers ("'at::vec' has not been declared"), and vLLM's sampler fails. Kernels generated
     for `avx2` on an AVX-512 machine would be reused natively the other way round."""
-    import getpass
     import tempfile
 
     capability = os.environ.get("ATEN_CPU_CAPABILITY", "").lower()
     if capability:
-        try:
-            user = "".join(c if c.isalnum() else "_" for c in getpass.getuser())
-        except (KeyError, OSError):  # no name for this uid (a container without a passwd entry)
-            user = str(os.getuid())
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR",
-                              os.path.join(tempfile.gettempdir(), f"torchinductor_{user}_{capability}"))
+                              os.path.join(tempfile.gettempdir(), f"torchinductor_uid{os.getuid()}_{capability}"))
 
 
 def set_runtime_env() -> None:

@@ -24,6 +24,8 @@ import sys
 import time
 from pathlib import Path
 
+from rlmm.models.tiny import default_cache_dir
+
 log = logging.getLogger(__name__)
 
 STALE_LOCK_SECONDS = 600.0
@@ -35,8 +37,7 @@ def extensions_dir() -> Path:
     prefix = Path(sys.prefix)
     if os.access(prefix, os.W_OK):
         return prefix / "torch_extensions"
-    cache = Path(os.environ.get("RLMM_CACHE", Path.home() / ".cache" / "rlmm"))
-    return cache / "torch_extensions" / hashlib.sha1(str(prefix.resolve()).encode()).hexdigest()[:12]
+    return default_cache_dir() / "torch_extensions" / hashlib.sha1(str(prefix.resolve()).encode()).hexdigest()[:12]
 
 
 def use_own_extensions_dir() -> Path:
