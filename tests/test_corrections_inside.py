@@ -104,7 +104,7 @@ def test_tv_trust_drops_tokens_moved_beyond_eps_in_their_advantages_direction():
                           "frac_dropped_low": (1.0, 6.0)}
 
 
-def test_tv_trust_penalty_is_the_squared_log_ratio_to_mu_on_every_kept_token():
+def test_tv_trust_penalty_is_the_squared_log_ratio_to_mu_on_every_token_the_batch_stage_kept():
     fix = TVTrustRegion(eps=0.2, kl_coef=1e-3)
     mask = torch.tensor([[True, True, False]])
     theta, mu = torch.tensor([[0.9, 0.1, 0.5]]).log(), torch.tensor([[0.6, 0.4, 0.1]]).log()
@@ -115,6 +115,38 @@ def test_tv_trust_penalty_is_the_squared_log_ratio_to_mu_on_every_kept_token():
     assert penalty[0].tolist() == pytest.approx(expected)
     (grad,) = torch.autograd.grad(penalty.sum(), logprobs)  # 2 kl_coef (log pi_theta - log mu)
     assert grad[0].tolist() == pytest.approx([2e-3 * LOG(0.9 / 0.6), 2e-3 * LOG(0.1 / 0.4), 0.0])
+
+
+def test_tv_trust_penalty_reaches_the_tokens_it_drops_in_the_loss_the_step_builds():
+    """Issue 49's case, through the step's own path (`OldPolicy.score`, `in_update`, the step's divisor, then
+    `algo.policy_loss` with the arguments `rl_update` gives it): mu = [0.1, 0.5], pi_theta = [0.9, 0.5]
+    (probabilities), A = +1, eps 0.2, kl_coef 1e-3. Token 0 moved 0.8 > eps, so it leaves the surrogate, but its
+    (log pi_theta - log mu)^2 term stays: prime-rl's `kl_loss` is over the loss mask, not the kept one.
+
+    The figures are prime-rl's own `compute_loss` with `default_loss_fn` (src/prime_rl/trainer/rl/loss.py at commit
+    559b44772e471d1538537b8805cc77f3824a5e64; run outside rlmm, its beartype/jaxtyping/config imports stubbed,
+    `DefaultLossConfig(dppo_mask_low=0.2, dppo_mask_high=0.2, kl_tau=1e-3)`, rl_scale 2): loss -0.49758610207837484,
+    d loss / d log pi_theta = [0.002197224577336219, -0.5] (= (-1 + 1e-3 ln(9)^2) / 2 and [2e-3 ln 9 / 2, -1 / 2]).
+    Masking the penalty with the kept tokens gives -0.5 and [0, -0.5]. The ratio clip plays no part here (the
+    kept token's ratio is 1)."""
+    from rlmm.step import OldPolicy, loss_normalizer_over_ranks
+
+    theta, mu = torch.tensor([[0.9, 0.5]]).log(), torch.tensor([[0.1, 0.5]]).log()
+    mask, advantages = torch.ones(1, 2, dtype=torch.bool), torch.ones(1, 2)
+    correction, algo = TVTrustRegion(eps=0.2, kl_coef=1e-3), grpo()
+    old = OldPolicy.score(theta, mu, mask, advantages, torch.ones(1), correction, ratio_cap=2.0, also_checked={})
+    normalizer = loss_normalizer_over_ranks(algo, old.mask[[0]], mask[[0]], max_length=2)
+    logprobs = theta.clone().requires_grad_()
+    view = old.micro_batch([0], logprobs)
+    fix = correction.in_update(view)
+    assert fix.mask.tolist() == [[False, True]]
+    loss, metrics = algo.policy_loss(logprobs, view.old_logprobs, view.advantages, view.mask & fix.mask,
+                                     view.weights * fix.weights, max_length=2, normalizer=normalizer,
+                                     penalty=fix.penalty)
+    (grad,) = torch.autograd.grad(loss, logprobs)
+    assert loss.item() == pytest.approx(-0.49758610207837484, rel=1e-6)
+    assert grad[0].tolist() == pytest.approx([0.002197224577336219, -0.5], rel=1e-6)
+    assert metrics["penalty"] == pytest.approx(1e-3 * LOG(9) ** 2 / 2, rel=1e-6)
 
 
 def test_tv_trust_with_pi_theta_equal_to_mu_drops_nothing_and_anchors_on_mu():

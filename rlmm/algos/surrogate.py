@@ -177,12 +177,14 @@ class SurrogateLoss:
             normalizer: divisor replacing the one of this batch (see ``normalizer``).
             penalty: a correction's per-token loss term of the differentiable log pi_theta (rlmm/corrections/base.py's
                 `InUpdate.penalty`: zero where it does not apply), summed over tokens and divided by the loss's
-                divisor (token-level, whatever the aggregation); logged as ``penalty``.
+                divisor (token-level, whatever the aggregation); logged as ``penalty``. Not masked with `mask`: the
+                penalty reaches the tokens its correction dropped (tv_trust's, over the loss mask as prime-rl's
+                `kl_tau` term in `trainer/rl/loss.py`), so the penalty itself is 0 where it does not apply.
 
-        Loss = agg(w_t * pg_t + kl_coef * k_t - entropy_coef * H_t), with pg_t = `clipped_surrogate` and
-        agg the configured aggregation (CISPO's term in place of pg_t with ``objective: cispo``; pg_t dual-clipped
-        with ``dual_clip``). Padding positions are replaced by 0 with ``torch.where`` before any
-        arithmetic, so inf/NaN there reach neither the loss nor the gradient. The loss is float32 (float64
+        Loss = agg(w_t * pg_t + kl_coef * k_t - entropy_coef * H_t) + sum_t penalty_t / divisor, with pg_t =
+        `clipped_surrogate` and agg the configured aggregation (CISPO's term in place of pg_t with ``objective:
+        cispo``; pg_t dual-clipped with ``dual_clip``). Padding positions are replaced by 0 with ``torch.where``
+        before any arithmetic, so inf/NaN there reach neither the loss nor the gradient. The loss is float32 (float64
         for float64 inputs). Metrics (docs/algorithms.md): ``loss``, ``pg_loss`` (the aggregated pg
         term, including weights), token means over kept tokens of ``kl``, ``entropy``,
         ``approx_kl`` = mean(ratio - 1 - logratio), ``clipfrac{,_low,_high}`` = share of tokens whose
@@ -249,7 +251,7 @@ class SurrogateLoss:
             stats["entropy"] = ent.detach()
         penalty_loss = None
         if penalty is not None:
-            penalty_loss = torch.where(m, penalty(logprobs).to(dtype), zero).sum() / denominator
+            penalty_loss = penalty(logprobs).to(dtype).sum() / denominator  # its own mask, not the kept tokens
             loss = loss + penalty_loss
 
         with torch.no_grad():

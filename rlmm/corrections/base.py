@@ -109,9 +109,10 @@ class MicroBatchView:
 class InUpdate:
     """What a correction adds inside the update, for one micro-batch, ``[b, t]``: its own ``weights`` (detached,
     multiplied into the batch stage's by the RL step) and the tokens it keeps (``mask``, ANDed with the batch
-    stage's); ``penalty`` maps the differentiable log pi_theta to a per-token loss term the algorithm aggregates
-    like its loss (None: none); ``counts`` are (numerator, denominator) pairs summed over every micro-batch of the
-    step and every rank and logged as their ratio under ``correction/<key>`` (exact whatever the micro-batching).
+    stage's); ``penalty`` maps the differentiable log pi_theta to a per-token loss term, 0 where it does not apply,
+    that the algorithm sums and divides by its loss's divisor, on the tokens ``mask`` drops too (None: none);
+    ``counts`` are (numerator, denominator) pairs summed over every micro-batch of the step and every rank and
+    logged as their ratio under ``correction/<key>`` (exact whatever the micro-batching).
 
     The batch stage's `CorrectionOutput` is read the same way: a method returns its own weights and the tokens it
     keeps, and whoever holds several (a stack, the RL step) multiplies and ANDs them."""

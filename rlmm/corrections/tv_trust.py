@@ -18,10 +18,11 @@ class TVTrustRegion(Correction):
         drop t  if  A_t > 0 and d_t > eps,  or  A_t <= 0 and d_t < -eps,
 
     so a token stops pushing its probability further in the direction its advantage pushes once it has moved eps
-    away from the sampler's, and a penalty  kl_coef * (log pi_theta(y_t) - log mu(y_t))^2  on every token the batch
-    stage kept (dropped ones too: it pulls them back) is added to the loss, summed over tokens and divided by the
-    loss's normaliser. A probability difference bounds the total variation a token can add, where a ratio bound
-    lets low-probability tokens move freely and freezes high-probability ones.
+    away from the sampler's, and a penalty  kl_coef * (log pi_theta(y_t) - log mu(y_t))^2  on every token the stage
+    was given (the response's tokens when it stands alone: prime-rl's loss mask), the ones it drops included (it
+    pulls them back), is added to the loss, summed over tokens and divided by the loss's normaliser. A probability
+    difference bounds the total variation a token can add, where a ratio bound lets low-probability tokens move
+    freely and freezes high-probability ones.
 
     Sources: prime-rl's default loss, DPPO's binary-TV variant (`src/prime_rl/trainer/rl/loss.py`,
     `default_loss_fn`: `dppo_mask_low` = `dppo_mask_high` = 0.2, the (log r)^2 term with `kl_tau` 1e-3, masked
