@@ -233,6 +233,28 @@ def test_a_stack_ands_masks_and_multiplies_weights_each_stage_seeing_what_the_la
     assert out.metrics["frac_tokens_masked"] == pytest.approx(1 - (kept.sum() / mask.sum()).item())
 
 
+@pytest.mark.parametrize("veto", [SequenceVeto("min_ratio", 1e-4), build("seq_veto")], ids=["slime", "yaml"])
+def test_slimes_stack_vetoes_on_every_response_token_whatever_ran_before(veto):
+    """Issue 49's case: in slime's order `tis+token_rs+seq_veto+normalize` token_rs (r >= 0.5) drops the token whose
+    ratio e^-9.5 < 1e-4 would trigger the veto before the veto runs; the veto still sees it, as slime's
+    `calculate_veto_mask` tests the raw ratio on the loss mask, not on what its rejection kept. Row 1 is clean.
+
+    The masks are slime's own `compute_mis_weights` (examples/train_infer_mismatch_helper/mis.py at commit
+    624b824a898ab0ec1fcb4d373004c7f3852bf515, run outside rlmm with its mis.yaml: token truncate at 2, token rs at
+    [0.5, 2], rs_veto_threshold 1e-4, tis_batch_normalize) on these log-probs: [[0, 0], [1, 1]]. Before the fix rlmm
+    gave [[0, 1], [1, 1]] with `seq_veto/frac_sequences_masked` 0; with the veto first, [[0, 0], [1, 1]]."""
+    train = torch.tensor([[-10.0, -1.0], [-1.0, -1.2]], dtype=torch.float64)
+    sampler = torch.tensor([[-0.5, -1.0], [-1.0, -1.0]], dtype=torch.float64)
+    mask = torch.ones(2, 2, dtype=torch.bool)
+    slime = [[False, False], [True, True]]
+    stages = {"tis": build("tis"), "token_rs": build("token_rs"), "seq_veto": veto, "normalize": build("normalize")}
+    out = Stack(stages)(train, sampler, mask)
+    assert out.mask.tolist() == slime
+    assert out.metrics["seq_veto/frac_sequences_masked"] == 0.5
+    first = Stack({"seq_veto": veto} | {k: v for k, v in stages.items() if k != "seq_veto"})(train, sampler, mask)
+    assert first.mask.tolist() == slime and torch.equal(first.weights, out.weights)
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_a_stack_of_one_is_that_correction(name):
     train, sampler, mask = random_batch(seed=6)

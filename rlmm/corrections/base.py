@@ -25,7 +25,8 @@ end. Padding may hold garbage (inf, nan): it is replaced with ``torch.where`` be
 multiplied by 0 (``0 * nan`` is nan), so it cannot leak into a sum, a weight or a metric.
 
 Several corrections apply in order as one (`correction=seq_veto+token_rs+tis`, rlmm/corrections/stack.py): masks
-ANDed, weights multiplied, each stage seeing what the earlier ones left (`BatchView.mask`, `.weights`). A class
+ANDed, weights multiplied, each stage seeing what the earlier ones left (`BatchView.mask`, `.weights`) and the
+batch's response mask (`.response_mask`, which a sequence veto tests). A class
 says which pi_old its weights assume (`old_policy`) so that a stack can refuse two that disagree.
 
 Each method is one class in its own module and one YAML in conf/correction/; nothing else needs to change to add
@@ -83,6 +84,13 @@ class BatchView:
     mask: torch.Tensor  # bool: the tokens still in (the response mask, minus what earlier stages of a stack dropped)
     advantages: torch.Tensor  # each token's advantage (GRPO's sequence advantage on each of its tokens)
     weights: torch.Tensor | None = None  # earlier stages' weights multiplied (None: no earlier stage, all 1)
+    # bool: the batch's response mask, before any stage dropped a token (None: `mask`, set so); what a sequence
+    # veto tests wherever it stands in a stack (slime's veto after its rejection)
+    response_mask: torch.Tensor | None = None
+
+    def __post_init__(self):
+        if self.response_mask is None:
+            object.__setattr__(self, "response_mask", self.mask)
 
     def running_weights(self) -> torch.Tensor:
         """The earlier stages' weights in float64, 1 where none came before (0 on dropped tokens)."""

@@ -22,8 +22,11 @@ class SequenceVeto(Correction):
     |delta| > 2.24, a ratio beyond [0.107, 9.4]); slime's ``rs_veto_threshold`` (its
     `examples/train_infer_mismatch_helper/mis.py`, `calculate_veto_mask`: a token with pi_old / mu < 1e-4 vetoes its
     sequence, lower side only; ``estimator: min_ratio, threshold: 1e-4``); SkyRL's outlier veto (two-sided, on the
-    ratio). A mask only (`old_policy` None), meant to run first in a stack (``seq_veto+token_rs+tis``). An empty
-    sequence is kept (verl: seq_max = 0); a NaN log-ratio on a token vetoes its sequence.
+    ratio). A mask only (`old_policy` None). It tests every token of the batch's response mask
+    (``BatchView.response_mask``), the ones earlier stages of a stack dropped included: slime vetoes after its
+    rejection (``tis+token_rs+seq_veto``) on the loss mask, verl and SkyRL veto first (``seq_veto+token_rs+tis``),
+    and both orders give the same mask. An empty sequence is kept (verl: seq_max = 0); a NaN log-ratio on a token
+    vetoes its sequence.
 
     Args:
         estimator: k2 or k3 (the largest estimate of the sequence is tested) or min_ratio (its smallest ratio).
@@ -40,16 +43,19 @@ class SequenceVeto(Correction):
         self.estimator, self.threshold = estimator, float(threshold)
 
     def before_update(self, batch: BatchView) -> CorrectionOutput:
-        delta, m = log_ratios(batch.trainer_logprobs, batch.sampler_logprobs, batch.mask)
-        nonempty = m.any(dim=1)
+        # the score is over every response token (slime's calculate_veto_mask on the loss mask); the tokens still in
+        # (`batch.mask`) are what this stage keeps or drops
+        delta, response = log_ratios(batch.trainer_logprobs, batch.sampler_logprobs, batch.response_mask)
+        m = response & (batch.mask.to(response.device) != 0)
+        nonempty = response.any(dim=1)
         if self.estimator == "min_ratio":
-            # padding and rejected tokens are +inf: never the minimum; NaN propagates through amin, and fails >=
-            score = torch.where(m, delta, torch.inf).amin(dim=1).exp()
+            # padding is +inf: never the minimum; NaN propagates through amin, and fails >=
+            score = torch.where(response, delta, torch.inf).amin(dim=1).exp()
             keep = (score >= self.threshold) | ~nonempty
         else:
             per_token = (k2 if self.estimator == "k2" else k3)(delta)
-            score = torch.where(m, per_token, -torch.inf).amax(dim=1)
+            score = torch.where(response, per_token, -torch.inf).amax(dim=1)
             keep = (score <= self.threshold) | ~nonempty
         worst = (masked_min if self.estimator == "min_ratio" else masked_max)(score, nonempty)
         return finish(old_logprobs=batch.trainer_logprobs, weights=torch.ones_like(delta), keep=keep[:, None],
-                      delta=delta, mask=m, extra={"seq_score_worst": worst})
+                      delta=torch.where(m, delta, 0.0), mask=m, extra={"seq_score_worst": worst})

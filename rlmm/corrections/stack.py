@@ -16,12 +16,14 @@ RAW_RATIOS = ("ratio_mean", "ratio_min", "ratio_max", "seq_ratio_max")  # METRIC
 class Stack(Correction):
     """Apply the stages in order, each to what the earlier ones left (``correction=a+b+c``).
 
-    Before the update, stage k sees the tokens stages 1..k-1 kept (``BatchView.mask``) and their weights multiplied
-    (``BatchView.weights``); the stack keeps a token only if every stage keeps it (masks ANDed) and weights it by
-    the product of the stages' weights. PPO's pi_old is the one the stages' `old_policy` names (the trainer's when
-    none names one); two stages naming different ones, or two importance-weighting stages (their product would
-    count the ratio twice), are refused when the stack is built, before any engine starts. Inside the update the
-    stages' `in_update` are chained the same way: weights multiplied, masks ANDed, penalties added.
+    Before the update, stage k sees the tokens stages 1..k-1 kept (``BatchView.mask``), their weights multiplied
+    (``BatchView.weights``) and the batch's response mask (``BatchView.response_mask``: a sequence veto tests every
+    response token, the ones earlier stages dropped included, so it vetoes wherever it stands); the stack keeps a
+    token only if every stage keeps it (masks ANDed) and weights it by the product of the stages' weights. PPO's
+    pi_old is the one the stages' `old_policy` names (the trainer's when none names one); two stages naming
+    different ones, or two importance-weighting stages (their product would count the ratio twice), are refused
+    when the stack is built, before any engine starts. Inside the update the stages' `in_update` are chained the
+    same way: weights multiplied, masks ANDed, penalties added.
 
     Each stage's metrics (but the raw ratios, the same for every stage) are logged under ``correction/<stage>/<key>``,
     the shared ones (rlmm/corrections/base.py's
@@ -31,8 +33,11 @@ class Stack(Correction):
     The stacks of the field, in this spelling: verl's ``rollout_rs`` options chained and ANDed, then ``rollout_is``
     (``seq_veto+token_rs+tis``; verl `trainer/ppo/rollout_corr_helper.py`); SkyRL's outlier veto, token mask, TIS,
     sequence mask (``seq_veto+token_rs+tis+seq_mis`` without seq_mis's weight); slime's IS weights, rejection,
-    veto and batch normalisation (``tis+token_rs+seq_veto+normalize``; its `examples/train_infer_mismatch_helper/
-    mis.py`); NeMo-RL's and OpenRLHF's ``seq-mask-tis`` (``geo_rs+tis``).
+    veto and batch normalisation (``tis+token_rs+seq_veto+normalize`` with its mis.yaml's band and veto,
+    ``correction.stages.token_rs.high=2 correction.stages.seq_veto.estimator=min_ratio
+    correction.stages.seq_veto.threshold=1e-4``; its `examples/train_infer_mismatch_helper/mis.py`, whose
+    `calculate_veto_mask` tests the raw ratios on the loss mask after the rejection: so does seq_veto here);
+    NeMo-RL's and OpenRLHF's ``seq-mask-tis`` (``geo_rs+tis``).
 
     Args:
         stages: name -> correction, in order (Hydra builds each from conf/correction/<name>.yaml: hydra_plugins/
@@ -74,7 +79,8 @@ class Stack(Correction):
         for name, stage in self.stages.items():
             out = stage.before_update(BatchView(trainer_logprobs=batch.trainer_logprobs,
                                                 sampler_logprobs=batch.sampler_logprobs, mask=mask,
-                                                advantages=batch.advantages, weights=weights))
+                                                advantages=batch.advantages, weights=weights,
+                                                response_mask=batch.response_mask))
             mask = mask & out.mask
             weights = torch.where(mask, weights * out.weights.to(torch.float64), 0.0)
             # the raw ratios a stage saw are the stack's (logged once, below): each stage logs what it did
