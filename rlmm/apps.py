@@ -17,7 +17,8 @@ import rlmm.schema  # noqa: F401  (registers the schemas with Hydra)
 from rlmm.logging import NoOpLogger, redact
 from rlmm.config import BUILD_TIME_ARGS, CONF_DIR, build, to_container, validate
 from rlmm.errors import MACHINE_FAULT_EXIT, ConfigError, JobFailed, MachineFault, RunStopped
-from rlmm.resume import AlreadyFinished, ResumeRefused, check_probe_dir, check_train_dir, newest_checkpoint
+from rlmm.resume import (FINISHED_JOB, AlreadyFinished, ResumeRefused, check_probe_dir, check_train_dir,
+                         newest_checkpoint)
 
 log = logging.getLogger("rlmm")
 
@@ -219,7 +220,7 @@ def end(line: str, code: int, submitted: bool, touch_run_dir: bool = True) -> No
 def run_app(command: str, config_name: str) -> None:
     task = TASKS[command]
 
-    def guarded(cfg: DictConfig) -> None:
+    def guarded(cfg: DictConfig) -> str | None:
         submitted = submitted_job()
         environment = fit_env_to_submitted_job() if submitted else None
         try:
@@ -227,10 +228,9 @@ def run_app(command: str, config_name: str) -> None:
             if environment:
                 log.info(environment)
             task(cfg, choices, run_dir)
-        except AlreadyFinished as finished:  # nothing to do, nothing touched
+        except AlreadyFinished as finished:  # nothing to do, nothing touched; in a sweep, the next job's turn
             print(finished, flush=True)
-            if not submitted:
-                raise SystemExit(0) from None
+            return FINISHED_JOB
         except Exception as err:
             if isinstance(err, RunStopped):  # the run stopped itself: not a bug
                 end(f"rlmm: stopped: {err}", 3, submitted)

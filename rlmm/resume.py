@@ -6,7 +6,7 @@ module reads what is there and decides, from files alone (no engine started, no 
 
     nothing there (or only the traces of a run that ended before its first step)   -> a fresh run
     a training record and `train.resume=true` with the run's own settings:
-        summary.json (the run finished)                                              -> nothing to do (exit 0)
+        summary.json (the run finished)                        -> nothing to do (exit 0; a sweep's job: the next)
         otherwise                                                        -> resume (or redo from step 0
                                                                             where no checkpoint was written)
     a training record with other settings, or `train.resume=false`                 -> refused, nothing touched
@@ -40,6 +40,11 @@ class ResumeRefused(ConfigError):
 
 class AlreadyFinished(Exception):
     """The run directory holds this very run, finished: there is nothing to do (the record stays as it is)."""
+
+
+# What a job that found its run finished returns (rlmm/apps.py): a sweep launched again counts those jobs
+# (hydra_plugins/rlmm_launcher/sweeper.py), whichever process they ran in.
+FINISHED_JOB = "rlmm: finished already, nothing done"
 
 
 def latest_marker(run_dir: Path) -> Path:

@@ -145,6 +145,17 @@ def job_log(run_dir: Path) -> str:
     return "".join(p.read_text() for p in run_dir.glob("*.log"))
 
 
+LOGLESS = (".rlmm-lock", "apps.log")  # a submitted job that finds its run finished: submitit logs that it completed
+
+
+def digests(run_dir: Path, leaving_out: tuple[str, ...] = (".rlmm-lock",)) -> dict[str, str]:
+    """Every file of a run directory and its SHA-256 (the lock file aside: it names the last process that held it)."""
+    import hashlib
+
+    return {str(p.relative_to(run_dir)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(run_dir.rglob("*"))
+            if p.is_file() and p.name not in leaving_out}
+
+
 @pytest.fixture
 def held_port():
     """A port that is in use for the whole test: a job that inherited it as MASTER_PORT would fail to bind."""
@@ -223,6 +234,16 @@ def test_slurm_sweep_runs_every_job(slurm_cluster, small_model_path, tmp_path, h
         assert "submitted job: OMP_NUM_THREADS=1 " in job_log(runs[num])
     assert list((sweep_dir / ".submitit").glob("*_0/*_0_log.out"))  # submitit's files inside the sweep dir
     check_table(sweep_dir, {"complete": 4})
+    # Job 3 as if killed before its last row: the same command again runs it alone, and says so
+    (runs[3] / "summary.json").unlink()
+    (runs[3] / "steps.jsonl").write_text("".join((runs[3] / "steps.jsonl").read_text().splitlines(True)[:-1]))
+    finished = {num: digests(runs[num], LOGLESS) for num in (0, 1, 2)}  # submitit logs "Job completed" in apps.log
+    again = sweep("slurm", sweep_dir, ["sampler=hf,vllm", "correction=none,tis", "model=hf",
+                                       f"model.path={small_model_path}"], OMP_NUM_THREADS="7")
+    assert again.returncode == 0, (again.stdout + again.stderr)[-4000:]
+    assert "rlmm: 3 of 4 jobs of this sweep had finished already and did nothing (#0, #1, #2); 1 ran" in again.stdout
+    check_complete(runs[3], {"sampler": "vllm", "correction": "tis"})
+    assert {num: digests(runs[num], LOGLESS) for num in (0, 1, 2)} == finished
 
 
 def test_local_sweep_runs_every_job(small_model_path, tmp_path, held_port):
@@ -238,6 +259,59 @@ def test_local_sweep_runs_every_job(small_model_path, tmp_path, held_port):
         # local jobs run at once on this machine: they keep the thread count the shell gave them
         assert "submitted job: OMP_NUM_THREADS=1 " in job_log(runs[num])
     check_table(sweep_dir, {"complete": 4})
+
+
+def test_the_sweeper_counts_the_jobs_that_had_finished_already():
+    from hydra.core.utils import JobReturn, JobStatus
+    from omegaconf import OmegaConf
+
+    from hydra_plugins.rlmm_launcher.sweeper import skipped_line
+    from rlmm.resume import FINISHED_JOB
+
+    def job(num: int, value, status=JobStatus.COMPLETED) -> JobReturn:
+        result = JobReturn(status=status, hydra_cfg=OmegaConf.create({"hydra": {"job": {"num": num}}}))
+        result.return_value = value
+        return result
+
+    assert skipped_line([job(0, None), job(1, None)]) is None
+    assert skipped_line([job(0, FINISHED_JOB), job(1, None), job(2, FINISHED_JOB), job(3, ValueError("x"),
+                                                                                      JobStatus.FAILED)]) == (
+        "rlmm: 2 of 4 jobs of this sweep had finished already and did nothing (#0, #2); 2 ran")
+
+
+def test_a_sweep_launched_again_runs_only_its_unfinished_jobs_and_says_how_many_it_skipped(tmp_path):
+    """The issue's case: `rlmm train -m ... correction=none,tis` killed in job 1 (SIGKILL of the sweep command: the
+    basic launcher runs every job in it), then the same command again. Job 0 had finished: it does nothing, and
+    the sweep goes on to job 1, which resumes to a complete record (before: job 0's "nothing to do" exited the
+    whole sweep with 0 and job 1 never ran). Then once more with `hydra/launcher=process`, each job in a process
+    of its own: both had finished; nothing in either run directory changes."""
+    sweep_dir = tmp_path / "sweep"
+    overrides = ["train", "-m", "debug=train", "sampler=hf", "trainer=torch", "precision=fp32", "correction=none,tis",
+                 "seed=0", f"hydra.sweep.dir={sweep_dir}"]
+
+    def run(*program: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, *program, *overrides], capture_output=True, text=True, timeout=600,
+                              cwd=ROOT, stdin=subprocess.DEVNULL, env=subprocess_env())
+
+    # job 0 logs steps 0-2, job 1 step 0: the 5th row is job 1's step 1
+    killed = run("tests/fault_at.py", "kill", "record_written", "5")
+    assert killed.returncode == -9, (killed.stdout + killed.stderr)[-3000:]
+    assert (sweep_dir / "0" / "summary.json").exists() and not (sweep_dir / "1" / "summary.json").exists()
+    finished = digests(sweep_dir / "0")
+    again = run("-m", "rlmm.cli")
+    assert again.returncode == 0, (again.stdout + again.stderr)[-3000:]
+    assert f"rlmm: {sweep_dir / '0'} holds this run, finished (summary.json): nothing to do" in again.stdout
+    assert "rlmm: 1 of 2 jobs of this sweep had finished already and did nothing (#0); 1 ran" in again.stdout
+    assert digests(sweep_dir / "0") == finished
+    check_complete(sweep_dir / "1", {"correction": "tis"})
+    both = {num: digests(sweep_dir / str(num)) for num in (0, 1)}
+    overrides.insert(2, "hydra/launcher=process")
+    once_more = run("-m", "rlmm.cli")
+    assert once_more.returncode == 0, (once_more.stdout + once_more.stderr)[-3000:]
+    assert "rlmm: 2 of 2 jobs of this sweep had finished already and did nothing (#0, #1); 0 ran" in once_more.stdout
+    # the record as it was; submitit logged "Job completed successfully" into each job's log (apps.log) after it
+    assert {num: digests(sweep_dir / str(num), LOGLESS) for num in (0, 1)} == {
+        num: {k: v for k, v in files.items() if k != "apps.log"} for num, files in both.items()}
 
 
 @pytest.mark.parametrize("trainer", ["deepspeed", "fsdp"])
