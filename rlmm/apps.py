@@ -5,6 +5,7 @@ import errno
 import logging
 import os
 import sys
+from contextlib import ExitStack
 from pathlib import Path
 from typing import NoReturn
 
@@ -90,17 +91,21 @@ def what_the_record_holds(run_dir: Path, app: str) -> str:
     return f"{run_dir}/steps.jsonl holds {held}; once it is fixed the same command {resumes}"
 
 
-def start_run(cfg: DictConfig, app: str) -> tuple[dict[str, str], Path]:
-    """What every app does first: the axis choices, a validated config, the run directory checked
+def start_run(cfg: DictConfig, app: str, held: ExitStack) -> tuple[dict[str, str], Path]:
+    """What every app does first: the axis choices, a validated config, the run directory locked for the run's
+    life (rlmm/run_lock.py, on rank 0, held by `held`: another process there is refused) and checked
     (rlmm/resume.py: a record there that this run may not continue is refused before anything in it is touched),
     then, on rank 0, Hydra's `.hydra/` files of this run written into it (`hydra.output_subdir: null` keeps
     Hydra from writing them before the check)."""
     from rlmm.devices import world_size
+    from rlmm.run_lock import holding
 
     hydra_cfg = HydraConfig.get()
     choices = {k: v for k, v in hydra_cfg.runtime.choices.items() if k in BUILD_TIME_ARGS}
     validate(cfg, choices)
     run_dir = Path(hydra_cfg.runtime.output_dir)
+    if int(os.environ.get("RANK", "0")) == 0:
+        held.enter_context(holding(run_dir))
     record_config = redact({"choices": choices, **to_container(cfg)})  # as RunRecord writes config.yaml
     if app == "train":
         check_train_dir(run_dir, record_config, world_size(), cfg.train.resume)
@@ -224,10 +229,11 @@ def run_app(command: str, config_name: str) -> None:
         submitted = submitted_job()
         environment = fit_env_to_submitted_job() if submitted else None
         try:
-            choices, run_dir = start_run(cfg, command)
-            if environment:
-                log.info(environment)
-            task(cfg, choices, run_dir)
+            with ExitStack() as held:  # the run directory's lock, until the task returns or raises
+                choices, run_dir = start_run(cfg, command, held)
+                if environment:
+                    log.info(environment)
+                task(cfg, choices, run_dir)
         except AlreadyFinished as finished:  # nothing to do, nothing touched; in a sweep, the next job's turn
             print(finished, flush=True)
             return FINISHED_JOB

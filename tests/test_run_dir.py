@@ -3,6 +3,7 @@ already finished, a fresh run or a probe where a run is, each leaves every file 
 the run's own settings resume it. The rules on built directories first (milliseconds), then through `rlmm`."""
 import hashlib
 import json
+import os
 import re
 import shutil
 import signal
@@ -116,6 +117,39 @@ def test_a_probe_and_a_training_run_never_share_a_directory(tmp_path):
         check_probe_dir(probed, changed(seed=3))
 
 
+HOLD_THE_LOCK = """
+import sys, time
+from rlmm.run_lock import holding
+with holding(sys.argv[1]):
+    print("held", flush=True)
+    time.sleep(600)
+"""
+
+
+def test_a_run_directory_is_one_process_at_a_time_and_a_killed_holder_leaves_no_lock(tmp_path):
+    from rlmm.run_lock import RunDirInUse, holding
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_THE_LOCK, str(run_dir)], stdout=subprocess.PIPE, text=True,
+                              env=subprocess_env())
+    try:
+        assert holder.stdout.readline() == "held\n"
+        with pytest.raises(RunDirInUse, match=rf"^hydra.run.dir: {re.escape(str(run_dir))} is in use by another rlmm "
+                                              rf"run \(host \S+, pid {holder.pid}, since [0-9-]+ [0-9:]+\): let it end, "
+                                              rf"or give this run another hydra.run.dir$"):
+            with holding(run_dir):
+                pass
+    finally:
+        holder.kill()  # SIGKILL: no handler runs, the kernel drops the lock with the process
+        holder.wait()
+    with holding(run_dir):  # no stale lock
+        assert f"pid={os.getpid()} " in (run_dir / ".rlmm-lock").read_text()
+        with pytest.raises(RunDirInUse):  # a second holder in this very process too (a sweep in one process)
+            with holding(run_dir):
+                pass
+
+
 # Through `rlmm`: the built-in model, the transformers sampler and the torch trainer (seconds a run).
 RUN = ("train", "debug=train", "sampler=hf", "trainer=torch", "precision=fp32", "train.steps=3", "train.staleness=1")
 
@@ -127,8 +161,9 @@ def rlmm(run_dir, *overrides, stop_after_step_zero=False):
 
 
 def digests(run_dir) -> dict[str, str]:
+    """Every file of the run directory, but the lock file (rlmm/run_lock.py: it names whoever started last)."""
     return {str(p.relative_to(run_dir)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(run_dir.rglob("*")) if p.is_file()}
+            for p in sorted(run_dir.rglob("*")) if p.is_file() and p.name != ".rlmm-lock"}
 
 
 @pytest.fixture(scope="module")
@@ -160,6 +195,26 @@ def test_a_refused_start_leaves_every_file_of_a_stopped_run_as_it_was(stopped_ru
     assert refused.stdout.startswith("rlmm: error: ") and len(refused.stdout.splitlines()) == 1, refused.stdout
     assert str(run_dir) in refused.stdout
     assert digests(run_dir) == before
+
+
+def test_a_double_start_runs_once_and_refuses_the_other_naming_it(tmp_path):
+    """The issue's case: the same command twice at once into an empty directory (a double submit). Before: both
+    ran, both crashed (FileExistsError on a checkpoint, KeyError: 4), rows were lost and no resume could read the
+    record again. Now one runs to a whole record, the other is refused in one line that names the first."""
+    run_dir = tmp_path / "run"
+    command = [sys.executable, "-m", "rlmm.cli", *RUN, "train.staleness=0", "train.checkpoint_every=1",
+               f"hydra.run.dir={run_dir}"]
+    both = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=subprocess_env(),
+                             stdin=subprocess.DEVNULL) for _ in range(2)]
+    outputs = [p.communicate(timeout=600) for p in both]
+    ends = sorted((p.returncode, p.pid, out, err) for p, (out, err) in zip(both, outputs))
+    assert [code for code, *_ in ends] == [0, 2], [(code, out[-2000:], err[-2000:]) for code, _, out, err in ends]
+    (_, ran_pid, _, _), (_, _, refused, _) = ends
+    assert re.fullmatch(rf"rlmm: error: hydra.run.dir: {re.escape(str(run_dir))} is in use by another rlmm run \(host "
+                        rf"\S+, pid {ran_pid}, since [0-9-]+ [0-9:]+\): let it end, or give this run another "
+                        rf"hydra.run.dir\n", refused), refused
+    assert [row["step"] for row in read_steps(run_dir)] == [0, 1, 2, 3]
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 3
 
 
 def test_the_runs_own_settings_resume_it_then_a_finished_run_is_left_alone(stopped_run, tmp_path):
