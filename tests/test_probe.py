@@ -1,6 +1,5 @@
 """`rlmm probe` end to end: the real CLI, the built-in tiny model, real engines."""
 import json
-import os
 import subprocess
 from pathlib import Path
 import sys
@@ -9,6 +8,7 @@ import pytest
 
 from rlmm.config import from_yaml
 from tests.conftest import subprocess_env
+from tests.this_cpu import aten_vectorized
 
 SMALL = ["probe.num_prompts=8", "probe.samples_per_prompt=2", "probe.trainer_micro_batch_sizes=[1,16]",
          "probe.batch_invariance.num_prompts=2", "probe.batch_invariance.num_completions=3",
@@ -288,7 +288,7 @@ def test_trainer_across_layouts_scores_each_layout(small_model_path, prompts):
     assert sum(b.ids.size(1) for b in packed) == sum(lengths)  # no padding computed
     assert record["same/logprob_abs_diff_max"] == 0
     assert 0 <= record["packed/logprob_abs_diff_max"] < float("inf")
-    if os.environ.get("ATEN_CPU_CAPABILITY", "").lower() != "default":
+    if aten_vectorized():
         # bf16: packing changes the vectorized kernels' shapes and so their reduction order; ATen's unvectorized
         # kernels (`default`) reduce in one order at every shape and give 0 (docs/testing.md, machine-dependent)
         assert record["packed/logprob_abs_diff_max"] > 0

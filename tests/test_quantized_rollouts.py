@@ -16,11 +16,12 @@ from rlmm.samplers.perturb import checkpoint_tensors
 from rlmm.samplers.vllm_internals import engine_model, fused_parts, pack_like_engine, quantized_layers, served_scale
 from rlmm.samplers.vllm_internals import kv_cache_scales, served_weight
 from tests.conftest import build_sampler, sampling, subprocess_env
+from tests.this_cpu import fp8_kv_cache_here, fp8_weights_here
 
 BF16 = SidePrecision("bf16", False)
 # vLLM-CPU keeps an FP8 KV cache only on AVX-512 or AMX CPUs (rlmm/samplers/quantize.py): where this one cannot, the
 # tests that use one take the BF16 cache and check the one-line refusal instead.
-FP8_KV_HERE = quantize.machine_kv_cache_refusal("fp8_e4m3") is None
+FP8_KV_HERE = fp8_kv_cache_here()
 KV_HERE = "fp8_e4m3" if FP8_KV_HERE else "auto"
 
 
@@ -235,7 +236,7 @@ def test_bad_quantization_values_are_one_line_errors():
 
 def test_fp8_weights_are_refused_where_vllm_cpu_has_no_kernel(tmp_path, small_model_path):
     why = quantize.weights_refusal("fp8", small_model_path, cuda=False, moe=False)
-    if torch.cpu._is_amx_tile_supported():
+    if fp8_weights_here():
         assert "whole 128-blocks" in why and "the k/v width 64" in why  # 1 KV head of 64
     else:
         assert "needs AMX" in why
@@ -245,7 +246,7 @@ def test_fp8_weights_are_refused_where_vllm_cpu_has_no_kernel(tmp_path, small_mo
     (tmp_path / "config.json").write_text(json.dumps({  # block-aligned widths, no bias: vLLM-CPU's kernel ran it
         "model_type": "qwen3", "hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 2,
         "num_key_value_heads": 1, "head_dim": 128}))
-    assert (quantize.fp8_refusal(str(tmp_path), cuda=False) is None) == torch.cpu._is_amx_tile_supported()
+    assert (quantize.fp8_refusal(str(tmp_path), cuda=False) is None) == fp8_weights_here()
 
 
 def test_rlmm_train_refuses_fp8_weights_on_the_builtin_model_in_one_line(tmp_path):

@@ -153,6 +153,13 @@ class Sampler(Protocol):
         before a run or a sweep starts."""
         ...
 
+    @staticmethod
+    def refused_here(quantization) -> str | None:
+        """What of `quantization` (rlmm/samplers/quantize.py `Quantization`) this engine cannot run on this machine
+        whatever the model, in one line naming the value, the machine's reason and what runs, or None: asked before
+        a run or a sweep starts (on the node a SLURM job runs on, when it starts)."""
+        ...
+
     def sleep(self) -> None:
         """Release accelerator memory the trainer needs until the next generate or load_weights (vLLM's
         sleep mode on CUDA; a no-op where there is nothing to release)."""

@@ -188,6 +188,11 @@ class HFSampler:
         """None: transformers runs every dtype on every device."""
         return None
 
+    @staticmethod
+    def refused_here(quantization: Quantization) -> str | None:
+        """None: the quantization is emulated in transformers' forward, which runs on every machine."""
+        return None
+
     def sleep(self) -> None:
         """Nothing to release: generate holds no cache between calls."""
 

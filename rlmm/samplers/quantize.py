@@ -39,12 +39,16 @@ from pathlib import Path
 
 import torch
 
+from rlmm import cpu
+
 WEIGHT_MODES = ("none", "int8", "fp8")
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")
 INT8_MAX = 127
 FP8_E4M3_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 FP8_BLOCK = 128  # vLLM-CPU's FP8 kernel: K blocks of exactly 128, N blocks a multiple of 32 (we use 128 x 128)
 SCALE_FLOOR = torch.finfo(torch.float32).tiny  # an all-zero row keeps a positive scale (its values stay 0)
+FP8_WEIGHTS_NEED_AMX = "vLLM-CPU's only FP8 weight kernel needs AMX (Sapphire Rapids or newer); this CPU has none"
+FP8_RUNS_INSTEAD = "(runs here: none, int8; fp8 weights run on CUDA)"
 
 
 @dataclass(frozen=True)
@@ -169,13 +173,16 @@ def engine_quantization_config(mode: str) -> dict:
 
 def check_sampler_options(sampler, this_machine: bool) -> None:
     """The quantization keys of a sampler's config node, checked before any model is read or engine started: the
-    values (`Quantization`), and with `this_machine` what this machine's CPU cannot run whatever the model (an
-    FP8 KV cache without AVX-512 or AMX). What depends on the model's shapes is refused when the sampler starts."""
+    values (`Quantization`), and with `this_machine` what the chosen engine cannot run on this machine whatever the
+    model (its `refused_here`: FP8 weights without AMX, an FP8 KV cache without AVX-512 or AMX, on vLLM-CPU). What
+    depends on the model's shapes is refused when the sampler starts."""
+    from hydra.utils import get_class
+
     if "quantization" not in sampler and "kv_cache_dtype" not in sampler:
         return
     quantization = Quantization(sampler.get("quantization", "none"), sampler.get("kv_cache_dtype", "auto"))
-    if this_machine and not torch.cuda.is_available():
-        problem = machine_kv_cache_refusal(quantization.kv_cache)
+    if this_machine:
+        problem = get_class(sampler._target_).refused_here(quantization)
         if problem:
             raise ValueError(problem)
 
@@ -191,20 +198,21 @@ def weights_refusal(mode: str, model_path: str, cuda: bool, moe: bool) -> str | 
     if mode == "fp8":
         why = fp8_refusal(model_path, cuda)
         if why:
-            return f"sampler.quantization=fp8: {why} (runs here: none, int8; fp8 weights run on CUDA)"
+            return f"sampler.quantization=fp8: {why} {FP8_RUNS_INSTEAD}"
     return None
 
 
 def fp8_refusal(model_path: str, cuda: bool) -> str | None:
     """Why vLLM cannot run fp8 weights of this model on this machine (None: it can). vLLM-CPU 0.32 runs FP8
     weights only through its AMX block-scaled kernel (model_executor/kernels/linear/scaled_mm/cpu.py
-    `CPUFp8BlockScaledMMKernel`), for layers whose every output width (each of q/k/v and gate/up: a fused
-    layer's blocks are counted per part) is a whole number of 128-row blocks, and not with a bias (its kernel
-    wants an fp32 bias and fails on the model's bf16 one: "expected scalar type Float", seen with Qwen2)."""
+    `CPUFp8BlockScaledMMKernel`: `machine_refusal`), for layers whose every output width (each of q/k/v and
+    gate/up: a fused layer's blocks are counted per part) is a whole number of 128-row blocks, and not with a bias
+    (its kernel wants an fp32 bias and fails on the model's bf16 one: "expected scalar type Float", seen with
+    Qwen2)."""
     if cuda:
         return None
-    if not torch.cpu._is_amx_tile_supported():
-        return "vLLM-CPU's only FP8 weight kernel needs AMX (Sapphire Rapids or newer); this CPU has none"
+    if not cpu.features().amx:
+        return FP8_WEIGHTS_NEED_AMX
     config = text_config(model_path)
     heads = config["num_attention_heads"]
     kv_heads = config.get("num_key_value_heads") or heads
@@ -237,10 +245,22 @@ def kv_cache_refusal(kv_cache: str, model_path: str, cuda: bool) -> str | None:
 
 
 def machine_kv_cache_refusal(kv_cache: str) -> str | None:
-    if kv_cache != "auto" and not (torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported()):
+    """Why vLLM-CPU cannot keep a KV cache of `kv_cache` on this CPU whatever the model (None: it can)."""
+    features = cpu.features()
+    if kv_cache != "auto" and not (features.avx512 or features.amx):
         return (f"sampler.kv_cache_dtype={kv_cache}: vLLM-CPU keeps an FP8 KV cache only with AVX-512 or AMX, "
                 "which this CPU lacks (runs here: auto)")
     return None
+
+
+def machine_refusal(quantization: Quantization) -> str | None:
+    """What vLLM-CPU cannot run of `quantization` on this CPU whatever the model (None: all of it): the one answer
+    to "does this CPU refuse it", asked by every check before a run or a sweep starts (`check_sampler_options`),
+    by the engine when it starts (`weights_refusal`, `kv_cache_refusal`) and by the tests. What depends on the
+    model's shapes is refused when the sampler starts."""
+    if quantization.weights == "fp8" and not cpu.features().amx:
+        return f"sampler.quantization=fp8: {FP8_WEIGHTS_NEED_AMX} {FP8_RUNS_INSTEAD}"
+    return machine_kv_cache_refusal(quantization.kv_cache)
 
 
 def text_config(model_path: str) -> dict:

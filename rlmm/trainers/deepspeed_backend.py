@@ -13,6 +13,7 @@ from collections.abc import Mapping
 
 import torch
 
+from rlmm import cpu
 from rlmm.devices import init_process_group, select_device
 from rlmm.models.head import install_output_head
 from rlmm.models.loading import load_value_model, model_precision, padding_id
@@ -152,14 +153,10 @@ class DeepSpeedTrainer:
     @staticmethod
     def unsupported(precision: SidePrecision) -> str | None:
         """Why DeepSpeed's accelerator on this machine cannot run `precision` (None when it can)."""
-        from deepspeed.accelerator import get_accelerator
-
-        accelerator = get_accelerator()
-        supported = ["fp32"] + [name for name, ok in (("bf16", accelerator.is_bf16_supported()),
-                                                      ("fp16", accelerator.is_fp16_supported())) if ok]
+        supported = cpu.deepspeed_dtypes()
         if precision.dtype not in supported:
             return (f"precision: trainer=deepspeed cannot run {precision.dtype} on this machine's "
-                    f"{accelerator.device_name()} accelerator (allowed here: {', '.join(supported)}; "
+                    f"{cpu.deepspeed_device_name()} accelerator (allowed here: {', '.join(supported)}; "
                     f"trainer=torch scores in any)")
         return None
 
