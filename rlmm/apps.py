@@ -18,8 +18,7 @@ import rlmm.schema  # noqa: F401  (registers the schemas with Hydra)
 from rlmm.logging import NoOpLogger, redact
 from rlmm.config import BUILD_TIME_ARGS, CONF_DIR, build, to_container, validate
 from rlmm.errors import MACHINE_FAULT_EXIT, ConfigError, JobFailed, MachineFault, RunStopped
-from rlmm.resume import (FINISHED_JOB, AlreadyFinished, ResumeRefused, check_probe_dir, check_train_dir,
-                         newest_checkpoint)
+from rlmm.resume import FINISHED_JOB, AlreadyFinished, ResumeRefused, check_probe_dir, check_train_dir, resume_point
 
 log = logging.getLogger("rlmm")
 
@@ -84,8 +83,11 @@ def what_the_record_holds(run_dir: Path, app: str) -> str:
     rows = read_steps(run_dir)
     if not rows:
         return f"no step was recorded in {run_dir}; run the same command again once it is fixed"
-    checkpoint = newest_checkpoint(run_dir)
-    resumes = f"resumes from its checkpoint of step {checkpoint[1]['step']}" if checkpoint else "starts over"
+    try:
+        point = resume_point(run_dir)
+        resumes = f"resumes from its checkpoint of step {point.state['step']}" if point.checkpoint else "starts over"
+    except ResumeRefused as refused:
+        resumes = f"refuses to resume it ({refused})"
     first, last = rows[0]["step"], rows[-1]["step"]
     held = f"steps {first}-{last}" if last != first else f"step {first}"
     return f"{run_dir}/steps.jsonl holds {held}; once it is fixed the same command {resumes}"

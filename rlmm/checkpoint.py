@@ -26,6 +26,7 @@ with `train.staleness` k the batches sampled for the next k updates come back to
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 from pathlib import Path
@@ -35,7 +36,9 @@ import torch
 from rlmm.critic import NoCritic
 from rlmm.disk import writing
 from rlmm.interfaces import Critic
-from rlmm.resume import newest_checkpoint
+from rlmm.resume import newest_checkpoint, resume_point
+
+log = logging.getLogger(__name__)
 
 CHECKPOINTS = "checkpoints"
 CRITIC_WEIGHTS = "critic.safetensors"
@@ -62,6 +65,16 @@ def latest(run_dir: str | Path) -> Path | None:
     """The newest complete checkpoint of the run, or None."""
     newest = newest_checkpoint(Path(run_dir))
     return newest[0] if newest else None
+
+
+def to_resume(run_dir: str | Path) -> Path | None:
+    """The checkpoint a run in `run_dir` resumes from (None: from step 0): the newest one its record covers
+    (rlmm/resume.py::resume_point, which rlmm/apps.py ran before anything started, refusing what it cannot
+    resume); what the choice passed over, each a warning in the log."""
+    point = resume_point(Path(run_dir))
+    for warning in point.warnings:
+        log.warning(warning)
+    return point.checkpoint
 
 
 def save(run_dir: str | Path, step: int, trainer, sampler, critic: Critic = NoCritic(), keep: int = 2,

@@ -5,13 +5,15 @@
     <run dir>/summary.json    written at the end of a run that finished
 
 A reader tolerates a truncated last line (a job killed mid-write), so a killed run's record stays
-readable up to its last complete step.
+readable up to its last complete step; any other line that is not the next step's row (torn, repeated, out of
+place) is damage, named by `read_record` (a resume starts from a checkpoint before it: rlmm/resume.py).
 """
 from __future__ import annotations
 
 import json
 import math
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 from omegaconf import OmegaConf
@@ -44,7 +46,7 @@ class RunRecord:
         self.dir.mkdir(parents=True, exist_ok=True)
         OmegaConf.save(OmegaConf.create(redact(config)), self.dir / "config.yaml")
         path = self.dir / "steps.jsonl"
-        if keep_through_step:
+        if keep_through_step:  # the rows of steps 0..keep_through_step, whole (rlmm/resume.py chose the step so)
             kept = [row for row in read_steps(self.dir) if row["step"] <= keep_through_step]
             tmp = path.with_suffix(".tmp")
             tmp.write_text("".join(json.dumps(row) + "\n" for row in kept), encoding="utf-8")
@@ -88,31 +90,72 @@ class NullRecord:
 
 
 def read_steps(run_dir: str | Path) -> list[dict]:
-    """Every complete step of a run's record (a torn last line is skipped)."""
-    return read_steps_and_damage(run_dir)[0]
+    """The record's rows of steps 0, 1, 2, ... up to its first damage (a torn last line is skipped)."""
+    return read_record(run_dir)[0]
 
 
-def read_steps_and_damage(run_dir: str | Path) -> tuple[list[dict], str]:
-    """The record's step rows up to its first line that is not a JSON object with a "step" (a torn line, or
-    damage), and what was skipped: "" when nothing, or only the torn last line of a run that did not finish (a
-    kill mid-write leaves it: it is redone on resume), else e.g. "line 5 of steps.jsonl (after step 3) is torn
-    or not JSON, it and the 2 lines after it skipped"."""
+@dataclass(frozen=True)
+class RecordDamage:
+    """The first line of steps.jsonl that is not the next step's row: `line` (1-based), `after` the step of the row
+    before it (None: none), `problem` ("is torn or not JSON", "repeats step 2", "holds step 5"), `lines_after` how
+    many lines follow it."""
+
+    line: int
+    after: int | None
+    problem: str
+    lines_after: int
+
+    @property
+    def step(self) -> int:
+        """The step whose row that line should be."""
+        return 0 if self.after is None else self.after + 1
+
+    def __str__(self) -> str:
+        return self.of("steps.jsonl")
+
+    def of(self, path: str | Path) -> str:
+        """"line 4 of <path> (after step 2) is torn or not JSON"."""
+        after = "before any step" if self.after is None else f"after step {self.after}"
+        return f"line {self.line} of {path} ({after}) {self.problem}"
+
+
+def read_record(run_dir: str | Path) -> tuple[list[dict], RecordDamage | None]:
+    """The record's rows of steps 0, 1, 2, ... in that order, up to its first line that is not the next step's row,
+    and that line (None when there is none). A line that is not a JSON object with a "step" is torn (or damage); a
+    row of another step than the next is a repeat (a row written twice) or out of place (rows missing). The torn
+    last line of a run that did not finish is no damage: a kill mid-write leaves it, and it is redone on resume."""
     rows = []
     path = Path(run_dir) / "steps.jsonl"
     if not path.exists():
-        return rows, ""
+        return rows, None
     lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
     for number, line in enumerate(lines, start=1):
         try:
             row = json.loads(line)
         except json.JSONDecodeError:
             row = None
+        after = rows[-1]["step"] if rows else None
+        expected = 0 if after is None else after + 1
         if not isinstance(row, dict) or "step" not in row:
             if number == len(lines) and not (Path(run_dir) / "summary.json").exists():
-                return rows, ""  # the last line of a run killed while writing it: expected, not damage
-            after = f"after step {rows[-1]['step']}" if rows else "before any step"
-            rest = len(lines) - number
-            skipped = f"it and the {rest} line{'s' if rest != 1 else ''} after it skipped" if rest else "skipped"
-            return rows, f"line {number} of steps.jsonl ({after}) is torn or not JSON, {skipped}"
-        rows.append(row)
-    return rows, ""
+                return rows, None  # the last line of a run killed while writing it: expected, not damage
+            problem = "is torn or not JSON"
+        elif row["step"] != expected:
+            problem = f"repeats step {row['step']}" if after is not None and row["step"] <= after else \
+                f"holds step {row['step']}"
+        else:
+            rows.append(row)
+            continue
+        return rows, RecordDamage(number, after, problem, len(lines) - number)
+    return rows, None
+
+
+def read_steps_and_damage(run_dir: str | Path) -> tuple[list[dict], str]:
+    """The record's rows up to its first damage (`read_record`), and what was skipped: "" when nothing, else e.g.
+    "line 5 of steps.jsonl (after step 3) is torn or not JSON, it and the 2 lines after it skipped"."""
+    rows, damage = read_record(run_dir)
+    if damage is None:
+        return rows, ""
+    rest = damage.lines_after
+    skipped = f"it and the {rest} line{'s' if rest != 1 else ''} after it skipped" if rest else "skipped"
+    return rows, f"{damage}, {skipped}"

@@ -21,11 +21,13 @@ leaf, except the keys in MAY_DIFFER, which change how a run is watched or saved,
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
 from rlmm.errors import ConfigError
+from rlmm.records import read_record
 
 # Dotted keys (and every key under them) a resumed run may set differently from the run it resumes: where it
 # logs, whether it resumes, how often it checkpoints; and `train.overlap`, whose records are the delay line's
@@ -97,11 +99,60 @@ def listed(changed: list[str]) -> str:
 def newest_checkpoint(run_dir: Path) -> tuple[Path, dict] | None:
     """The newest complete checkpoint, the one `checkpoints/latest` names, and its state.json; None if there is
     none (a checkpoint is complete once its state.json is written: rlmm/checkpoint.py::save)."""
+    chain = checkpoint_chain(run_dir)
+    return (chain[0], json.loads((chain[0] / "state.json").read_text())) if chain else None
+
+
+def checkpoint_step(path: Path) -> int:
+    """N of a checkpoint directory `step-N`."""
+    return int(path.name.removeprefix("step-"))
+
+
+def checkpoint_chain(run_dir: Path) -> list[Path]:
+    """The run's checkpoints a resume may start from, newest first: the one `checkpoints/latest` names, then the
+    older complete ones (`step-N` with a state.json)."""
     marker = latest_marker(run_dir)
     if not marker.exists():
-        return None
-    path = marker.parent / marker.read_text().strip()
-    return (path, json.loads((path / "state.json").read_text())) if (path / "state.json").exists() else None
+        return []
+    newest = marker.parent / marker.read_text().strip()
+    if not (newest / "state.json").exists():
+        return []
+    older = [p for p in marker.parent.glob("step-*") if p.is_dir() and (p / "state.json").exists()
+             and p.name[5:].isdigit() and checkpoint_step(p) < checkpoint_step(newest)]
+    return [newest, *sorted(older, key=checkpoint_step, reverse=True)]
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """Where a run resumes: `checkpoint` (None: from step 0, its record replaced), its state.json (`state`), and
+    what the choice passed over (`warnings`, one line each, for the log)."""
+
+    checkpoint: Path | None
+    state: dict
+    warnings: tuple[str, ...] = ()
+
+
+def resume_point(run_dir: Path) -> ResumePoint:
+    """The newest checkpoint that the record covers: the record (steps.jsonl) must hold every step up to it,
+    whole and once, since the rows after it are dropped and redone and the rows before it are kept. So a damaged
+    row (rlmm/records.py::read_record: torn, repeated, out of place) is redone from the newest checkpoint before
+    it, and named; where every checkpoint is past it, its rows cannot be redone and the resume is refused
+    (ResumeRefused). No checkpoint: from step 0."""
+    rows, damage = read_record(run_dir)
+    covered = rows[-1]["step"] if rows else -1  # the record holds every step up to this one
+    chain = checkpoint_chain(run_dir)
+    damaged = damage.of(run_dir / "steps.jsonl") if damage else ""
+    for path in chain:
+        if checkpoint_step(path) > covered:
+            continue
+        warnings = (f"{damaged}: resuming from {path}, which redoes the steps after it",) if damage else ()
+        return ResumePoint(path, json.loads((path / "state.json").read_text()), warnings)
+    if not chain:
+        return ResumePoint(None, {"step": 0}, (f"{damaged}: no checkpoint, the run is redone from step 0",)
+                           if damage else ())
+    raise ResumeRefused(f"train.resume: {damaged}, and every checkpoint is past it (the oldest: {chain[-1].name}): "
+                        f"restore the line, or remove {run_dir / 'checkpoints'} to redo the run from step 0, or give "
+                        f"this run another hydra.run.dir")
 
 
 def check_train_dir(run_dir: Path, config: dict, world: int, resume: bool) -> None:
@@ -126,9 +177,9 @@ def check_train_dir(run_dir: Path, config: dict, world: int, resume: bool) -> No
                             f"with its own settings, or give this run another hydra.run.dir")
     if (run_dir / "summary.json").exists():
         raise AlreadyFinished(f"rlmm: {run_dir} holds this run, finished (summary.json): nothing to do")
-    checkpoint = newest_checkpoint(run_dir)
-    if checkpoint is not None and checkpoint[1]["world_size"] != world:
-        raise ResumeRefused(f"train.resume: checkpoint {checkpoint[0]} was written by {checkpoint[1]['world_size']} "
+    point = resume_point(run_dir)
+    if point.checkpoint is not None and point.state["world_size"] != world:
+        raise ResumeRefused(f"train.resume: checkpoint {point.checkpoint} was written by {point.state['world_size']} "
                             f"ranks, this run has {world} (resume with the same number of ranks, or give this run "
                             f"another hydra.run.dir)")
 

@@ -89,7 +89,7 @@ def run_train(cfg: DictConfig, run_dir: Path, choices: dict[str, str], logger) -
     rank, world = dist.get_rank(), dist.get_world_size()
     if rank == 0:
         checkpoint.remove_partial(run_dir)  # what a run killed while checkpointing left
-    last = checkpoint.latest(run_dir) if options.resume else None
+    last = checkpoint.to_resume(run_dir) if options.resume else None
     resumed = checkpoint.load(last, trainer, sampler, components.critic) if last else {"step": 0}
     first_step = resumed["step"] + 1
     # The loop's own state as a fresh run starts it, then as the checkpoint left it (older ones lack it).

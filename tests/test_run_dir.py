@@ -117,6 +117,51 @@ def test_a_probe_and_a_training_run_never_share_a_directory(tmp_path):
         check_probe_dir(probed, changed(seed=3))
 
 
+def with_checkpoints(run_dir, *steps, latest=None, world=1):
+    """Checkpoints of these steps in run_dir (a state.json each), `latest` naming the newest (or `latest`)."""
+    for step in steps:
+        path = run_dir / "checkpoints" / f"step-{step:06d}"
+        path.mkdir(parents=True)
+        (path / "state.json").write_text(json.dumps({"step": step, "world_size": world}))
+    (run_dir / "checkpoints" / "latest").write_text(f"step-{latest if latest is not None else max(steps):06d}")
+    return run_dir
+
+
+def rows_with(run_dir, lines: list[str]):
+    (run_dir / "steps.jsonl").write_text("".join(line + "\n" for line in lines))
+
+
+def test_a_damaged_middle_row_resumes_from_the_checkpoint_before_it_or_is_refused(tmp_path):
+    """steps.jsonl holds steps 0-4 and checkpoints of steps 1, 3 and 4 are there. A middle row torn or written twice
+    is named; the resume starts from the newest checkpoint before it, which redoes it (and drops nothing whole
+    before it); where every checkpoint is past it, the resume is refused. Before: the rows after a torn line were
+    dropped without a word and the run resumed from step 4, leaving steps 1-3 out of its record."""
+    from rlmm.resume import resume_point
+
+    whole = [json.dumps({"step": s}) for s in range(5)]
+    run_dir = with_checkpoints(record(tmp_path / "run", steps=4), 1, 3, 4)
+    assert resume_point(run_dir).checkpoint.name == "step-000004" and resume_point(run_dir).warnings == ()
+    rows_with(run_dir, [*whole[:3], whole[3][:7], whole[4]])  # step 3's row torn
+    point = resume_point(run_dir)
+    assert point.checkpoint.name == "step-000001" and point.state["step"] == 1
+    assert point.warnings == (f"line 4 of {run_dir / 'steps.jsonl'} (after step 2) is torn or not JSON: resuming from "
+                              f"{run_dir / 'checkpoints' / 'step-000001'}, which redoes the steps after it",)
+    rows_with(run_dir, [*whole[:3], whole[2], *whole[3:]])  # step 2's row twice
+    point = resume_point(run_dir)
+    assert point.checkpoint.name == "step-000001"
+    assert point.warnings[0].startswith(f"line 4 of {run_dir / 'steps.jsonl'} (after step 2) repeats step 2: ")
+    rows_with(run_dir, [*whole[:4], whole[4][:9]])  # the last line torn, as a kill mid-write leaves it: no damage
+    point = resume_point(run_dir)
+    assert point.checkpoint.name == "step-000003" and point.warnings == ()
+    rows_with(run_dir, [whole[0], whole[1][:5], *whole[2:]])  # step 1's row torn: every checkpoint is past it
+    with pytest.raises(ResumeRefused, match=r"^train.resume: line 2 of .*steps.jsonl \(after step 0\) is torn or not "
+                                            r"JSON, and every checkpoint is past it \(the oldest: step-000001\): "
+                                            r"restore the line, or remove .*checkpoints to redo the run from step 0, "
+                                            r"or give this run another hydra.run.dir$"):
+        check_train_dir(run_dir, CONFIG, world=1, resume=True)
+    assert resume_point(with_checkpoints(record(tmp_path / "none"), 1)).checkpoint.name == "step-000001"
+
+
 HOLD_THE_LOCK = """
 import sys, time
 from rlmm.run_lock import holding

@@ -1,0 +1,104 @@
+"""A run directory damaged as users and machines damage them, then the same command again (issue 50): a torn
+or repeated middle row of steps.jsonl, a checkpoint file with flipped bytes or cut short, `checkpoints/latest`
+naming a checkpoint that is gone, a finished run that lost its last row. Each is named and resumed from the
+newest whole checkpoint its record covers, to the records of the run never damaged, or refused in one line with
+every file as it was. The rules themselves are tested on built directories in tests/test_run_dir.py; here
+`rlmm train` runs them: the issue's command `rlmm train debug=train train.steps=4 train.checkpoint_every=1 seed=0`
+with the fastest engines (transformers sampler, torch trainer, fp32), seconds a run.
+"""
+from __future__ import annotations
+
+import hashlib
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rlmm.records import read_steps
+from tests.conftest import subprocess_env
+
+STEPS = 4
+RUN = ("train", "debug=train", "sampler=hf", "trainer=torch", "precision=fp32", f"train.steps={STEPS}",
+       "train.checkpoint_every=1", "seed=0")
+
+
+def rlmm(run_dir: Path, *overrides: str, fault=None) -> subprocess.CompletedProcess:
+    program = ["tests/fault_at.py", *map(str, fault)] if fault else ["-m", "rlmm.cli"]
+    return subprocess.run([sys.executable, *program, *RUN, *overrides, f"hydra.run.dir={run_dir}"],
+                          capture_output=True, text=True, timeout=600, env=subprocess_env(), stdin=subprocess.DEVNULL)
+
+
+def comparable(rows: list[dict]) -> list[dict]:
+    return [{k: v for k, v in row.items() if not k.startswith("perf/")} for row in rows]
+
+
+def digests(run_dir: Path) -> dict[str, str]:
+    return {str(p.relative_to(run_dir)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(run_dir.rglob("*")) if p.is_file() and p.name != ".rlmm-lock"}
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory) -> Path:
+    """The run never interrupted: its records are what every repaired run must end with."""
+    run_dir = tmp_path_factory.mktemp("straight") / "run"
+    done = rlmm(run_dir)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def killed(tmp_path_factory) -> Path:
+    """The run SIGKILLed once its row of step 4 was written, before its checkpoint: rows 0-4, checkpoints of steps 2
+    and 3 (the newest two are kept)."""
+    run_dir = tmp_path_factory.mktemp("killed") / "run"
+    done = rlmm(run_dir, fault=("kill", "record_written", 5))
+    assert done.returncode == -9, done.stderr[-3000:]
+    assert [row["step"] for row in read_steps(run_dir)] == [0, 1, 2, 3, 4]
+    assert sorted(p.name for p in (run_dir / "checkpoints").glob("step-*")) == ["step-000002", "step-000003"]
+    return run_dir
+
+
+def copy(run_dir: Path, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(run_dir, tmp_path / "run"))
+
+
+def tear_line(run_dir: Path, number: int) -> None:
+    lines = (run_dir / "steps.jsonl").read_text().splitlines(keepends=True)
+    lines[number - 1] = lines[number - 1][:len(lines[number - 1]) // 2] + "\n"
+    (run_dir / "steps.jsonl").write_text("".join(lines))
+
+
+def assert_resumes_to_the_straight_records(run_dir: Path, straight: Path, says: str) -> None:
+    resumed = rlmm(run_dir)
+    output = resumed.stdout + resumed.stderr
+    assert resumed.returncode == 0, output[-3000:]
+    assert says in output, output[-3000:]
+    assert comparable(read_steps(run_dir)) == comparable(read_steps(straight))
+    assert len((run_dir / "steps.jsonl").read_text().splitlines()) == STEPS + 1  # no torn or repeated line left
+    assert (run_dir / "summary.json").exists()
+
+
+def assert_refused_with_every_file_as_it_was(run_dir: Path, says: str) -> None:
+    before = digests(run_dir)
+    refused = rlmm(run_dir)
+    assert refused.returncode == 2, (refused.stdout + refused.stderr)[-3000:]
+    assert len(refused.stdout.splitlines()) == 1 and refused.stdout.startswith(f"rlmm: error: {says}"), refused.stdout
+    assert digests(run_dir) == before
+
+
+def test_a_torn_middle_row_is_redone_from_the_checkpoint_before_it_or_refused(killed, straight, tmp_path):
+    """The issue's case 3: line 2 of a killed run's steps.jsonl torn, then resumed: it exited 0 "resuming at step 4"
+    with a record of steps 0 and 4 only, and no warning."""
+    run_dir = copy(killed, tmp_path)
+    tear_line(run_dir, 4)  # step 3's row: the checkpoint of step 2 covers it
+    assert_resumes_to_the_straight_records(
+        run_dir, straight, f"line 4 of {run_dir / 'steps.jsonl'} (after step 2) is torn or not JSON: resuming from "
+                           f"{run_dir / 'checkpoints' / 'step-000002'}, which redoes the steps after it")
+    other = tmp_path / "other"
+    shutil.copytree(killed, other)
+    tear_line(other, 2)  # step 1's row: both checkpoints are past it
+    assert_refused_with_every_file_as_it_was(
+        other, f"train.resume: line 2 of {other / 'steps.jsonl'} (after step 0) is torn or not JSON, and every "
+               f"checkpoint is past it (the oldest: step-000002)")
