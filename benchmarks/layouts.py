@@ -91,7 +91,8 @@ def main(argv=None) -> None:
         minibatches.append(Rollouts([prompts[k // w.group_size] for k in rows], responses,
                                     [torch.zeros(len(r)) for r in responses], ["length"] * len(responses)))
     sampling = SamplingOptions(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=w.max_new_tokens,
-                               logprobs="processed")
+                               logprobs="processed",
+                               support=from_yaml("support", "sampler"))
     precision = SidePrecision(args.precision, False)
     trainer = from_yaml("trainer", args.trainer, model_path=str(path), precision=precision,
                         sampling=sampling, micro_batch_size=w.micro_batch_size)

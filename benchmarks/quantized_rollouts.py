@@ -55,7 +55,8 @@ def worker(job: dict) -> dict:
 
     quantization, kv_cache = MODES[job["mode"]]
     sampling = SamplingOptions(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=job["new_tokens"],
-                               logprobs="processed")
+                               logprobs="processed",
+                               support=from_yaml("support", "sampler"))
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(4, 60, (job["prompt_tokens"],), generator=generator).tolist()
                for _ in range(job["rows"] * (job["calls"] + 1))]

@@ -114,7 +114,8 @@ def main(argv=None) -> None:
     for item in args.engine:
         key, _, value = item.partition("=")
         engine_options[key] = yaml.safe_load(value)
-    sampling = SamplingOptions(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=8, logprobs=args.logprobs_mode)
+    sampling = SamplingOptions(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=8, logprobs=args.logprobs_mode,
+                               support=from_yaml("support", "sampler"))
     threads_before = torch.get_num_threads()
     sampler = from_yaml("sampler", "vllm", model_path=path, precision=SidePrecision(args.dtype, False),
                         sampling=sampling, seed=0, prompt_tokens=max(map(len, prompts)), max_rows=PROMPTS * GROUP,

@@ -84,7 +84,8 @@ def main() -> None:
     out = Path(sys.argv[2]) if len(sys.argv) > 2 else None
     init_process_group()
     cuda = torch.cuda.is_available()
-    options = SamplingOptions(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=4, logprobs="processed")
+    options = SamplingOptions(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=4, logprobs="processed",
+                              support=from_yaml("support", "sampler"))
     trainer = from_yaml("trainer", "fsdp", model_path=model_dir, precision=SidePrecision("bf16", False),
                         sampling=options)
     sampler = from_yaml("sampler", "hf", model_path=model_dir, precision=SidePrecision("bf16", False),

@@ -19,7 +19,7 @@ from rlmm.devices import init_process_group, select_device
 from rlmm.interfaces import Algorithm, Correction, Critic, Sampler, Trainer
 from rlmm.precision import SidePrecision, check_precision
 from rlmm.routing import RoutingReplay
-from rlmm.samplers.base import SamplingOptions
+from rlmm.samplers.base import SamplingOptions, checkpoint_vocab_size
 from rlmm.timing import timed
 
 
@@ -66,7 +66,8 @@ def build_components(cfg: DictConfig, prompts: Callable[[object], list], max_row
         model_path = instantiate(cfg.model).resolve(task, to_container(cfg.task))
     precision = instantiate(cfg.precision)
     precision.apply()
-    sampling = SamplingOptions(**cfg.sampling)
+    sampling = SamplingOptions(**cfg.sampling, support=instantiate(cfg.support))
+    sampling.check_vocabulary(checkpoint_vocab_size(model_path))  # a hub model's, known once it is fetched
     algo = instantiate(cfg.algo) if "algo" in cfg else None
     correction = instantiate(cfg.correction) if "correction" in cfg else None
     routing = instantiate(cfg.routing)

@@ -38,6 +38,7 @@ BUILD_TIME_ARGS: dict[str, set[str]] = {
     "correction": set(),
     "algo": set(),
     "routing": set(),
+    "support": set(),
 }
 
 

@@ -13,22 +13,34 @@ import torch
 from rlmm.samplers.base import SamplingOptions
 
 
-def mask_logits(logits: torch.Tensor, options: SamplingOptions) -> torch.Tensor:
-    """Temperature, top-k, top-p applied to fp32 logits [..., V] (masked entries become -inf)."""
+def tempered(logits: torch.Tensor, options: SamplingOptions) -> torch.Tensor:
+    """fp32 logits / T."""
     logits = logits.float()
     if options.temperature != 1.0:  # x / 1 == x: skip a full-vocabulary copy
         logits = logits / options.temperature
-    if options.top_k and options.top_k < logits.size(-1):
-        kth = torch.topk(logits, options.top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return logits
+
+
+def kept_by_truncation(z: torch.Tensor, options: SamplingOptions) -> torch.Tensor:
+    """[..., V] bool: the tokens top-k, then top-p keep of tempered logits `z` (all of them with both off)."""
+    keep = torch.ones_like(z, dtype=torch.bool)
+    if options.top_k and options.top_k < z.size(-1):
+        kth = torch.topk(z, options.top_k, dim=-1).values[..., -1:]
+        keep = z >= kth
+        z = z.masked_fill(~keep, float("-inf"))
     if options.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=False)
+        sorted_logits, order = torch.sort(z, dim=-1, descending=False)
         cumulative = sorted_logits.softmax(-1).cumsum(-1)
         drop_sorted = cumulative <= 1 - options.top_p
         drop_sorted[..., -1] = False
-        drop = drop_sorted.scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
-    return logits
+        keep = keep & ~drop_sorted.scatter(-1, order, drop_sorted)
+    return keep
+
+
+def mask_logits(logits: torch.Tensor, options: SamplingOptions) -> torch.Tensor:
+    """Temperature, top-k, top-p applied to fp32 logits [..., V] (masked entries become -inf)."""
+    z = tempered(logits, options)
+    return z.masked_fill(~kept_by_truncation(z, options), float("-inf")) if options.truncates else z
 
 
 def sampled_logits(logits: torch.Tensor, options: SamplingOptions) -> torch.Tensor:

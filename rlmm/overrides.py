@@ -15,6 +15,7 @@ def check_overrides(config_name: str, overrides: list[str]) -> None:
     from omegaconf.errors import OmegaConfBaseException
 
     from rlmm.errors import ConfigError
+    from rlmm.samplers.base import SamplingOptions
 
     ours = [o for o in overrides if not o.lstrip("+~").startswith("hydra")]
     try:
@@ -37,8 +38,9 @@ def check_overrides(config_name: str, overrides: list[str]) -> None:
             cfg, _ = composed_and_validated(config_name, combination, composed_groups)
             # These constructors only check their arguments (paths, dtype names, ranges), so bad
             # values surface here, before a sweep is submitted or an engine starts.
-            built = {group: instantiate(cfg[group]) for group in ("model", "precision", "correction", "algo")
+            built = {group: instantiate(cfg[group]) for group in ("model", "precision", "correction", "algo", "support")
                      if group in cfg}
+            SamplingOptions(**cfg.sampling, support=built["support"]).check_vocabulary(built["model"].known_vocab_size())
             if "sampler" in cfg:
                 from rlmm.samplers.quantize import check_sampler_options
 

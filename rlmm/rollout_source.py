@@ -43,7 +43,7 @@ from functools import partial
 from typing import Protocol
 
 from rlmm.components import Components
-from rlmm.samplers.base import Rollouts
+from rlmm.samplers.base import KeptTokens, Rollouts
 from rlmm.step import SampledBatch
 from rlmm.timing import timed
 
@@ -192,16 +192,22 @@ def loaded_in_flight(state: dict | None, first_step: int, staleness: int,
 
 def in_flight_state(waiting: InFlight) -> dict:
     """A batch in flight as tensors, ints, floats, strings, lists and dicts (what `torch.load(weights_only=True)`
-    reads back): every field of its `Rollouts`, its rewards, sampling metrics and stale log-probs."""
+    reads back): every field of its `Rollouts` (kept sets as dicts of their tensors), its rewards, sampling metrics
+    and stale log-probs."""
     batch = waiting.batch
-    return {"index": waiting.index, "version": waiting.version,
-            "rollouts": {f.name: getattr(batch.rollouts, f.name) for f in fields(Rollouts)},
+    rollouts = {f.name: getattr(batch.rollouts, f.name) for f in fields(Rollouts)}
+    if rollouts["kept_tokens"] is not None:
+        rollouts["kept_tokens"] = [vars(kept) for kept in rollouts["kept_tokens"]]
+    return {"index": waiting.index, "version": waiting.version, "rollouts": rollouts,
             "task_rewards": batch.task_rewards, "sampling_metrics": dict(batch.sampling_metrics),
             "stale_logprobs": batch.stale_logprobs}
 
 
 def from_in_flight_state(state: dict) -> InFlight:
-    batch = SampledBatch(Rollouts(**state["rollouts"]), state["task_rewards"], dict(state["sampling_metrics"]), {},
+    rollouts = dict(state["rollouts"])
+    if rollouts.get("kept_tokens") is not None:
+        rollouts["kept_tokens"] = [KeptTokens(**kept) for kept in rollouts["kept_tokens"]]
+    batch = SampledBatch(Rollouts(**rollouts), state["task_rewards"], dict(state["sampling_metrics"]), {},
                          stale_logprobs=state["stale_logprobs"])
     return InFlight(state["index"], state["version"], batch)
 

@@ -7,13 +7,17 @@ nodes (model, sampler, ...) are typed `Any` here and checked against their own `
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Optional
+from dataclasses import dataclass, field, fields, make_dataclass
+from typing import Any, Optional, get_type_hints
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
 from rlmm.samplers.base import SamplingOptions
+
+# The `sampling:` node: SamplingOptions' fields but `support`, which the app builds from the `support=` group.
+SamplingNode = make_dataclass("SamplingOptions", [(f.name, get_type_hints(SamplingOptions)[f.name], field(default=MISSING))
+                                                  for f in fields(SamplingOptions) if f.name != "support"])
 
 
 @dataclass
@@ -64,9 +68,10 @@ class ProbeConfig:
     trainer: Any = MISSING
     precision: Any = MISSING
     routing: Any = MISSING
+    support: Any = MISSING
     logger: Any = MISSING
     seed: int = MISSING
-    sampling: SamplingOptions = MISSING
+    sampling: SamplingNode = MISSING
     probe: ProbeOptions = field(default_factory=ProbeOptions)
 
 
@@ -118,9 +123,10 @@ class TrainConfig:
     correction: Any = MISSING
     algo: Any = MISSING
     routing: Any = MISSING
+    support: Any = MISSING
     logger: Any = MISSING
     seed: int = MISSING
-    sampling: SamplingOptions = MISSING
+    sampling: SamplingNode = MISSING
     train: TrainOptions = field(default_factory=TrainOptions)
 
 

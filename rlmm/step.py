@@ -42,6 +42,8 @@ from rlmm.loss_stats import PolicyLossStats, combined_metrics
 from rlmm.metrics import mismatch_metrics, staleness_decomposition
 from rlmm.precision import nonfinite_cause
 from rlmm.samplers.base import Rollouts
+from rlmm.support import recorded as support_recorded
+from rlmm.support import support_metrics
 from rlmm.timing import timed
 from rlmm.trainers.scoring import padded_rows
 from rlmm.trainers.weight_sync import send_weights
@@ -168,7 +170,8 @@ def rl_update(c: Components, batch: SampledBatch, ratio_cap: float, reuse_traini
     one_pass = reuse_training_forward and algo.epochs == 1 and algo.minibatches == 1 and train_policy
     first_update = trainer.begin_update(scored, list(range(len(rollouts)))) if one_pass else None
     held = []  # the first update's forwards (logprobs, entropy), graphs kept, when they scored π_old
-    with routing.recorded(trainer.model) as own_routing:
+    # With a truncating sampler, the trainer's support against its kept sets is recorded where π_old is scored.
+    with routing.recorded(trainer.model) as own_routing, support_recorded(trainer.model) as support:
         if first_update is not None and first_update.holds_graphs:
             with timed(seconds, "train"):  # the update's own forwards: timed as training, not as a scoring pass
                 held = [first_update.forward(micro) for micro in first_update.micro_batches]
@@ -184,6 +187,7 @@ def rl_update(c: Components, batch: SampledBatch, ratio_cap: float, reuse_traini
     old = OldPolicy.score(trainer_logprobs, sampler_logprobs, response_mask, advantages, task_rewards, c.correction,
                           ratio_cap, critic.checked())
     routing_metrics = routing.metrics(rollouts.routed_experts, own_routing)
+    truncation_metrics = support_metrics(support, sampler_logprobs, response_mask)
     if routing.compare:
         with timed(seconds, "routing_compare"):
             routing_metrics.update(routing.compared(trainer, rollouts, trainer_logprobs, sampler_logprobs,
@@ -243,6 +247,7 @@ def rl_update(c: Components, batch: SampledBatch, ratio_cap: float, reuse_traini
         **{f"correction/{k}": v for k, v in old.correction_metrics.items()},
         **{f"correction/{k}": v for k, v in in_update.over_ranks().items()},
         **routing_metrics,
+        **{f"support/{k}": v for k, v in truncation_metrics.items()},
         **{f"{'train' if k in LOSS_SCALER_KEYS else 'loss'}/{k}": sum(m[k] for m in losses) / len(losses)
            for k in (losses[0] if losses else ())},
         **{f"perf/{k}_seconds": v for k, v in seconds.items()},

@@ -36,7 +36,8 @@ parser.add_argument("--prompts", type=int, default=64)
 parser.add_argument("--held-out", type=int, default=100)
 args = parser.parse_args()
 
-options = SamplingOptions(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=8, logprobs="processed")
+options = SamplingOptions(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=8, logprobs="processed",
+                          support=from_yaml("support", "sampler"))
 task = from_yaml("task", "arithmetic", seed=0)
 tokenizer = AutoTokenizer.from_pretrained(args.model)
 model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()

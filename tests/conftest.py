@@ -17,7 +17,8 @@ from rlmm.samplers.base import SamplingOptions  # noqa: E402
 
 
 def sampling(**overrides) -> SamplingOptions:
-    values = dict(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=8, logprobs="processed")
+    values = dict(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=8, logprobs="processed",
+                  support=from_yaml("support", "sampler"))  # the apps' default (conf/train.yaml)
     values.update(overrides)
     return SamplingOptions(**values)
 

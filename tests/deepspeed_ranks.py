@@ -138,7 +138,8 @@ def zero3_weights(model_path: str) -> dict:
 def _options():
     from rlmm.samplers.base import SamplingOptions
 
-    return SamplingOptions(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=4, logprobs="processed")
+    return SamplingOptions(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=4, logprobs="processed",
+                           support=from_yaml("support", "sampler"))
 
 
 def main() -> None:

@@ -6,6 +6,7 @@ kernel rounding, under the same definition (processed: after temperature/top-k/t
 import pytest
 import torch
 
+from rlmm.config import from_yaml
 from rlmm.precision import SidePrecision
 from rlmm.samplers.base import pad_right
 from tests.conftest import build_sampler, build_trainer, sampling
@@ -70,7 +71,8 @@ def test_vllm_fp32_matches_fp32_trainer_processed(vllm_fp32, small_model_path, p
 
 def test_trainer_with_the_wrong_definition_disagrees(vllm_fp32, small_model_path, prompts):
     """Scoring processed sampler log-probs with raw trainer log-probs biases every ratio."""
-    trainer = build_trainer("torch", small_model_path, FP32, sampling(**SHARP, logprobs="raw"), micro_batch_size=4)
+    raw = sampling(**SHARP, logprobs="raw", support=from_yaml("support", "full"))  # raw: no support applies
+    trainer = build_trainer("torch", small_model_path, FP32, raw, micro_batch_size=4)
     rollouts = vllm_fp32.generate(prompts, n=4)
     assert _max_abs_delta(rollouts, trainer.logprobs(rollouts)) > 1e-2
 

@@ -11,26 +11,38 @@ from pathlib import Path
 import pytest
 import torch
 
+from rlmm.config import from_yaml
 from rlmm.logprobs import mask_logits
 from rlmm.models.head import OutputHead
+from rlmm.samplers.base import KeptTokens
 from tests.conftest import build_trainer, sampling, subprocess_env
 
+SHARP = dict(temperature=0.7, top_k=20, top_p=0.9, logprobs="processed")
 OPTIONS = {"raw": sampling(logprobs="raw"),
-           "processed": sampling(temperature=0.7, top_k=20, top_p=0.9, logprobs="processed")}
+           **{f"processed-{support}": sampling(**SHARP, support=from_yaml("support", support))
+              for support in ("sampler", "trainer", "full")}}
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 
 
-def full_scores(weight, hidden, tokens, options, fp32):
-    """The textbook computation on whole [b, T, V] logits: log_softmax, gather, softmax entropy."""
+def full_scores(weight, hidden, tokens, options, fp32, kept):
+    """The textbook computation on whole [b, T, V] logits: log_softmax over the support, gather, softmax entropy.
+    The support written out: the sampler's kept set `kept` [b, T, V] with the token; the trainer's own top-k/top-p
+    set (-inf masks) with the token; or every token (temperature only)."""
     logits = torch.nn.functional.linear(hidden.float() if fp32 else hidden, weight)
-    z = mask_logits(logits, options) if options.logprobs == "processed" else logits.float()
+    z = logits.float()
+    if options.logprobs == "processed":
+        tempered = logits.float() / options.temperature
+        keep = {"sampler": kept, "trainer": torch.isfinite(mask_logits(logits, options)),
+                "full": torch.ones_like(kept)}[options.support.name].clone()
+        keep.scatter_(-1, tokens[..., None], True)  # the sampled token always in
+        z = tempered.masked_fill(~keep, float("-inf"))
     log_p = z.log_softmax(-1)
     logprobs = log_p.gather(-1, tokens[..., None])[..., 0]
     entropy = -(log_p.exp() * log_p.where(torch.isfinite(log_p), 0.0)).sum(-1)  # 0 log 0 = 0, finite gradient
     return logprobs, entropy
 
 
-@pytest.mark.parametrize("mode", ["raw", "processed"])
+@pytest.mark.parametrize("mode", list(OPTIONS))
 @pytest.mark.parametrize("dtype,fp32", [(torch.float32, False), (torch.bfloat16, False), (torch.float16, False),
                                         (torch.bfloat16, True), (torch.float16, True)],
                          ids=["fp32", "bf16", "fp16", "bf16_fp32head", "fp16_fp32head"])
@@ -49,19 +61,25 @@ def test_chunked_scores_equal_the_full_computation(dtype, fp32, mode):
     picked = hidden_states.gather(1, index[..., None].expand(-1, -1, hidden_size))
     tokens = torch.where(torch.rand(rows, length, generator=generator) < 0.5, chosen,
                          torch.nn.functional.linear(picked.float() if fp32 else picked, head_weight).argmax(-1))
+    # a sampler's kept sets: a few random tokens and the sampled one at each position
+    kept = torch.rand(rows, length, vocab, generator=generator) < 0.1
+    kept.scatter_(-1, tokens[..., None], True)
+    laid_out = KeptTokens.of_masks(kept.view(rows * length, vocab), tokens.view(-1), torch.zeros(rows * length, vocab),
+                                   max_kept=vocab)
 
     def run(chunk_size):
         w = torch.nn.Parameter(head_weight.clone())
         h = hidden_states.clone().requires_grad_(True)
         if chunk_size is None:
             logprobs, entropy = full_scores(w, h.gather(1, index[..., None].expand(-1, -1, hidden_size)), tokens,
-                                            options, fp32)
+                                            options, fp32, kept)
         else:
             head = OutputHead(w, fp32=False, chunk_size=chunk_size)
             head.fp32 = fp32  # w is already fp32 when asked: keep this very Parameter to read its gradient
-            with head.aimed_at(index, tokens, options, entropy=True):
+            with head.aimed_at(index, tokens, options, entropy=True, kept=laid_out):
                 out = head(h)
             logprobs, entropy = out[..., 0], out[..., 1]
+        assert torch.isfinite(logprobs).all()  # a sampled token is scored whatever the support
         finite = torch.isfinite(logprobs)
         (logprobs.where(finite, 0.0).sum() + 0.3 * entropy.sum()).backward()
         return logprobs.detach(), entropy.detach(), h.grad, w.grad
@@ -143,7 +161,8 @@ def rss(field):
     return int(next(l for l in open("/proc/self/status") if l.startswith(field)).split()[1]) * 1024
 
 path, chunk = sys.argv[1], int(sys.argv[2])
-options = SamplingOptions(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=64, logprobs="processed")
+options = SamplingOptions(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=64, logprobs="processed",
+                          support=from_yaml("support", "sampler"))
 trainer = from_yaml("trainer", "torch", model_path=path, precision=SidePrecision("fp32", False), sampling=options,
                     micro_batch_size=32, logits_chunk_size=chunk)
 vocab = trainer.model.config.vocab_size

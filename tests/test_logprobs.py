@@ -4,13 +4,15 @@ import math
 import pytest
 import torch
 
+from rlmm.config import from_yaml
 from rlmm.logprobs import mask_logits, token_logprobs
 from tests.conftest import sampling
 
 
 def test_raw_logprobs_ignore_temperature_and_truncation():
     logits = torch.tensor([[math.log(1.0), math.log(2.0), math.log(5.0)]])  # probs 1/8, 2/8, 5/8
-    lp = token_logprobs(logits, torch.tensor([1]), sampling(temperature=0.5, top_k=1, logprobs="raw"))
+    lp = token_logprobs(logits, torch.tensor([1]), sampling(temperature=0.5, top_k=1, logprobs="raw",
+                                                            support=from_yaml("support", "full")))
     assert lp.item() == pytest.approx(math.log(2 / 8), abs=1e-6)
 
 

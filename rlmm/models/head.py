@@ -8,7 +8,8 @@ Parameter, so names, tying, ZeRO partitioning and weight sync are untouched) and
 response positions and tokens, returns [b, T, 2] = (log π(y_t), H_t) instead of logits, computed
 `chunk_size` positions at a time:
 
-    z = W h_t  (/ temperature, top-k / top-p masks for "processed" log-probs; fp32)
+    z = W h_t  (fp32; for "processed" log-probs / temperature, and -inf outside the trainer's support:
+               the sampler's kept set, the trainer's own top-k / top-p set, or nothing cut: rlmm/support.py)
     log π(y_t) = z_y - logsumexp(z),     H_t = -Σ_v p_v log p_v = logsumexp(z) - Σ_v p_v z_v
 
 Under autograd each chunk runs inside activation checkpointing, so its logits are recomputed in the
@@ -29,7 +30,9 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from rlmm.logprobs import sampled_logits
+from rlmm.logprobs import tempered
+from rlmm.samplers.base import KeptTokens
+from rlmm.support import STATISTICS, SupportRecord, statistics
 
 
 class OutputHead(nn.Module):
@@ -51,6 +54,7 @@ class OutputHead(nn.Module):
             weight = nn.Parameter(weight.detach().to(torch.float32).clone(), requires_grad=weight.requires_grad)
         self.weight = weight
         self._aim = None
+        self.support_record: SupportRecord | None = None  # set by rlmm/support.py's `recorded`
 
     def project(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.fp32:
@@ -58,10 +62,13 @@ class OutputHead(nn.Module):
         return nn.functional.linear(hidden, self.weight)
 
     @contextmanager
-    def aimed_at(self, index: torch.Tensor, tokens: torch.Tensor, options, entropy: bool):
+    def aimed_at(self, index: torch.Tensor, tokens: torch.Tensor, options, entropy: bool,
+                 kept: KeptTokens | None = None, rows: tuple[int, ...] | None = None):
         """While inside, a forward returns [b, T, 2] (log π(tokens), entropy; the entropy column is 0
-        unless `entropy`) for the kept positions `index` [b, T] of each row instead of logits."""
-        self._aim = (index, tokens, options, entropy)
+        unless `entropy`) for the kept positions `index` [b, T] of each row instead of logits. `kept`: the
+        sampler's kept sets of those positions (`KeptTokens.laid_out`, row-major over [b, T]) where it truncated;
+        `rows`: the rollout rows the b rows are (for the support record)."""
+        self._aim = (index, tokens, options, entropy, kept, rows)
         try:
             yield
         finally:
@@ -70,24 +77,50 @@ class OutputHead(nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self._aim is None:
             return self.project(hidden)
-        index, tokens, options, entropy = self._aim
+        index, tokens, options, entropy, kept, batch_rows = self._aim
         index, tokens = index.to(hidden.device), tokens.to(hidden.device)
         rows, length = index.shape
         chosen = hidden.gather(1, index[..., None].expand(-1, -1, hidden.size(-1)))  # [b, T, H]
         flat_hidden, flat_tokens = chosen.reshape(rows * length, -1), tokens.reshape(-1)
+        support = options.support if options.logprobs == "processed" else None  # raw: no support (rlmm/support.py)
+        kept = kept if support is not None else None
+        vocab = self.weight.size(0)
         chunks = []
         for start in range(0, rows * length, self.chunk_size):
-            args = (flat_hidden[start:start + self.chunk_size], flat_tokens[start:start + self.chunk_size])
+            end = min(start + self.chunk_size, rows * length)
+            masks = None if kept is None or not support.needs_kept_tokens else \
+                kept.mask(start, end, vocab, device=hidden.device)
+            args = (flat_hidden[start:end], flat_tokens[start:end], masks)
             if torch.is_grad_enabled() and flat_hidden.requires_grad:
                 chunks.append(checkpoint(self._score, *args, options, entropy, use_reentrant=False))
             else:
                 chunks.append(self._score(*args, options, entropy))
+        if self.support_record is not None and kept is not None and batch_rows is not None:
+            self.support_record.add(batch_rows, self._statistics(flat_hidden, flat_tokens, kept, options)
+                                    .view(rows, length, -1))
         if not chunks:
             return hidden.new_zeros(rows, length, 2, dtype=torch.float32)
         return torch.cat(chunks).view(rows, length, 2)
 
-    def _score(self, hidden: torch.Tensor, tokens: torch.Tensor, options, entropy: bool) -> torch.Tensor:
-        logits = sampled_logits(self.project(hidden), options)
+    @torch.no_grad()
+    def _statistics(self, hidden: torch.Tensor, tokens: torch.Tensor, kept: KeptTokens, options) -> torch.Tensor:
+        """rlmm/support.py's per-position statistics of the trainer's distribution against the sampler's kept sets,
+        chunk by chunk (no grad)."""
+        parts = []
+        for start in range(0, hidden.size(0), self.chunk_size):
+            end = min(start + self.chunk_size, hidden.size(0))
+            parts.append(statistics(tempered(self.project(hidden[start:end]), options), tokens[start:end],
+                                    kept.mask(start, end, self.weight.size(0), device=hidden.device),
+                                    kept.capped[start:end].to(hidden.device), options))
+        return torch.cat(parts) if parts else hidden.new_zeros(0, len(STATISTICS), dtype=torch.float32)
+
+    def _score(self, hidden: torch.Tensor, tokens: torch.Tensor, kept: torch.Tensor | None, options,
+               entropy: bool) -> torch.Tensor:
+        logits = self.project(hidden)
+        if options.logprobs == "processed":
+            logits = options.support.restrict(tempered(logits, options), tokens, kept, options)
+        else:
+            logits = logits.float()
         normalizer = logits.logsumexp(-1)
         logprobs = logits.gather(-1, tokens[:, None])[:, 0] - normalizer
         if entropy:

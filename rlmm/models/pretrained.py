@@ -22,6 +22,14 @@ class PretrainedModel:
         elif not HUB_ID.match(path) or path.startswith(("/", ".", "~")):
             raise ValueError(f"model.path: '{path}' does not exist and is not a Hugging Face hub id (owner/name)")
 
+    def known_vocab_size(self) -> int | None:
+        """The checkpoint's vocabulary where config.json is on disk (a hub id not fetched yet: None)."""
+        if not (Path(self.path) / "config.json").is_file():
+            return None
+        from rlmm.samplers.base import checkpoint_vocab_size
+
+        return checkpoint_vocab_size(self.path)
+
     def resolve(self, task=None, task_config: dict | None = None) -> str:
         """The path or hub id to load; a hub id must be downloadable or already cached."""
         if not Path(self.path).exists():

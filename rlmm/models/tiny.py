@@ -184,6 +184,11 @@ class TinyModel:
     # Builds are named <prefix>-<cache_key>, in the cache and in rlmm/models/builtin/.
     prefix = "tiny"
 
+    @staticmethod
+    def known_vocab_size() -> int:
+        """The character tokenizer's vocabulary, the LM head's rows (`build_char_tokenizer`)."""
+        return len(SPECIAL_TOKENS + CHARACTERS)
+
     def cache_key(self, task_config: dict) -> str:
         blob = json.dumps({"arch": self.arch, "seed": self.seed, "warm_start": self.warm_start,
                            "task": task_config, "version": BUILDER_VERSION}, sort_keys=True)

@@ -40,6 +40,8 @@ from rlmm.probe.measurements import (batch_invariance, decode_vs_prefill, real_v
                                      token_agreement, trainer_across_layouts, trainer_against_itself)
 from rlmm.probe.plot import plot_probe
 from rlmm.probe.report import print_probe
+from rlmm.support import recorded as support_recorded
+from rlmm.support import support_metrics
 from rlmm.timing import timed
 
 log = logging.getLogger(__name__)
@@ -67,12 +69,14 @@ def run_probe(cfg: DictConfig, run_dir: Path, choices: dict[str, str]) -> dict:
     routing = components.routing
     sampled = rollouts
     rollouts = routing.scored(rollouts)  # r3: the trainer replays the sampler's experts in every scoring below
-    with timed(stage_seconds, "score"), routing.recorded(trainer.model) as own_routing:
+    with timed(stage_seconds, "score"), routing.recorded(trainer.model) as own_routing, \
+            support_recorded(trainer.model) as support:
         train_logprobs = trainer.logprobs(rollouts)
     check_finite({"sampler": sampler_logprobs[mask], "trainer": train_logprobs[mask]}, precision_report,
                  close=(trainer, sampler))
     sampler_vs_trainer = mismatch_metrics(train_logprobs, sampler_logprobs, mask, ratio_cap=options.ratio_cap)
     agreement = token_agreement(train_logprobs, sampler_logprobs, mask)
+    truncation = support_metrics(support, sampler_logprobs, mask)  # {} unless the sampler truncates
     # Whole-token buckets of equal width, so short answers get one bucket per position.
     bucket_size = max(1, math.ceil(mask.sum(1).max().item() / options.position_buckets))
     profile = position_profile(train_logprobs, sampler_logprobs, mask, bucket_size=bucket_size)
@@ -113,6 +117,7 @@ def run_probe(cfg: DictConfig, run_dir: Path, choices: dict[str, str]) -> dict:
                      "frac_truncated": rollouts.finish_reasons.count("length") / len(rollouts)},
         "sampler_vs_trainer": sampler_vs_trainer,
         "agreement": agreement,
+        "support": truncation,
         "position_profile": profile,
         "early_vs_late": same_responses,
         "trainer_vs_itself": trainer_vs_itself,

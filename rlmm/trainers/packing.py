@@ -44,7 +44,7 @@ from typing import NamedTuple
 import torch
 
 from rlmm.collectives import all_reduce_max
-from rlmm.samplers.base import NO_ROUTE
+from rlmm.samplers.base import NO_ROUTE, KeptTokens
 
 log = logging.getLogger(__name__)
 _warned: set[str] = set()  # warnings already given in this process
@@ -76,6 +76,7 @@ class Batch(NamedTuple):
     tokens: torch.Tensor
     routing: torch.Tensor | None = None
     rows: tuple[int, ...] | None = None  # the rollout rows the batch holds, in its row order (when known)
+    kept: KeptTokens | None = None  # the sampler's kept sets of the [b, T] response positions (`KeptTokens.laid_out`)
 
     def row_lengths(self) -> list[int]:
         """Tokens (prompt + response) of each row, in the batch's row order."""

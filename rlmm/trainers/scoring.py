@@ -19,7 +19,7 @@ from rlmm.layer_attribution import layer_states_of
 from rlmm.models.head import OutputHead
 from rlmm.routing import routed_forward
 from rlmm.trainers.packing import Batch, MicroBatching
-from rlmm.samplers.base import Rollouts, SamplingOptions, pad_right
+from rlmm.samplers.base import KeptTokens, Rollouts, SamplingOptions, pad_right
 
 # forward(batch) -> the model output's `logits` field on the batch's kept positions: [rows, kept, 2]
 # (log π, entropy) while the head is aimed (see response_logprobs), or a value model's [rows, kept] values
@@ -45,7 +45,9 @@ def batch_of(rollouts: Rollouts, rows: list[int], batching: MicroBatching, pad_i
     routing = None if rollouts.replayed_experts is None else [rollouts.replayed_experts[i] for i in rows]
     batch = batching.batch([rollouts.prompt_ids[i] for i in rows], [rollouts.response_ids[i] for i in rows], pad_id,
                            routing)
-    return batch._replace(rows=tuple(rows))
+    kept = None if rollouts.kept_tokens is None else \
+        KeptTokens.laid_out([rollouts.kept_tokens[i] for i in rows], batch.index.size(1))
+    return batch._replace(rows=tuple(rows), kept=kept)
 
 
 def row_tokens(rollouts: Rollouts, rows: list[int]) -> list[int]:
@@ -66,7 +68,7 @@ def response_logprobs(forward: ForwardFn, head: OutputHead | None, batch: Batch,
     if head is None:
         values = forward(batch)  # [rows, kept]
         return values.float().gather(1, index.to(values.device)).view(rows, length), None
-    with head.aimed_at(index, tokens, options, entropy=with_entropy):
+    with head.aimed_at(index, tokens, options, entropy=with_entropy, kept=batch.kept, rows=batch.rows):
         scored = forward(batch).view(rows, length, 2)
     return scored[..., 0], scored[..., 1] if with_entropy else None
 
