@@ -10,6 +10,9 @@
     <run dir>/checkpoints/step-000040/critic.safetensors  the critic's weights, when the algorithm has one (PPO; its
                                                           optimizer and warm-up count are in rankN.pt's "critic")
     <run dir>/checkpoints/step-000040/state.json         step, the sampler's request counter
+    <run dir>/checkpoints/step-000040/SHA256SUMS         the SHA-256 of every file above (rlmm/checksums.py),
+                                                          checked before a resume: a damaged checkpoint is named
+                                                          and the one before it resumed (rlmm/resume.py)
     <run dir>/checkpoints/latest                         name of the newest *complete* checkpoint
 
 Every rank writes into `checkpoints/.partial-step-000040`; once all have, rank 0 writes state.json there, renames
@@ -33,10 +36,11 @@ from pathlib import Path
 
 import torch
 
+from rlmm.checksums import write_sums
 from rlmm.critic import NoCritic
 from rlmm.disk import writing
 from rlmm.interfaces import Critic
-from rlmm.resume import newest_checkpoint, resume_point
+from rlmm.resume import ResumeRefused, newest_checkpoint, resume_point
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +120,7 @@ def save(run_dir: str | Path, step: int, trainer, sampler, critic: Critic = NoCr
         state = {"step": step, "world_size": world, "sampler_calls": sampler.calls, "loop": loop or {}}
         with writing(partial):
             (partial / "state.json").write_text(json.dumps(state, indent=2))
+            write_sums(partial)  # last: every rank's files are in (rlmm/resume.py checks them before a resume)
         if path.exists():  # written before by a run killed before it moved `latest` (which names an older one)
             shutil.rmtree(path)
         os.replace(partial, path)
@@ -140,7 +145,7 @@ def load(path: Path, trainer, sampler, critic: Critic = NoCritic()) -> dict:
     from safetensors.torch import load_file
 
     rank, world = _rank_and_world()
-    state = json.loads((path / "state.json").read_text())
+    state = read(path / "state.json", lambda file: json.loads(file.read_text()))
     if state["world_size"] != world:
         raise ValueError(f"train.resume: checkpoint {path} was written by {state['world_size']} ranks, this run has "
                          f"{world} (resume with the same number of ranks, or another hydra.run.dir)")
@@ -152,22 +157,36 @@ def load(path: Path, trainer, sampler, critic: Critic = NoCritic()) -> dict:
     allowed = trainer.safe_checkpoint_types() + critic.safe_checkpoint_types()
     with torch.serialization.safe_globals(allowed):
         # map_location: a GPU run's states come back on the CPU (every rank reads every rank's file)
-        rank_states = [torch.load(path / f"rank{r}.pt", weights_only=True, map_location="cpu") for r in range(world)]
+        rank_states = [read(path / f"rank{r}.pt", lambda file: torch.load(file, weights_only=True, map_location="cpu"))
+                       for r in range(world)]
     _, shards = split_sharded(fresh)
     if shards:
         import torch.distributed.checkpoint as dcp
 
-        dcp.load(shards, checkpoint_id=path / SHARDS)
+        read(path / SHARDS, lambda folder: dcp.load(shards, checkpoint_id=folder))
         rank_states[rank] = joined_sharded(rank_states[rank], shards)
-    weights = load_file(path / "model.safetensors")
+    weights = read(path / "model.safetensors", load_file)
     trainer.load_checkpoint(weights, [s["trainer"] for s in rank_states])
     if "critic" in fresh:
-        critic.load_checkpoint(load_file(path / CRITIC_WEIGHTS), [s["critic"] for s in rank_states])
+        critic.load_checkpoint(read(path / CRITIC_WEIGHTS, load_file), [s["critic"] for s in rank_states])
     torch.set_rng_state(rank_states[rank]["torch_rng"])
     sampler.calls = state["sampler_calls"]
     sampler.load_weights(trainer.state_dict())
     state["rollouts"] = rank_states[rank].get("rollouts")
     return state
+
+
+def read(path: Path, reader):
+    """`reader(path)`; a file it cannot read is named in one line (ResumeRefused, its cause kept: a disk fault
+    stays one, rlmm/apps.py::machine_fault). SHA256SUMS catches a damaged file before this (rlmm/resume.py); this is
+    for a checkpoint written without one, or a file damaged since."""
+    try:
+        return reader(path)
+    except Exception as err:
+        said = (str(err).strip().splitlines() or [""])[0][:200]
+        raise ResumeRefused(f"train.resume: {path} cannot be read ({type(err).__name__}: {said}): remove its "
+                            f"checkpoint {path.parent} to resume from the one before it, or give this run another "
+                            f"hydra.run.dir") from err
 
 
 def critic_entry(critic: Critic) -> dict:

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import yaml
 
+from rlmm import checksums
 from rlmm.errors import ConfigError
 from rlmm.records import read_record
 
@@ -133,26 +134,55 @@ class ResumePoint:
 
 
 def resume_point(run_dir: Path) -> ResumePoint:
-    """The newest checkpoint that the record covers: the record (steps.jsonl) must hold every step up to it,
-    whole and once, since the rows after it are dropped and redone and the rows before it are kept. So a damaged
-    row (rlmm/records.py::read_record: torn, repeated, out of place) is redone from the newest checkpoint before
-    it, and named; where every checkpoint is past it, its rows cannot be redone and the resume is refused
-    (ResumeRefused). No checkpoint: from step 0."""
+    """The newest whole checkpoint that the record covers.
+
+    Whole: every file matches its SHA-256 in the checkpoint's SHA256SUMS (rlmm/checksums.py) and its state.json
+    reads; a damaged one is named and passed over for the one before it. Covered: the record (steps.jsonl) holds
+    every step up to it, whole and once, since the rows after it are dropped and redone and the rows before it
+    are kept; so a damaged row (rlmm/records.py::read_record: torn, repeated, out of place) is redone from the
+    newest checkpoint before it, and named. Where no checkpoint is both, the resume is refused (ResumeRefused),
+    before anything is touched. No checkpoint at all: from step 0."""
     rows, damage = read_record(run_dir)
     covered = rows[-1]["step"] if rows else -1  # the record holds every step up to this one
     chain = checkpoint_chain(run_dir)
     damaged = damage.of(run_dir / "steps.jsonl") if damage else ""
+    broken = []  # "<checkpoint> is damaged (<what>)", newest first
     for path in chain:
         if checkpoint_step(path) > covered:
             continue
-        warnings = (f"{damaged}: resuming from {path}, which redoes the steps after it",) if damage else ()
-        return ResumePoint(path, json.loads((path / "state.json").read_text()), warnings)
+        state, what = read_checkpoint_state(path)
+        if what:
+            broken.append(f"{path} is damaged ({what})")
+            continue
+        warnings = [f"checkpoint {'; '.join(broken)}: resuming from the one before it, {path}"] if broken else []
+        if damage:
+            warnings.append(f"{damaged}: resuming from {path}, which redoes the steps after it")
+        return ResumePoint(path, state, tuple(warnings))
     if not chain:
         return ResumePoint(None, {"step": 0}, (f"{damaged}: no checkpoint, the run is redone from step 0",)
                            if damage else ())
+    checkpoints = run_dir / "checkpoints"
+    if broken:
+        raise ResumeRefused(f"train.resume: no whole checkpoint in {checkpoints}: {'; '.join(broken)}: restore them, "
+                            f"or remove {checkpoints} to redo the run from step 0, or give this run another "
+                            f"hydra.run.dir")
     raise ResumeRefused(f"train.resume: {damaged}, and every checkpoint is past it (the oldest: {chain[-1].name}): "
-                        f"restore the line, or remove {run_dir / 'checkpoints'} to redo the run from step 0, or give "
-                        f"this run another hydra.run.dir")
+                        f"restore the line, or remove {checkpoints} to redo the run from step 0, or give this run "
+                        f"another hydra.run.dir")
+
+
+def read_checkpoint_state(path: Path) -> tuple[dict, str]:
+    """A checkpoint's state.json, and what is damaged in it ("" when it is whole: rlmm/checksums.py)."""
+    what = checksums.damage(path)
+    if what:
+        return {}, what
+    try:
+        state = json.loads((path / "state.json").read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return {}, "state.json is not readable JSON"
+    if not isinstance(state, dict) or not {"step", "world_size"} <= state.keys():
+        return {}, "state.json lacks its step or world_size"
+    return state, ""
 
 
 def check_train_dir(run_dir: Path, config: dict, world: int, resume: bool) -> None:

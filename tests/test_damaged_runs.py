@@ -102,3 +102,36 @@ def test_a_torn_middle_row_is_redone_from_the_checkpoint_before_it_or_refused(ki
     assert_refused_with_every_file_as_it_was(
         other, f"train.resume: line 2 of {other / 'steps.jsonl'} (after step 0) is torn or not JSON, and every "
                f"checkpoint is past it (the oldest: step-000002)")
+
+
+def flip_bytes(path: Path, count: int = 4000) -> None:
+    """`count` bytes in the middle of the file inverted (a disk or a copy that went wrong)."""
+    data = bytearray(path.read_bytes())
+    start = max(0, len(data) // 2 - count // 2)
+    data[start:start + count] = bytes(b ^ 0xFF for b in data[start:start + count])
+    path.write_bytes(bytes(data))
+
+
+def test_a_damaged_checkpoint_is_named_and_the_one_before_it_resumed_or_the_resume_refused(killed, straight, tmp_path):
+    """The issue's case 4: 4000 flipped bytes in model.safetensors of the newest checkpoint resumed without a word,
+    exited 0 and ended at accuracy 0.0 instead of 0.5 (41 values differed); a truncated rank0.pt or a garbage
+    state.json ended in tracebacks that named no file. Every file of a checkpoint now has its SHA-256 in its
+    SHA256SUMS, checked before the resume."""
+    run_dir = copy(killed, tmp_path)
+    newest, older = run_dir / "checkpoints" / "step-000003", run_dir / "checkpoints" / "step-000002"
+    assert {line.split()[1] for line in (newest / "SHA256SUMS").read_text().splitlines()} == {
+        "model.safetensors", "rank0.pt", "state.json"}
+    flip_bytes(newest / "model.safetensors")
+    assert_resumes_to_the_straight_records(
+        run_dir, straight, f"checkpoint {newest} is damaged (model.safetensors does not match its SHA-256 in "
+                           f"SHA256SUMS): resuming from the one before it, {older}")
+    other = tmp_path / "other"
+    shutil.copytree(killed, other)
+    newest, older = other / "checkpoints" / "step-000003", other / "checkpoints" / "step-000002"
+    (newest / "state.json").write_text("{\"step\": 3, garbage")
+    (older / "rank0.pt").write_bytes((older / "rank0.pt").read_bytes()[:1000])
+    assert_refused_with_every_file_as_it_was(
+        other, f"train.resume: no whole checkpoint in {other / 'checkpoints'}: {newest} is damaged (state.json does "
+               f"not match its SHA-256 in SHA256SUMS); {older} is damaged (rank0.pt does not match its SHA-256 in "
+               f"SHA256SUMS): restore them, or remove {other / 'checkpoints'} to redo the run from step 0, or give "
+               f"this run another hydra.run.dir")

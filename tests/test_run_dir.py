@@ -274,3 +274,45 @@ def test_the_runs_own_settings_resume_it_then_a_finished_run_is_left_alone(stopp
     assert again.returncode == 0, again.stderr[-3000:]
     assert again.stdout == f"rlmm: {run_dir} holds this run, finished (summary.json): nothing to do\n"
     assert digests(run_dir) == before
+
+
+def test_a_checkpoints_files_are_checked_against_its_sha256sums(tmp_path):
+    from rlmm.checksums import damage, write_sums
+
+    path = tmp_path / "step-000004"
+    (path / "shards").mkdir(parents=True)
+    for name, content in (("model.safetensors", b"weights" * 100), ("rank0.pt", b"state"), ("shards/.metadata", b"m"),
+                          ("state.json", b'{"step": 4}')):
+        (path / name).write_bytes(content)
+    write_sums(path)
+    assert [line.split("  ")[1] for line in (path / "SHA256SUMS").read_text().splitlines()] == [
+        "model.safetensors", "rank0.pt", "shards/.metadata", "state.json"]  # `sha256sum -c SHA256SUMS` reads it
+    assert damage(path) is None
+    (path / "rank0.pt").write_bytes(b"stat")
+    (path / "shards" / ".metadata").unlink()
+    assert damage(path) == ("rank0.pt does not match its SHA-256 in SHA256SUMS; shards/.metadata is missing")
+    (path / "SHA256SUMS").write_text("not a sum\n")
+    assert damage(path) == "SHA256SUMS is not readable (line 1)"
+    (path / "SHA256SUMS").unlink()  # a checkpoint written before checksums: nothing to check it against
+    assert damage(path) is None
+
+
+def test_a_checkpoint_file_that_cannot_be_read_is_named_in_one_line(tmp_path):
+    """A checkpoint written without SHA256SUMS (or damaged since it was checked): the file is named, not a
+    traceback from safetensors' or torch's reader."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from rlmm.checkpoint import read
+
+    path = tmp_path / "checkpoints" / "step-000002"
+    path.mkdir(parents=True)
+    save_file({"w": torch.ones(64)}, path / "model.safetensors")
+    (path / "model.safetensors").write_bytes((path / "model.safetensors").read_bytes()[:100])
+    torch.save({"step": 2}, path / "rank0.pt")
+    (path / "rank0.pt").write_bytes((path / "rank0.pt").read_bytes()[:50])
+    for name, reader in (("model.safetensors", load_file), ("rank0.pt", lambda f: torch.load(f, weights_only=True))):
+        with pytest.raises(ResumeRefused, match=rf"^train.resume: {re.escape(str(path / name))} cannot be read \(\w+: "
+                                                rf".*\): remove its checkpoint {re.escape(str(path))} to resume from "
+                                                rf"the one before it, or give this run another hydra.run.dir$"):
+            read(path / name, reader)
