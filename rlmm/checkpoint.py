@@ -40,7 +40,7 @@ from rlmm.checksums import write_sums
 from rlmm.critic import NoCritic
 from rlmm.disk import writing
 from rlmm.interfaces import Critic
-from rlmm.resume import ResumeRefused, newest_checkpoint, resume_point
+from rlmm.resume import ResumeRefused, checkpoint_chain, checkpoint_step, newest_checkpoint, resume_point
 
 log = logging.getLogger(__name__)
 
@@ -127,10 +127,18 @@ def save(run_dir: str | Path, step: int, trainer, sampler, critic: Critic = NoCr
         tmp = root / "latest.tmp"
         tmp.write_text(path.name)
         os.replace(tmp, root / "latest")
-        for old in sorted(p for p in root.glob("step-*") if p.is_dir())[:-keep or None]:
-            shutil.rmtree(old, ignore_errors=True)
+        prune(root, step, keep)
     _barrier()
     return path
+
+
+def prune(root: Path, step: int, keep: int) -> None:
+    """Remove the checkpoints in `root` but the newest `keep` up to `step` (the one just written): the older ones, and
+    any past it, left from before a resume went back to an older checkpoint (rlmm/resume.py) and now redone."""
+    mine = sorted((p for p in checkpoint_chain(root.parent) if checkpoint_step(p) <= step), key=checkpoint_step)
+    past = [p for p in checkpoint_chain(root.parent) if checkpoint_step(p) > step]
+    for old in mine[:-keep or None] + past:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def remove_partial(run_dir: str | Path) -> None:

@@ -51,7 +51,8 @@ FINISHED_JOB = "rlmm: finished already, nothing done"
 
 
 def latest_marker(run_dir: Path) -> Path:
-    """`checkpoints/latest`, naming the newest complete checkpoint (rlmm/checkpoint.py::save moves it)."""
+    """`checkpoints/latest`, naming the newest checkpoint (rlmm/checkpoint.py::save moves it; a resume reads the
+    checkpoints themselves, and this only to say when the one it names is gone)."""
     return Path(run_dir) / "checkpoints" / "latest"
 
 
@@ -59,7 +60,7 @@ def training_record(run_dir: Path) -> bool:
     """Whether `run_dir` holds a training run's record: a step row, a summary or a checkpoint."""
     steps = run_dir / "steps.jsonl"
     return ((steps.exists() and steps.stat().st_size > 0) or (run_dir / "summary.json").exists()
-            or latest_marker(run_dir).exists())
+            or latest_marker(run_dir).exists() or bool(checkpoint_chain(run_dir)))
 
 
 def leaves(tree, prefix: str = "") -> dict[str, object]:
@@ -98,8 +99,8 @@ def listed(changed: list[str]) -> str:
 
 
 def newest_checkpoint(run_dir: Path) -> tuple[Path, dict] | None:
-    """The newest complete checkpoint, the one `checkpoints/latest` names, and its state.json; None if there is
-    none (a checkpoint is complete once its state.json is written: rlmm/checkpoint.py::save)."""
+    """The newest checkpoint of the run and its state.json, whatever the record holds (the checkpoint a run resumes
+    from is `resume_point`'s); None if there is none."""
     chain = checkpoint_chain(run_dir)
     return (chain[0], json.loads((chain[0] / "state.json").read_text())) if chain else None
 
@@ -110,17 +111,19 @@ def checkpoint_step(path: Path) -> int:
 
 
 def checkpoint_chain(run_dir: Path) -> list[Path]:
-    """The run's checkpoints a resume may start from, newest first: the one `checkpoints/latest` names, then the
-    older complete ones (`step-N` with a state.json)."""
+    """The run's checkpoints, newest first: every `checkpoints/step-N` (a directory gets that name only once every
+    file of it is written: rlmm/checkpoint.py::save), whole or not."""
+    found = (run_dir / "checkpoints").glob("step-*")
+    return sorted((p for p in found if p.is_dir() and p.name[5:].isdigit()), key=checkpoint_step, reverse=True)
+
+
+def latest_gone(run_dir: Path) -> str | None:
+    """The name `checkpoints/latest` gives when no checkpoint of that name is there (removed by hand), else None."""
     marker = latest_marker(run_dir)
     if not marker.exists():
-        return []
-    newest = marker.parent / marker.read_text().strip()
-    if not (newest / "state.json").exists():
-        return []
-    older = [p for p in marker.parent.glob("step-*") if p.is_dir() and (p / "state.json").exists()
-             and p.name[5:].isdigit() and checkpoint_step(p) < checkpoint_step(newest)]
-    return [newest, *sorted(older, key=checkpoint_step, reverse=True)]
+        return None
+    name = marker.read_text(errors="replace").strip()
+    return None if (marker.parent / name).is_dir() else name
 
 
 @dataclass(frozen=True)
@@ -144,7 +147,7 @@ def resume_point(run_dir: Path) -> ResumePoint:
     before anything is touched. No checkpoint at all: from step 0."""
     rows, damage = read_record(run_dir)
     covered = rows[-1]["step"] if rows else -1  # the record holds every step up to this one
-    chain = checkpoint_chain(run_dir)
+    chain, gone = checkpoint_chain(run_dir), latest_gone(run_dir)
     damaged = damage.of(run_dir / "steps.jsonl") if damage else ""
     broken = []  # "<checkpoint> is damaged (<what>)", newest first
     for path in chain:
@@ -155,13 +158,20 @@ def resume_point(run_dir: Path) -> ResumePoint:
             broken.append(f"{path} is damaged ({what})")
             continue
         warnings = [f"checkpoint {'; '.join(broken)}: resuming from the one before it, {path}"] if broken else []
+        if gone:
+            warnings.insert(0, f"{latest_marker(run_dir)} names {gone}, which is not there: resuming from the newest "
+                               f"checkpoint there, {path}")
         if damage:
             warnings.append(f"{damaged}: resuming from {path}, which redoes the steps after it")
         return ResumePoint(path, state, tuple(warnings))
+    checkpoints = run_dir / "checkpoints"
+    if not chain and gone:
+        raise ResumeRefused(f"train.resume: {latest_marker(run_dir)} names {gone}, which is not there, and no other "
+                            f"checkpoint is: restore it, or remove {checkpoints} to redo the run from step 0, or give "
+                            f"this run another hydra.run.dir")
     if not chain:
         return ResumePoint(None, {"step": 0}, (f"{damaged}: no checkpoint, the run is redone from step 0",)
                            if damage else ())
-    checkpoints = run_dir / "checkpoints"
     if broken:
         raise ResumeRefused(f"train.resume: no whole checkpoint in {checkpoints}: {'; '.join(broken)}: restore them, "
                             f"or remove {checkpoints} to redo the run from step 0, or give this run another "

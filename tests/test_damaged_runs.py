@@ -135,3 +135,15 @@ def test_a_damaged_checkpoint_is_named_and_the_one_before_it_resumed_or_the_resu
                f"not match its SHA-256 in SHA256SUMS); {older} is damaged (rank0.pt does not match its SHA-256 in "
                f"SHA256SUMS): restore them, or remove {other / 'checkpoints'} to redo the run from step 0, or give "
                f"this run another hydra.run.dir")
+
+
+def test_latest_naming_a_checkpoint_that_is_gone_resumes_from_the_newest_one_there(killed, straight, tmp_path):
+    """The issue's case 5: the newest checkpoint removed (by hand, to free space or because it was bad), `latest`
+    still naming it: the run restarted from step 0 without a word and replaced the older checkpoint still there."""
+    run_dir = copy(killed, tmp_path)
+    shutil.rmtree(run_dir / "checkpoints" / "step-000003")
+    older = run_dir / "checkpoints" / "step-000002"
+    assert_resumes_to_the_straight_records(
+        run_dir, straight, f"{run_dir / 'checkpoints' / 'latest'} names step-000003, which is not there: resuming "
+                           f"from the newest checkpoint there, {older}")
+    assert "resuming from " + str(older) + " at step 3" in (run_dir / "apps.log").read_text()

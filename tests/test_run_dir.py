@@ -162,6 +162,39 @@ def test_a_damaged_middle_row_resumes_from_the_checkpoint_before_it_or_is_refuse
     assert resume_point(with_checkpoints(record(tmp_path / "none"), 1)).checkpoint.name == "step-000001"
 
 
+def test_latest_naming_a_checkpoint_that_is_gone_falls_back_to_the_newest_one_there_or_is_refused(tmp_path):
+    from rlmm.resume import resume_point
+
+    run_dir = with_checkpoints(record(tmp_path / "run", steps=4), 1, 3, latest=4)
+    point = resume_point(run_dir)
+    assert point.checkpoint.name == "step-000003"
+    assert point.warnings == (f"{run_dir / 'checkpoints' / 'latest'} names step-000004, which is not there: resuming "
+                              f"from the newest checkpoint there, {run_dir / 'checkpoints' / 'step-000003'}",)
+    gone = record(tmp_path / "gone", steps=4)
+    (gone / "checkpoints").mkdir()
+    (gone / "checkpoints" / "latest").write_text("step-000004")
+    with pytest.raises(ResumeRefused, match=r"^train.resume: .*latest names step-000004, which is not there, and no "
+                                            r"other checkpoint is: restore it, or remove .*checkpoints to redo the run "
+                                            r"from step 0, or give this run another hydra.run.dir$"):
+        check_train_dir(gone, CONFIG, world=1, resume=True)
+
+
+def test_a_checkpoint_prunes_only_older_ones_and_those_past_it(tmp_path):
+    """The newest `keep` at or before the step just written stay; checkpoints past it (left from before a resume went
+    back to an older one) go. Before: the newest `keep` by name stayed, so a checkpoint written after going back
+    past two newer ones removed itself."""
+    from rlmm.checkpoint import prune
+
+    root = tmp_path / "checkpoints"
+    for step in (1, 2, 3, 4):
+        (root / f"step-{step:06d}").mkdir(parents=True)
+    prune(root, step=2, keep=2)
+    assert sorted(p.name for p in root.iterdir()) == ["step-000001", "step-000002"]
+    (root / "step-000003").mkdir()
+    prune(root, step=3, keep=2)
+    assert sorted(p.name for p in root.iterdir()) == ["step-000002", "step-000003"]
+
+
 HOLD_THE_LOCK = """
 import sys, time
 from rlmm.run_lock import holding
