@@ -19,6 +19,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from rlmm.disk import writing
+from rlmm.errors import MachineFault
 from rlmm.logging import redact
 
 
@@ -57,6 +58,9 @@ class RunRecord:
         self._steps = open(path, "a", encoding="utf-8")
 
     def log(self, metrics: dict, step: int) -> None:
+        if os.fstat(self._steps.fileno()).st_nlink == 0:  # rows written on would go nowhere a reader finds them
+            raise MachineFault(f"{self._steps.name} was removed while the run wrote it (its run directory removed or "
+                               f"replaced?)")
         with writing(self._steps.name):
             self._steps.write(json.dumps(_plain({"step": step, **metrics})) + "\n")
             self._steps.flush()

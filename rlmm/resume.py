@@ -148,10 +148,12 @@ def resume_point(run_dir: Path) -> ResumePoint:
     rows, damage = read_record(run_dir)
     covered = rows[-1]["step"] if rows else -1  # the record holds every step up to this one
     chain, gone = checkpoint_chain(run_dir), latest_gone(run_dir)
-    damaged = damage.of(run_dir / "steps.jsonl") if damage else ""
-    broken = []  # "<checkpoint> is damaged (<what>)", newest first
+    steps = run_dir / "steps.jsonl"
+    damaged = damage.of(steps) if damage else ""
+    broken, past = [], []  # "<checkpoint> is damaged (<what>)"; checkpoints past the record; newest first
     for path in chain:
         if checkpoint_step(path) > covered:
+            past.append(path)
             continue
         state, what = read_checkpoint_state(path)
         if what:
@@ -163,6 +165,9 @@ def resume_point(run_dir: Path) -> ResumePoint:
                                f"checkpoint there, {path}")
         if damage:
             warnings.append(f"{damaged}: resuming from {path}, which redoes the steps after it")
+        elif past:  # rows lost from its end (a finished run's last row deleted, a record restored from a copy)
+            warnings.append(f"{steps} ends at step {covered}, before checkpoint {past[-1]}: resuming from {path}, "
+                            f"which redoes the steps after it")
         return ResumePoint(path, state, tuple(warnings))
     checkpoints = run_dir / "checkpoints"
     if not chain and gone:
@@ -176,8 +181,13 @@ def resume_point(run_dir: Path) -> ResumePoint:
         raise ResumeRefused(f"train.resume: no whole checkpoint in {checkpoints}: {'; '.join(broken)}: restore them, "
                             f"or remove {checkpoints} to redo the run from step 0, or give this run another "
                             f"hydra.run.dir")
-    raise ResumeRefused(f"train.resume: {damaged}, and every checkpoint is past it (the oldest: {chain[-1].name}): "
-                        f"restore the line, or remove {checkpoints} to redo the run from step 0, or give this run "
+    if damage:
+        raise ResumeRefused(f"train.resume: {damaged}, and every checkpoint is past it (the oldest: {chain[-1].name}): "
+                            f"restore the line, or remove {checkpoints} to redo the run from step 0, or give this run "
+                            f"another hydra.run.dir")
+    held = f"ends at step {covered}" if rows else "holds no step"
+    raise ResumeRefused(f"train.resume: {steps} {held}, before every checkpoint (the oldest: {chain[-1].name}): "
+                        f"restore its rows, or remove {checkpoints} to redo the run from step 0, or give this run "
                         f"another hydra.run.dir")
 
 

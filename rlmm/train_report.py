@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rlmm.disk import writing
+from rlmm.errors import MachineFault
 from rlmm.formatting import format_number
 from rlmm.records import read_steps
 
@@ -20,11 +21,13 @@ class TrainingHistory:
     accuracy: dict[int, float]
     trained_accuracy: dict[int, float]
     steps_with_step_0: list[dict]
+    path: Path | None = None  # the steps.jsonl read
 
     @classmethod
     def read(cls, run_dir: Path) -> TrainingHistory:
         rows = read_steps(run_dir)
         return cls(steps=[row for row in rows if row["step"] > 0], steps_with_step_0=rows,
+                   path=Path(run_dir) / "steps.jsonl",
                    accuracy={row["step"]: row["eval/accuracy"] for row in rows
                              if row.get("eval/accuracy") is not None},
                    trained_accuracy={row["step"]: row["eval/accuracy_trained"] for row in rows
@@ -33,8 +36,14 @@ class TrainingHistory:
 
 def summarize(record: TrainingHistory, choices: dict, precision_report: dict, options, world: int, seconds: float,
               first_step: int) -> dict:
-    """The run's headline figures, from its record (so a resumed run summarises every step)."""
+    """The run's headline figures, from its record (so a resumed run summarises every step), which must hold every
+    step the run logged (MachineFault when it does not: the record was removed or changed under the run)."""
     history, accuracy, trained_accuracy = record.steps, record.accuracy, record.trained_accuracy
+    logged = [row["step"] for row in record.steps_with_step_0]
+    if logged != list(range(options.steps + 1)):
+        held = f"steps 0-{logged[-1]}" if logged else "no step"
+        raise MachineFault(f"{record.path} holds {held}, not every step to {options.steps} this run logged (its run "
+                           f"directory removed or changed while it ran?)")
 
     def mean(key: str) -> float:
         values = [h[key] for h in history if h.get(key) is not None]

@@ -4,6 +4,7 @@ At the N-th time (1-based) the run reaches POINT, ACTION happens:
     kill  SIGKILL this process (no handler runs: the machine lost power, the OOM killer came)
     fill  fill the file system of $RLMM_FAULT_FILLER (a file outside the run directory) to the last byte,
           then go on: the run's next write meets a full disk
+    remove_run_dir  remove the run directory (hydra.run.dir) and all in it, then go on (a user's rm -r, a cleanup)
 
 POINT (the function whose N-th call it is):
     sampling        entering rlmm.step.sample_groups (the sampler generating a step's rollouts)
@@ -49,8 +50,13 @@ def fault(*_, **__) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
     elif ACTION == "fill":
         fill_disk()
+    elif ACTION == "remove_run_dir":
+        import shutil
+
+        run_dir = [arg.split("=", 1)[1] for arg in sys.argv if arg.startswith("hydra.run.dir=")][-1]
+        shutil.rmtree(run_dir)
     else:
-        raise SystemExit(f"fault_at: unknown action {ACTION!r} (kill, fill)")
+        raise SystemExit(f"fault_at: unknown action {ACTION!r} (kill, fill, remove_run_dir)")
 
 
 def reached() -> bool:

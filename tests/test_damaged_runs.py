@@ -147,3 +147,40 @@ def test_latest_naming_a_checkpoint_that_is_gone_resumes_from_the_newest_one_the
         run_dir, straight, f"{run_dir / 'checkpoints' / 'latest'} names step-000003, which is not there: resuming "
                            f"from the newest checkpoint there, {older}")
     assert "resuming from " + str(older) + " at step 3" in (run_dir / "apps.log").read_text()
+
+
+def test_a_finished_run_that_lost_its_last_row_is_redone_from_its_checkpoint_before_it(straight, tmp_path):
+    """The issue's case 6: summary.json and the last row of a finished run deleted, then resumed: KeyError: 4 at
+    every try, for ever (the resume started after the lost row, and the summary looked for it)."""
+    run_dir = copy(straight, tmp_path)
+    (run_dir / "summary.json").unlink()
+    lines = (run_dir / "steps.jsonl").read_text().splitlines(keepends=True)
+    (run_dir / "steps.jsonl").write_text("".join(lines[:-1]))
+    assert_resumes_to_the_straight_records(
+        run_dir, straight, f"{run_dir / 'steps.jsonl'} ends at step 3, before checkpoint "
+                           f"{run_dir / 'checkpoints' / 'step-000004'}: resuming from "
+                           f"{run_dir / 'checkpoints' / 'step-000003'}, which redoes the steps after it")
+
+
+def test_a_run_whose_directory_is_removed_while_it_runs_stops_in_one_line(tmp_path):
+    """The issue's case 6, second half: the run directory removed mid-run (rm -r by a user or a cleanup job). The
+    run went on writing into the removed record and ended in KeyError: 4; it now stops at its next row, exit 4."""
+    run_dir = tmp_path / "run"
+    removed = rlmm(run_dir, fault=("remove_run_dir", "record_written", 2))
+    assert removed.returncode == 4, (removed.stdout + removed.stderr)[-3000:]
+    assert removed.stdout == (f"rlmm: machine fault: {run_dir / 'steps.jsonl'} was removed while the run wrote it (its "
+                              f"run directory removed or replaced?); no step was recorded in {run_dir}; run the "
+                              f"same command again once it is fixed\n"), removed.stdout[-3000:]
+    assert "Traceback" not in removed.stderr
+
+
+def test_the_summary_of_a_record_missing_a_step_the_run_logged_names_it(tmp_path):
+    from types import SimpleNamespace
+
+    from rlmm.errors import MachineFault
+    from rlmm.train_report import TrainingHistory, summarize
+
+    (tmp_path / "steps.jsonl").write_text("".join(f'{{"step": {s}, "eval/accuracy": 0.5}}\n' for s in range(4)))
+    with pytest.raises(MachineFault, match=rf"^{tmp_path / 'steps.jsonl'} holds steps 0-3, not every step to 4 this "
+                                           rf"run logged \(its run directory removed or changed while it ran\?\)$"):
+        summarize(TrainingHistory.read(tmp_path), {}, {}, SimpleNamespace(steps=4), 1, 1.0, 1)

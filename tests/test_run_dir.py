@@ -179,6 +179,22 @@ def test_latest_naming_a_checkpoint_that_is_gone_falls_back_to_the_newest_one_th
         check_train_dir(gone, CONFIG, world=1, resume=True)
 
 
+def test_a_record_that_lost_its_last_rows_resumes_from_a_checkpoint_it_covers_or_is_refused(tmp_path):
+    from rlmm.resume import resume_point
+
+    run_dir = with_checkpoints(record(tmp_path / "run", steps=3), 3, 4)  # row 4 lost; the summary too
+    point = resume_point(run_dir)
+    assert point.checkpoint.name == "step-000003"
+    assert point.warnings == (f"{run_dir / 'steps.jsonl'} ends at step 3, before checkpoint "
+                              f"{run_dir / 'checkpoints' / 'step-000004'}: resuming from "
+                              f"{run_dir / 'checkpoints' / 'step-000003'}, which redoes the steps after it",)
+    (run_dir / "steps.jsonl").unlink()  # the record lost: a run resumed from step 3 would hold steps 4 on only
+    with pytest.raises(ResumeRefused, match=r"^train.resume: .*steps.jsonl holds no step, before every checkpoint "
+                                            r"\(the oldest: step-000003\): restore its rows, or remove .*checkpoints "
+                                            r"to redo the run from step 0, or give this run another hydra.run.dir$"):
+        check_train_dir(run_dir, CONFIG, world=1, resume=True)
+
+
 def test_a_checkpoint_prunes_only_older_ones_and_those_past_it(tmp_path):
     """The newest `keep` at or before the step just written stay; checkpoints past it (left from before a resume went
     back to an older one) go. Before: the newest `keep` by name stayed, so a checkpoint written after going back
