@@ -76,9 +76,9 @@ def what_the_record_holds(run_dir: Path, app: str) -> str:
     checkpoint, from which the same command resumes."""
     if app != "train":
         return "run the same command again once it is fixed"
-    from rlmm.records import read_steps
+    from rlmm.records import finished, read_steps
 
-    if (run_dir / "summary.json").exists():
+    if finished(run_dir):
         return f"the run finished: its record in {run_dir} is complete (summary.json); what came after it is missing"
     rows = read_steps(run_dir)
     if not rows:

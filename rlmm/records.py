@@ -93,6 +93,15 @@ class NullRecord:
         pass
 
 
+def finished(run_dir: str | Path) -> bool:
+    """Whether the run finished: its summary.json is there and reads (a torn one is a run to resume, for
+    `rlmm train` and `rlmm table` alike)."""
+    try:
+        return isinstance(json.loads((Path(run_dir) / "summary.json").read_text(encoding="utf-8")), dict)
+    except (OSError, ValueError):
+        return False
+
+
 def read_steps(run_dir: str | Path) -> list[dict]:
     """The record's rows of steps 0, 1, 2, ... up to its first damage (a torn last line is skipped)."""
     return read_record(run_dir)[0]
@@ -141,7 +150,7 @@ def read_record(run_dir: str | Path) -> tuple[list[dict], RecordDamage | None]:
         after = rows[-1]["step"] if rows else None
         expected = 0 if after is None else after + 1
         if not isinstance(row, dict) or "step" not in row:
-            if number == len(lines) and not (Path(run_dir) / "summary.json").exists():
+            if number == len(lines) and not finished(run_dir):
                 return rows, None  # the last line of a run killed while writing it: expected, not damage
             problem = "is torn or not JSON"
         elif row["step"] != expected:

@@ -28,7 +28,7 @@ import yaml
 
 from rlmm import checksums
 from rlmm.errors import ConfigError
-from rlmm.records import read_record
+from rlmm.records import finished, read_record
 
 # Dotted keys (and every key under them) a resumed run may set differently from the run it resumes: where it
 # logs, whether it resumes, how often it checkpoints; and `train.overlap`, whose records are the delay line's
@@ -225,7 +225,7 @@ def check_train_dir(run_dir: Path, config: dict, world: int, resume: bool) -> No
     if changed:
         raise ResumeRefused(f"train.resume: {run_dir} holds a run with other settings ({listed(changed)}): resume it "
                             f"with its own settings, or give this run another hydra.run.dir")
-    if (run_dir / "summary.json").exists():
+    if finished(run_dir):  # a torn summary.json is a run to resume (its summary written again)
         raise AlreadyFinished(f"rlmm: {run_dir} holds this run, finished (summary.json): nothing to do")
     point = resume_point(run_dir)
     if point.checkpoint is not None and point.state["world_size"] != world:

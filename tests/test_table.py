@@ -432,3 +432,39 @@ def test_a_torn_line_is_a_warning_naming_the_run_and_the_step_and_its_cells_are_
     assert f"| bf16 | 1 ok | {format_number(BASE['bf16', 'tis'] + 0.05)} (n=1) |" in md
     assert ("† 1: line 5 of steps.jsonl (after step 3) is torn or not JSON, it and the 1 line after it skipped; its "
             "values are those up to step 3.") in md
+
+
+def test_a_record_short_of_its_summary_a_repeated_row_and_a_probe_among_training_runs_are_not_counted_as_whole(
+        tmp_path):
+    """Issue 50, case 7: a run that "finished" with a record of one step (its steps.jsonl deleted before the
+    resume) was counted ok; a row written twice counted twice in the mean; a probe among training runs became a
+    row of the training table."""
+    train_run(tmp_path / "s" / "0", "bf16", "tis", 0)
+    train_run(tmp_path / "s" / "1", "bf16", "tis", 1)
+    short = tmp_path / "s" / "1" / "steps.jsonl"
+    short.write_text("".join(short.read_text().splitlines(keepends=True)[:2]))  # steps 0-1 of 5, summary.json there
+    train_run(tmp_path / "s" / "2", "fp16", "tis", 0)
+    twice = tmp_path / "s" / "2" / "steps.jsonl"
+    lines = twice.read_text().splitlines(keepends=True)
+    twice.write_text("".join([*lines[:3], lines[2], *lines[3:]]))  # step 2's row twice
+    runs = {run.name: run for run in table.read_runs(tmp_path / "s")}
+    assert (runs["1"].status, runs["1"].note) == ("incomplete", "its record ends at step 1 of 5 (summary.json)")
+    assert runs["2"].damage == "line 4 of steps.jsonl (after step 2) repeats step 2, it and the 3 lines after it skipped"
+    assert [row["step"] for row in runs["2"].history] == [0, 1, 2]
+    probe = tmp_path / "s" / "3"
+    probe.mkdir()
+    (probe / "probe.json").write_text(json.dumps({"sampler_vs_trainer": {"kl_k3": 1e-5}}))
+    with pytest.raises(table.TableError, match=r"^the sources hold 3 training runs and 1 probe \(3\): a table compares "
+                                               r"one kind; give each its own rlmm table$"):
+        table.read_runs(tmp_path / "s")
+
+
+def test_train_and_table_agree_that_a_truncated_summary_is_no_finished_run(tmp_path):
+    from rlmm.resume import check_train_dir
+
+    train_run(tmp_path / "run", "bf16", "tis", 0)
+    (tmp_path / "run" / "summary.json").write_text('{"steps": 5, "rew')
+    assert table.read_runs(tmp_path / "run")[0].status == "incomplete"
+    # not "nothing to do": the run resumes and writes its summary again
+    config = {"choices": {"precision": "bf16", "correction": "tis"}, "seed": 0}
+    check_train_dir(tmp_path / "run", config, world=1, resume=True)

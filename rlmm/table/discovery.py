@@ -9,7 +9,7 @@ import os
 import re
 from pathlib import Path
 
-from rlmm.records import read_steps_and_damage
+from rlmm.records import finished, read_steps_and_damage
 from rlmm.table.base import Run, TableError, is_number, number, set_status
 from rlmm.table.wandb_source import read_wandb
 
@@ -77,16 +77,14 @@ def read_local_run(run_dir: Path, name: str) -> Run:
     run.history, run.damage = read_steps_and_damage(run_dir)
     run.kind = "train" if run.history else ""
     run.steps = max((int(row.get("step", 0)) for row in run.history), default=0)
-    summary = run_dir / "summary.json"
-    complete = False
-    if summary.exists():
-        try:
-            record = json.loads(summary.read_text())
-            complete = True
-            run.values = {f"summary/{k}": number(v) for k, v in record.items() if is_number(v)}
-        except json.JSONDecodeError:
-            pass
-    return set_status(run, complete=complete)
+    if not finished(run_dir):  # no summary.json, or a torn one (`rlmm train` resumes such a run too)
+        return set_status(run, complete=False)
+    record = json.loads((run_dir / "summary.json").read_text())
+    run.values = {f"summary/{k}": number(v) for k, v in record.items() if is_number(v)}
+    steps = record.get("steps")
+    if not run.damage and isinstance(steps, int) and run.steps < steps:  # rows lost from its end: not whole
+        return set_status(run, complete=False, note=f"its record ends at step {run.steps} of {steps} (summary.json)")
+    return set_status(run, complete=True)
 
 
 def probe_values(record: dict) -> dict[str, float]:
@@ -161,4 +159,10 @@ def read_runs(sources: str | Path | list) -> list[Run]:
     dirs = list(dict.fromkeys(d.resolve() for d in dirs))
     root = Path(os.path.commonpath(dirs)) if len(dirs) > 1 else None
     runs += [read_local_run(d, d.relative_to(root).as_posix() if root else d.name) for d in dirs]
+    trained, probes = [r for r in runs if r.kind == "train"], [r for r in runs if r.kind == "probe"]
+    if trained and probes:  # their metrics differ in kind (per step vs one measurement): no row compares them
+        raise TableError(f"the sources hold {len(trained)} training run{'s' if len(trained) != 1 else ''} and "
+                         f"{len(probes)} probe{'s' if len(probes) != 1 else ''} ({', '.join(r.name for r in probes[:3])}"
+                         f"{', ...' if len(probes) > 3 else ''}): a table compares one kind; give each its own "
+                         f"rlmm table")
     return runs
