@@ -13,11 +13,14 @@ from typing import Any, Optional, get_type_hints
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
-from rlmm.samplers.base import SamplingOptions
+from rlmm.samplers import base
 
-# The `sampling:` node: SamplingOptions' fields but `support`, which the app builds from the `support=` group.
-SamplingNode = make_dataclass("SamplingOptions", [(f.name, get_type_hints(SamplingOptions)[f.name], field(default=MISSING))
-                                                  for f in fields(SamplingOptions) if f.name != "support"])
+# The schema of the `sampling:` node: rlmm.samplers.base.SamplingOptions' fields but `support`, which the app builds
+# from the `support=` group. A class of this module (a config holding it is pickled to a sampler process).
+SamplingOptions = make_dataclass("SamplingOptions", [(f.name, get_type_hints(base.SamplingOptions)[f.name],
+                                                      field(default=MISSING))
+                                                     for f in fields(base.SamplingOptions) if f.name != "support"])
+SamplingOptions.__module__ = __name__
 
 
 @dataclass
@@ -71,7 +74,7 @@ class ProbeConfig:
     support: Any = MISSING
     logger: Any = MISSING
     seed: int = MISSING
-    sampling: SamplingNode = MISSING
+    sampling: SamplingOptions = MISSING
     probe: ProbeOptions = field(default_factory=ProbeOptions)
 
 
@@ -126,7 +129,7 @@ class TrainConfig:
     support: Any = MISSING
     logger: Any = MISSING
     seed: int = MISSING
-    sampling: SamplingNode = MISSING
+    sampling: SamplingOptions = MISSING
     train: TrainOptions = field(default_factory=TrainOptions)
 
 
