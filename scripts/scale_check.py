@@ -16,7 +16,8 @@ figures per row.
 bf16_fp32head; `train`, 3 steps of `rlmm train` (DeepSpeed, bf16) and standalone vLLM on the same prompts;
 `sweep`, a 2-job sweep through the per-job process launcher; `routing`, routing replay on the shipped MoE model;
 `staleness`, benchmarks/staleness.py's step at staleness 0, 1 and 1 overlapped; `quantized`, `rlmm probe` with FP8 / INT8
-weights and an FP8 KV cache (decode vs prefill, the matching sampler.perturb). Figures: mismatch per precision, step time
+weights and an FP8 KV cache (decode vs prefill, the matching sampler.perturb); `truncation`, `rlmm probe` with top-p and
+top-k under each support (vLLM's sampling mask on CUDA). Figures: mismatch per precision, step time
 by stage, peak GPU memory (nvidia-smi, sampled), peak RSS, rlmm's generation tokens/s against standalone
 vLLM's. `--dry-run` runs them on the CPU with a tiny model of the same shape family (tied embeddings, a
 padded vocabulary), in a few minutes.
@@ -214,7 +215,7 @@ def cpu_check(args, out: Path) -> dict:
     return {"model": model, "rows": rows, "limit_gib": args.limit_gib}
 
 
-GPU_PARTS = ("probe", "train", "sweep", "routing", "staleness", "quantized")
+GPU_PARTS = ("probe", "train", "sweep", "routing", "staleness", "quantized", "truncation")
 # The quantized part's rollout modes (sampler.quantization, sampler.kv_cache_dtype): FP8 weights only on the GPU, the
 # dry run's tiny model having widths vLLM-CPU's FP8 kernel refuses (rlmm/samplers/quantize.py).
 QUANTIZED_MODES = {"gpu": [("fp8", "auto"), ("int8", "auto"), ("none", "fp8_e4m3"), ("fp8", "fp8_e4m3")],
@@ -253,6 +254,8 @@ def gpu_check(args, out: Path) -> dict:
         rows.append(staleness_step(args, out, work, prompts, samples, gpu))
     if "quantized" in parts:
         rows += quantized_rollouts(args, out, work, probe, gpu)
+    if "truncation" in parts:
+        rows += truncated_sampling(args, out, work, probe, gpu)
     return {"model": model, "dry_run": dry, "part": args.part,
             "workload": {"prompts": prompts, "samples": samples, "tokens": tokens}, "rows": rows}
 
@@ -347,6 +350,26 @@ def quantized_rollouts(args, out: Path, work: list[str], probe: list[str], gpu: 
             row.update(probe_figures(run_dir))
             row["decode_vs_prefill"] = {k: v for k, v in record["decode_vs_prefill"].items() if k != "position_profile"}
             row["matching_epsilon"] = record["real_vs_simulated"]["matching_epsilon"]
+        rows.append(row)
+    return rows
+
+
+def truncated_sampling(args, out: Path, work: list[str], probe: list[str], gpu: bool) -> list[dict]:
+    """The truncation part (issue 48): `rlmm probe` in bf16 with top-p 0.9 and top-k 50 under each support: the
+    sampler's kept sets (on CUDA vLLM's own sampling mask, `return_sampling_mask`; the dry run's vLLM-CPU lists
+    processed log-probs instead), the trainer's mass on them (log S), the share of sampled tokens outside the
+    trainer's own set, and what the kept sets cost a token at a 151,936-token vocabulary."""
+    rows = []
+    for support in ("sampler", "trainer", "full"):
+        name = f"probe-truncation-{support}"
+        run_dir = out / "runs" / name
+        row = run(name, rlmm("probe", *work, "precision=bf16", *probe, "sampling.top_p=0.9", "sampling.top_k=50",
+                             f"support={support}", f"hydra.run.dir={run_dir}"), out / "logs", None, gpu, args.timeout)
+        if "failed" not in row:
+            record = json.loads((run_dir / "probe.json").read_text())
+            row.update(probe_figures(run_dir))
+            row["support"] = record["support"]
+            row["kept_sets"] = record["precision"]["actual"]["sampler"]["engine"]["kept_sets"]
         rows.append(row)
     return rows
 

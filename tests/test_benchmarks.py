@@ -10,6 +10,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from benchmarks.common import WORKLOADS, forced_lengths
 from tests.conftest import subprocess_env
 
@@ -103,3 +105,24 @@ def test_quantized_rollouts_benchmark_counts_tokens_and_times_syncs(tmp_path):
     assert summary["int8"]["served_weight_mib"] < summary["bf16"]["served_weight_mib"]
     assert "sampler.quantization=fp8" in summary["fp8"]["refused"]
     assert all(summary[m]["sync_seconds"] > 0 for m in ("bf16", "int8"))
+
+
+@pytest.mark.slow  # two vLLM starts: ~1 min
+def test_kept_sets_benchmark_sizes_and_caps_the_sets(tmp_path):
+    """`benchmarks/kept_sets.py` at its smallest, on the built-in model: top-k 5 with at most 2 kept tokens listed
+    caps every position's set (the 2 most likely tokens and the sampled one: at most 3 ids, 4 bytes each, beside
+    the offsets and the capped flag); top-p 0.9 keeps whole sets below the cap of 512."""
+    out = tmp_path / "kept.json"
+    for spec, max_kept in (("top_k=5", 2), ("top_p=0.9", 512)):
+        result = subprocess.run([sys.executable, "-m", "benchmarks.kept_sets", "--model", "builtin", "--rows", "4",
+                                 "--new-tokens", "4", "--repeats", "1", "--truncations", spec, "--max-kept",
+                                 str(max_kept), "--out", str(out)], capture_output=True, text=True, timeout=600,
+                                env=subprocess_env())
+        assert result.returncode == 0, result.stderr[-3000:]
+        row = json.loads(out.read_text())["rows"][0]
+        assert row["vocab"] == 100 and row["tokens"] > 0 and row["tokens_per_second_not_listed"] > 0
+        if spec == "top_k=5":
+            assert row["frac_capped"] == 1 and 2 <= row["kept_size_max"] <= 3
+            assert row["kept_bytes_per_token"] <= 3 * 4 + 8 + 1
+        else:
+            assert row["frac_capped"] == 0 and row["kept_size_mean"] >= 1

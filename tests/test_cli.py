@@ -19,6 +19,16 @@ CASES = [
     (["model=hf"], "model=hf: missing required key(s) path"),
     (["precision.sampler_dtype=fp8"], "precision.sampler_dtype: unknown precision 'fp8' (allowed: fp32, bf16, fp16)"),
     (["sampling.temprature=0.7"], "Key 'temprature' not in 'SamplingOptions'"),
+    (["sampling.top_p=1.5"], "sampling.top_p: must be in (0, 1], got 1.5"),
+    (["sampling.top_k=-1"], "sampling.top_k: must be >= 0 (0 = off), got -1"),
+    (["sampling.top_k=101"], "sampling.top_k: 101 is more than the model's vocabulary of 100 tokens (allowed: 0 = off, "
+                             "or 1 to 100)"),
+    (["sampling.top_p=0.9", "sampling.logprobs=raw"],
+     "support=sampler: it sets the tokens the trainer's processed log-probs are normalised over, but "
+     "sampling.logprobs=raw scores the untruncated distribution on both sides (with raw: support=full; or "
+     "sampling.logprobs=processed)"),
+    (["support=nucleus"], "unknown support 'nucleus' (allowed: full, sampler, trainer)"),
+    (["support.max_kept=0"], "support.max_kept: a count of tokens >= 1, got 0"),
     (["sampler.kv_cache=2"], "(allowed: batch_invariant, kv_cache_gb,"),
     (["sampler.quantization=int4"], "sampler.quantization: unknown mode 'int4' (allowed: none, int8, fp8)"),
     (["-m", "sampler.kv_cache_dtype=auto,fp8"],

