@@ -135,10 +135,10 @@ def run_shortened(name, combinations, tmp_path, small_model_path, tiny_cache):
 # tests/test_vllm_precision.py), sampler.perturb with TIS (the perturb tests below, tests/test_train.py), the
 # collapse monitor (tests/test_monitor.py), the probe with both attributions (tests/test_probe.py), the train-time
 # attribution (tests/test_attribution.py), bf16 rollouts with no correction (quantized_rollouts' first arm: the
-# default run, tests/test_train.py).
+# default run, tests/test_train.py), top-p with the sampler's kept set (tests/test_support.py's rlmm train run).
 SHORTENED_ONLY_IN_SLOW = {"batch_invariance", "batch_invariance_wide", "fp16_vs_bf16", "fp32_head", "length_growth",
                           "trainer_backends", "tis_under_mismatch", "collapse_warning", "attribution",
-                          "attribution_training", "quantized_rollouts"}
+                          "attribution_training", "quantized_rollouts", "sampling_truncation"}
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SHORTENED_ONLY_IN_SLOW else n
