@@ -72,16 +72,15 @@ class TokenSupport:
 
 
 class SamplerSupport(TokenSupport):
-    """Keep Sampling Mask (DeepSeek-V3.2, §3.1): the trainer normalises over the sampler's kept set."""
+    """Keep Sampling Mask (DeepSeek-V3.2, §3.1): the trainer normalises over the sampler's kept set. Rollouts that
+    carry none though sampling truncates (greedy answers, which `train.attribution` scores) are normalised over the
+    trainer's own set and the token, as `support=trainer`."""
 
     needs_kept_tokens = True
 
     def restrict(self, z, tokens, kept, options):
         if kept is None:
-            if options.truncates:
-                raise ValueError("support=sampler: the rollouts carry no kept set though the sampler truncates "
-                                 "(top-k / top-p): a sampler must return Rollouts.kept_tokens")
-            return z
+            return own_set(z, tokens, options)
         return z.masked_fill(~with_sampled(kept, tokens), float("-inf"))
 
 
@@ -89,9 +88,7 @@ class TrainerSupport(TokenSupport):
     """The trainer's own top-k / top-p set from its own logits, and the sampled token."""
 
     def restrict(self, z, tokens, kept, options):
-        if not options.truncates:
-            return z
-        return z.masked_fill(~with_sampled(kept_by_truncation(z, options), tokens), float("-inf"))
+        return own_set(z, tokens, options)
 
 
 class FullSupport(TokenSupport):
@@ -102,6 +99,13 @@ class FullSupport(TokenSupport):
 
     def restrict(self, z, tokens, kept, options):
         return z
+
+
+def own_set(z: torch.Tensor, tokens: torch.Tensor, options) -> torch.Tensor:
+    """`z` with -inf outside the trainer's own top-k / top-p set and the sampled `tokens`."""
+    if not options.truncates:
+        return z
+    return z.masked_fill(~with_sampled(kept_by_truncation(z, options), tokens), float("-inf"))
 
 
 def with_sampled(kept: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:

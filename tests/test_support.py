@@ -79,13 +79,14 @@ LOGITS = torch.tensor([[math.log(0.1), math.log(0.2), math.log(0.3), math.log(0.
     ("sampler", 1, [1, 2], math.log(0.2 / 0.5)),  # the sampler kept {1, 2} (its boundary elsewhere)
     ("trainer", 1, [1, 2], math.log(0.2 / 0.9)),  # its own {2, 3} and the sampled 1
     ("trainer", 3, [3], math.log(0.4 / 0.7)),
+    ("sampler", 1, None, math.log(0.2 / 0.9)),  # rollouts with no kept set (greedy answers): the trainer's own
     ("full", 1, [1, 2], math.log(0.2)),
 ])
 def test_each_support_normalises_over_its_set(name, token, kept, expected):
     options = sampling(top_p=0.5, support=support(name))
-    sets = KeptTokens.of_sets([kept], [False])
-    z = options.support.restrict(LOGITS.clone(), torch.tensor([token]),
-                                 sets.mask(0, 1, 4) if options.support.needs_kept_tokens else None, options)
+    masks = None if kept is None or not options.support.needs_kept_tokens else \
+        KeptTokens.of_sets([kept], [False]).mask(0, 1, 4)
+    z = options.support.restrict(LOGITS.clone(), torch.tensor([token]), masks, options)
     got = (z[0, token] - z.logsumexp(-1)[0]).item()
     assert got == pytest.approx(expected, abs=1e-6)
 
