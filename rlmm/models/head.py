@@ -82,14 +82,12 @@ class OutputHead(nn.Module):
         rows, length = index.shape
         chosen = hidden.gather(1, index[..., None].expand(-1, -1, hidden.size(-1)))  # [b, T, H]
         flat_hidden, flat_tokens = chosen.reshape(rows * length, -1), tokens.reshape(-1)
-        support = options.support if options.logprobs == "processed" else None  # raw: no support (rlmm/support.py)
-        kept = kept if support is not None else None
-        vocab = self.weight.size(0)
+        kept = kept if options.logprobs == "processed" else None  # raw log-probs: no support (rlmm/support.py)
         chunks = []
         for start in range(0, rows * length, self.chunk_size):
             end = min(start + self.chunk_size, rows * length)
-            masks = None if kept is None or not support.needs_kept_tokens else \
-                kept.mask(start, end, vocab, device=hidden.device)
+            masks = kept.mask(start, end, self.weight.size(0), device=hidden.device) \
+                if kept is not None and options.support.needs_kept_tokens else None
             args = (flat_hidden[start:end], flat_tokens[start:end], masks)
             if torch.is_grad_enabled() and flat_hidden.requires_grad:
                 chunks.append(checkpoint(self._score, *args, options, entropy, use_reentrant=False))
@@ -124,10 +122,10 @@ class OutputHead(nn.Module):
         normalizer = logits.logsumexp(-1)
         logprobs = logits.gather(-1, tokens[:, None])[:, 0] - normalizer
         if entropy:
-            # H = logsumexp(z) - Σ_v p_v z_v over the kept tokens. Not Σ entr(p): where top-k/top-p set
+            # H = logsumexp(z) - Σ_v p_v z_v over the support. Not Σ entr(p): where the support sets
             # z_v = -inf, p_v = 0 and entr'(0) = inf, so its gradient is inf x 0 = NaN.
-            kept = torch.where(torch.isfinite(logits), logits, 0.0)
-            ent = normalizer - ((logits - normalizer[:, None]).exp() * kept).sum(-1)
+            finite = torch.where(torch.isfinite(logits), logits, 0.0)
+            ent = normalizer - ((logits - normalizer[:, None]).exp() * finite).sum(-1)
         else:
             ent = torch.zeros_like(logprobs)
         return torch.stack([logprobs, ent], -1)
