@@ -202,6 +202,10 @@ MUTANTS = [
     Mutant("trainer_states_rows_reversed", "the trainer's states of a micro-batch are filed under its rows in reverse",
            [("rlmm/layer_attribution.py", "zip(batch.rows, batch.per_row(", "zip(batch.rows[::-1], batch.per_row(")],
            tests=("tests/test_layer_attribution.py",)),
+    Mutant("dppo_tv_anchored_on_the_sampler", "correction=dppo_tv measures the probability move from mu, not pi_old",
+           [("rlmm/corrections/dppo_tv.py", "micro.trainer_logprobs.to(torch.float64), self.eps",
+             "micro.sampler_logprobs.to(torch.float64), self.eps")],
+           tests=("tests/test_corrections_anchors.py",)),
 ]
 
 

@@ -51,18 +51,24 @@ class TVTrustRegion(Correction):
         return finish(old_logprobs=batch.sampler_logprobs, weights=torch.ones_like(delta), keep=m, delta=delta, mask=m)
 
     def in_update(self, micro: MicroBatchView) -> InUpdate:
-        m = micro.mask
-        mu = micro.sampler_logprobs.to(torch.float64)
-        moved = torch.where(m, micro.logprobs.detach().to(torch.float64).exp() - mu.exp(), 0.0)
-        positive = micro.advantages > 0
-        high = m & positive & (moved > self.eps)
-        low = m & ~positive & (moved < -self.eps)
-        tokens = float(m.sum())
-        penalty = functools.partial(squared_log_ratio, micro.sampler_logprobs, m, self.kl_coef) if self.kl_coef \
-            else None
-        return InUpdate(weights=torch.ones_like(micro.weights), mask=m & ~(high | low), penalty=penalty, counts={
-            "frac_tokens_dropped": (float((high | low).sum()), tokens),
-            "frac_dropped_high": (float(high.sum()), tokens), "frac_dropped_low": (float(low.sum()), tokens)})
+        penalty = functools.partial(squared_log_ratio, micro.sampler_logprobs, micro.mask, self.kl_coef) \
+            if self.kl_coef else None
+        return tv_region(micro, micro.sampler_logprobs, self.eps, penalty)
+
+
+def tv_region(micro: MicroBatchView, anchor: torch.Tensor, eps: float, penalty) -> InUpdate:
+    """DPPO's binary TV mask around `anchor` (log-probs: mu for tv_trust, pi_old for dppo_tv): drop t if A_t > 0 and
+    pi_theta - p_anchor > eps, or A_t <= 0 and pi_theta - p_anchor < -eps (probabilities, float64), with the counts
+    both classes log."""
+    m = micro.mask
+    moved = torch.where(m, micro.logprobs.detach().to(torch.float64).exp() - anchor.to(torch.float64).exp(), 0.0)
+    positive = micro.advantages > 0
+    high = m & positive & (moved > eps)
+    low = m & ~positive & (moved < -eps)
+    tokens = float(m.sum())
+    return InUpdate(weights=torch.ones_like(micro.weights), mask=m & ~(high | low), penalty=penalty, counts={
+        "frac_tokens_dropped": (float((high | low).sum()), tokens),
+        "frac_dropped_high": (float(high.sum()), tokens), "frac_dropped_low": (float(low.sum()), tokens)})
 
 
 def squared_log_ratio(anchor: torch.Tensor, mask: torch.Tensor, coef: float, logprobs: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,90 @@
+"""Issue 49's variants against the anchors' own code: each figure below was computed by running the anchor's function
+(read from the commit named in the test's docstring with git, loaded by name and run outside rlmm in a scratch folder
+with the project's venv, its framework imports stubbed) on the batch below, and is stored here as a fixture; none of
+the anchors' code is in the project. The batch goes through the step's own path: `OldPolicy.score` (the batch stage),
+`in_update`, the step's divisor and `algo.policy_loss` with the arguments `rl_update` gives it."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlmm.algos.grpo import GRPO
+from rlmm.corrections.dppo_tv import ProximalTVTrustRegion
+from rlmm.corrections.tv_trust import TVTrustRegion
+
+# Probabilities; rows 2 and 3 are padded after two tokens (the padding's values are finite, as the anchors need).
+OLD = [[0.05, 0.5, 0.3, 0.9], [0.6, 0.2, 0.4, 0.7], [0.5, 0.1, 0.5, 0.5], [0.5, 0.3, 0.5, 0.5]]  # pi_old (trainer)
+MU = [[0.04, 0.55, 0.1, 0.88], [0.62, 0.25, 0.38, 0.7], [0.45, 0.12, 0.5, 0.5], [0.5, 0.28, 0.5, 0.5]]  # mu (sampler)
+THETA = [[0.2, 0.8, 0.35, 0.95], [0.3, 0.1, 0.45, 0.75], [0.2, 0.12, 0.5, 0.5], [0.25, 0.3, 0.5, 0.5]]  # pi_theta
+ADV = [1.0, -0.5, -1.0, 0.0]
+MASK = [[1, 1, 1, 1], [1, 1, 1, 1], [1, 1, 0, 0], [1, 1, 0, 0]]
+
+
+def batch():
+    lp = lambda p: torch.tensor(p, dtype=torch.float64).log()  # noqa: E731
+    return (lp(OLD), lp(MU), lp(THETA), torch.tensor(ADV, dtype=torch.float64)[:, None].expand(4, 4).clone(),
+            torch.tensor(MASK, dtype=torch.bool))
+
+
+def algo(objective="clip", clip_low=0.2, clip_high=0.2, dual_clip=None, aggregation="token", count_rejected=False):
+    return GRPO(group_size=2, normalize_std=True, clip_low=clip_low, clip_high=clip_high, loss_aggregation=aggregation,
+                kl_coef=0.0, kl_estimator="k3", entropy_coef=0.0, objective=objective, dual_clip=dual_clip,
+                count_rejected=count_rejected, epochs=1, minibatches=1)
+
+
+def step_loss(correction, algorithm, old=None, mu=None, theta=None, advantages=None, mask=None):
+    """The loss, d loss / d log pi_theta on the response tokens, the loss's metrics and the correction's (both
+    places) of one micro-batch holding the whole batch, as `rl_update` builds them."""
+    from rlmm.step import InUpdateCounts, OldPolicy, loss_normalizer_over_ranks
+
+    b_old, b_mu, b_theta, b_adv, b_mask = batch()
+    old, mu, theta = (b_old if old is None else old), (b_mu if mu is None else mu), (b_theta if theta is None else theta)
+    advantages, mask = (b_adv if advantages is None else advantages), (b_mask if mask is None else mask)
+    rows = list(range(mask.size(0)))
+    scored = OldPolicy.score(old, mu, mask, advantages, torch.ones(mask.size(0)), correction, ratio_cap=2.0,
+                             also_checked={})
+    normalizer = loss_normalizer_over_ranks(algorithm, scored.mask[rows], mask[rows], max_length=mask.size(1))
+    logprobs = theta.clone().requires_grad_()
+    view = scored.micro_batch(rows, logprobs)
+    fix = correction.in_update(view)
+    counts = InUpdateCounts()
+    counts.add(fix.counts)
+    loss, metrics = algorithm.policy_loss(logprobs, view.old_logprobs, view.advantages, view.mask & fix.mask,
+                                          view.weights * fix.weights, max_length=mask.size(1), normalizer=normalizer,
+                                          penalty=fix.penalty)
+    (grad,) = torch.autograd.grad(loss, logprobs)
+    return loss.item(), grad[mask].tolist(), metrics, scored.correction_metrics | counts.over_ranks()
+
+
+# ---------------------------------------------------------------- DPPO's TV trust region, both anchors
+
+# verl's compute_policy_loss_dppo_tv (verl-project/verl 1dda039b9c6311889a9c9a26040677e1254814f9,
+# verl/trainer/ppo/core_algos.py) with clip_ratio 0.2, clip_ratio_c 3.0, token-mean, on the batch above: loss,
+# d loss / d log_prob on the response tokens (row-major), pg_clipfrac, pg_clipfrac_lower.
+VERL_DPPO_TV = {
+    "pi_old": (0.1986675538308491, [-0.25, 0.0, -0.09722222222222222, -0.08796296296296297, 0.0, 0.020833333333333336,
+                                    0.046875, 0.04464285714285715, 0.0, 0.09999999999999998, 0.0, 0.0],
+               0.3333333330555555, 0.08333333326388888),
+    "mu": (0.1396658849791003, [-0.25, 0.0, 0.0, -0.08996212121212122, 0.0, 0.01666666666666667,
+                                0.04934210526315789, 0.04464285714285715, 0.0, 0.08333333333333333, 0.0, 0.0],
+           0.41666666631944443, 0.08333333326388888),
+}
+
+
+@pytest.mark.parametrize("anchor", ["pi_old", "mu"])
+def test_dppo_tv_is_verls_loss_with_either_anchor(anchor):
+    """verl's DPPO-Binary-TV with old = pi_old (decoupled mode) is ``correction=dppo_tv``, with old = mu (bypass mode)
+    ``correction=tv_trust correction.kl_coef=0`` (prime-rl's sampler anchor, without its penalty); both with
+    ``algo=cispo algo.clip_low=1 algo.clip_high=2``: verl's truncated weight sg(min(r, c)) at c = 3 is CISPO's over
+    [0, c]. Figures: verl-project/verl at 1dda039b9c6311889a9c9a26040677e1254814f9 (VERL_DPPO_TV). Token 0 of row 0
+    has r = 4 > c (weight 3, kept: it moved 0.15 <= eps); four tokens leave the region (one high, three low, one of
+    them with A = 0). Token 2 of row 0 moved 0.05 from pi_old and 0.25 from mu: the sampler's region drops it,
+    the trainer's keeps it."""
+    correction = ProximalTVTrustRegion(eps=0.2) if anchor == "pi_old" else TVTrustRegion(eps=0.2, kl_coef=0.0)
+    loss, grad, metrics, fixes = step_loss(correction, algo("cispo", clip_low=1.0, clip_high=2.0))
+    want_loss, want_grad, clipfrac, clipfrac_lower = VERL_DPPO_TV[anchor]
+    assert loss == pytest.approx(want_loss, rel=1e-9)
+    assert grad == pytest.approx(want_grad, rel=1e-9, abs=1e-15)
+    assert fixes["frac_tokens_dropped"] == pytest.approx(clipfrac, rel=1e-7)  # verl's pg_clipfrac
+    # verl's pg_clipfrac_lower, the truncated share of the response tokens; rlmm's clipfrac_high is of the kept ones
+    assert metrics["clipfrac_high"] * metrics["num_tokens"] / 12 == pytest.approx(clipfrac_lower, rel=1e-7)
