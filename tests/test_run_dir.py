@@ -150,6 +150,8 @@ def test_a_damaged_middle_row_resumes_from_the_checkpoint_before_it_or_is_refuse
     point = resume_point(run_dir)
     assert point.checkpoint.name == "step-000001"
     assert point.warnings[0].startswith(f"line 4 of {run_dir / 'steps.jsonl'} (after step 2) repeats step 2: ")
+    shutil.rmtree(run_dir / "checkpoints" / "step-000004")  # a kill while writing row 4 comes before its checkpoint
+    (run_dir / "checkpoints" / "latest").write_text("step-000003")
     rows_with(run_dir, [*whole[:4], whole[4][:9]])  # the last line torn, as a kill mid-write leaves it: no damage
     point = resume_point(run_dir)
     assert point.checkpoint.name == "step-000003" and point.warnings == ()
