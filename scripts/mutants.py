@@ -206,6 +206,10 @@ MUTANTS = [
            [("rlmm/corrections/dppo_tv.py", "micro.trainer_logprobs.to(torch.float64), self.eps",
              "micro.sampler_logprobs.to(torch.float64), self.eps")],
            tests=("tests/test_corrections_anchors.py",)),
+    Mutant("cispo_cap_never_below_one", "CISPO's weight is never capped below 1 (TRL's absolute cap 0.2 is ignored)",
+           [("rlmm/algos/surrogate.py", "return -ratio.detach().clamp(1 - clip_low, 1 + clip_high) * advantages",
+             "return -ratio.detach().clamp(1 - clip_low, max(1 + clip_high, 1.0)) * advantages")],
+           tests=("tests/test_corrections_anchors.py",)),
 ]
 
 

@@ -88,3 +88,49 @@ def test_dppo_tv_is_verls_loss_with_either_anchor(anchor):
     assert fixes["frac_tokens_dropped"] == pytest.approx(clipfrac, rel=1e-7)  # verl's pg_clipfrac
     # verl's pg_clipfrac_lower, the truncated share of the response tokens; rlmm's clipfrac_high is of the kept ones
     assert metrics["clipfrac_high"] * metrics["num_tokens"] / 12 == pytest.approx(clipfrac_lower, rel=1e-7)
+
+
+# ---------------------------------------------------------------- CISPO's absolute cap, as TRL writes it
+
+# TRL's GRPOTrainer._compute_loss with loss_type "cispo" (huggingface/trl f2cd57710ae345ea6428ae95363267fcf38a3dc8,
+# trl/trainer/grpo_trainer.py; its model forward stubbed to return pi_theta, old_per_token_logps pi_old,
+# num_items_in_batch the 12 response tokens) at epsilon_high 0.2 (TRL's default: epsilon_high = epsilon) and 0.9:
+# loss, d loss / d log pi_theta on the response tokens, cispo_clip_ratio.
+TRL_CISPO = {
+    0.2: (-0.05153963998324033, [-1 / 60] * 4 + [1 / 120] * 4 + [1 / 60, 1 / 60, 0.0, 0.0], 1 / 3),
+    0.9: (-0.1064258352844943, [-0.075] * 4 + [0.02083333333333333, 0.020833333333333336, 0.0375, 0.0375,
+                                                0.03333333333333333, 0.075, 0.0, 0.0], 1 / 3),
+}
+
+
+@pytest.mark.parametrize("epsilon_high", sorted(TRL_CISPO))
+def test_cispo_with_trls_absolute_cap_below_one(epsilon_high):
+    """TRL's CISPO weights a token by sg(min(r, epsilon_high)), an absolute cap that may be below 1 (TRL's default
+    0.2): rlmm's CISPO weight is sg(clip(r, 1 - clip_low, 1 + clip_high)), so TRL's cap is ``algo=cispo
+    algo.clip_low=1 algo.clip_high=<epsilon_high - 1>`` (-0.8 for TRL's default), which rlmm refused before issue 49.
+    Figures: TRL at f2cd57710ae345ea6428ae95363267fcf38a3dc8 (TRL_CISPO). TRL's ``cispo_clip_ratio`` counts the
+    capped tokens with A > 0 only (rlmm's clipfrac_high counts every capped token)."""
+    from rlmm.corrections.none import NoCorrection
+
+    old, _, theta, advantages, mask = batch()
+    loss, grad, metrics, _ = step_loss(NoCorrection(), algo("cispo", clip_low=1.0, clip_high=epsilon_high - 1.0))
+    want_loss, want_grad, clip_ratio = TRL_CISPO[epsilon_high]
+    assert loss == pytest.approx(want_loss, rel=1e-9)
+    assert grad == pytest.approx(want_grad, rel=1e-9, abs=1e-15)
+    r = (theta - old).exp()
+    assert ((r > epsilon_high) & mask & (advantages > 0)).sum().item() / 12 == pytest.approx(clip_ratio)
+    assert metrics["clipfrac_high"] == pytest.approx(((r > epsilon_high) & mask).sum().item() / 12)
+
+
+@pytest.mark.parametrize(("clip_low", "clip_high", "message"), [
+    (1.0, -1.0, "algo.clip_high: CISPO's cap 1 + clip_high must be > 0, got clip_high -1.0"),
+    (0.2, -0.5, "algo.clip_high: CISPO's range [1 - clip_low, 1 + clip_high] is empty: [0.8, 0.5]"),
+])
+def test_cispo_refuses_a_cap_that_is_no_range(clip_low, clip_high, message):
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]").replace("+", r"\+")):
+        algo("cispo", clip_low=clip_low, clip_high=clip_high)
+
+
+def test_the_clipped_surrogate_still_refuses_clip_high_at_or_below_zero():
+    with pytest.raises(ValueError, match="algo.clip_high: must be > 0, got -0.8"):
+        algo("clip", clip_high=-0.8)

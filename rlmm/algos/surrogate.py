@@ -66,7 +66,10 @@ def cispo_surrogate(logprobs: Tensor, ratio: Tensor, advantages: Tensor, clip_lo
         pg_t = -sg(clip(ratio_t, 1 - clip_low, 1 + clip_high)) * A_t * log pi_theta(y_t),
 
     so the clip bounds a token's weight but never removes its gradient (PPO's clip zeroes it). Its gradient is
-    -sg(clip(r)) * A * grad log pi, which at r inside the range is PPO's. `clip_low` 1 is no lower bound."""
+    -sg(clip(r)) * A * grad log pi, which at r inside the range is PPO's. `clip_low` 1 is no lower bound. The cap
+    1 + clip_high may be below 1 (clip_high in (-1, 0]): TRL's CISPO caps at an absolute epsilon_high, 0.2 by
+    default (`GRPOTrainer._compute_loss`: ``clamp(coef_1, max=epsilon_high)``), here ``clip_low 1, clip_high
+    epsilon_high - 1``."""
     return -ratio.detach().clamp(1 - clip_low, 1 + clip_high) * advantages * logprobs
 
 
@@ -80,7 +83,8 @@ class SurrogateLoss:
 
     Args:
         clip_low: epsilon_low; ratios below 1 - clip_low stop pushing down tokens with A < 0.
-        clip_high: epsilon_high; ratios above 1 + clip_high stop pushing up tokens with A > 0.
+        clip_high: epsilon_high; ratios above 1 + clip_high stop pushing up tokens with A > 0 (> 0; with CISPO the
+            weight's cap 1 + clip_high, > 0 and at least 1 - clip_low, so TRL's absolute cap below 1 is spelled).
         loss_aggregation: "token", "sequence" or "constant" (rlmm/algos/grpo.py's docstring).
         kl_coef: weight of the KL penalty to the reference policy; 0 turns it off.
         kl_estimator: "k1", "k2" or "k3" (rlmm/kl.py), per token, of KL(pi_theta || pi_ref).
@@ -111,7 +115,13 @@ class SurrogateLoss:
         if dual_clip is not None and objective != "clip":
             raise ValueError(f"algo.dual_clip: PPO's dual clip bounds the clipped surrogate; objective "
                              f"'{objective}' has none (set algo.dual_clip=null)")
-        if not clip_high > 0:
+        if objective == "cispo":  # a cap on a weight, not a clip range around 1: TRL's absolute cap may be below 1
+            if not 1 + clip_high > 0:
+                raise ValueError(f"algo.clip_high: CISPO's cap 1 + clip_high must be > 0, got clip_high {clip_high}")
+            if not 1 - clip_low <= 1 + clip_high:
+                raise ValueError(f"algo.clip_high: CISPO's range [1 - clip_low, 1 + clip_high] is empty: "
+                                 f"[{1 - clip_low:g}, {1 + clip_high:g}]")
+        elif not clip_high > 0:
             raise ValueError(f"algo.clip_high: must be > 0, got {clip_high}")
         if loss_aggregation not in AGGREGATIONS:
             raise ValueError(
