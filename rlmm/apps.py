@@ -4,6 +4,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import signal
 import sys
 from contextlib import ExitStack
 from pathlib import Path
@@ -239,6 +240,10 @@ def run_app(command: str, config_name: str) -> None:
         except AlreadyFinished as finished:  # nothing to do, nothing touched; in a sweep, the next job's turn
             print(finished, flush=True)
             return FINISHED_JOB
+        except KeyboardInterrupt:  # Ctrl-C before the training loop, or twice in it (rlmm/preemption.py)
+            run_dir = Path(HydraConfig.get().runtime.output_dir)
+            end(f"rlmm: interrupted (SIGINT): {what_the_record_holds(run_dir, command)}", 128 + signal.SIGINT,
+                submitted, touch_run_dir=False)
         except Exception as err:
             if isinstance(err, RunStopped):  # the run stopped itself: not a bug
                 end(f"rlmm: stopped: {err}", 3, submitted)

@@ -6,13 +6,18 @@ handler; other setups use SIGUSR1). A handler that runs in the middle of an opti
 checkpoint safely, so ours only records the signal; the training loop checks `requested` after each
 step, writes a checkpoint, and calls `hand_over()`, which runs the handler that was installed before
 ours (submitit's requeue) or, when there was none, exits with the conventional 128 + signal number.
+
+SIGINT (Ctrl-C in the run's terminal) is one of them: the run checkpoints at the end of its step and exits 130,
+where Python's own handler would raise KeyboardInterrupt wherever the run stood (a traceback, no checkpoint). A
+second Ctrl-C before that does what Ctrl-C always did: KeyboardInterrupt at once (rlmm/apps.py says it in one
+line), for a user who will not wait for the step to end.
 """
 from __future__ import annotations
 
 import signal
 import sys
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT)
 
 
 class StopSignals:
@@ -31,6 +36,8 @@ class StopSignals:
             signal.signal(signum, handler)
 
     def _record(self, signum, frame) -> None:
+        if signum == signal.SIGINT and self.received == signal.SIGINT:
+            raise KeyboardInterrupt  # Ctrl-C twice: stop now, without the checkpoint
         if self.received is None:
             self.received = signum
 
@@ -47,6 +54,6 @@ class StopSignals:
         if signum is None:
             sys.exit(128 + signal.SIGTERM)
         previous = self._previous.get(signum)
-        if callable(previous):
+        if callable(previous) and previous is not signal.default_int_handler:  # Python's raises KeyboardInterrupt
             previous(signum, None)
         sys.exit(128 + signum)

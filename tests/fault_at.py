@@ -5,6 +5,7 @@ At the N-th time (1-based) the run reaches POINT, ACTION happens:
     fill  fill the file system of $RLMM_FAULT_FILLER (a file outside the run directory) to the last byte,
           then go on: the run's next write meets a full disk
     remove_run_dir  remove the run directory (hydra.run.dir) and all in it, then go on (a user's rm -r, a cleanup)
+    sigint  send this process SIGINT (Ctrl-C in its terminal), then go on
 
 POINT (the function whose N-th call it is):
     sampling        entering rlmm.step.sample_groups (the sampler generating a step's rollouts)
@@ -50,13 +51,15 @@ def fault(*_, **__) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
     elif ACTION == "fill":
         fill_disk()
+    elif ACTION == "sigint":
+        os.kill(os.getpid(), signal.SIGINT)
     elif ACTION == "remove_run_dir":
         import shutil
 
         run_dir = [arg.split("=", 1)[1] for arg in sys.argv if arg.startswith("hydra.run.dir=")][-1]
         shutil.rmtree(run_dir)
     else:
-        raise SystemExit(f"fault_at: unknown action {ACTION!r} (kill, fill, remove_run_dir)")
+        raise SystemExit(f"fault_at: unknown action {ACTION!r} (kill, fill, remove_run_dir, sigint)")
 
 
 def reached() -> bool:

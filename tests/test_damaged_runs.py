@@ -184,3 +184,15 @@ def test_the_summary_of_a_record_missing_a_step_the_run_logged_names_it(tmp_path
     with pytest.raises(MachineFault, match=rf"^{tmp_path / 'steps.jsonl'} holds steps 0-3, not every step to 4 this "
                                            rf"run logged \(its run directory removed or changed while it ran\?\)$"):
         summarize(TrainingHistory.read(tmp_path), {}, {}, SimpleNamespace(steps=4), 1, 1.0, 1)
+
+
+def test_ctrl_c_checkpoints_and_exits_130_then_the_same_command_resumes(straight, tmp_path):
+    """The issue's case 8: Ctrl-C (SIGINT) gave a 63-line traceback and no checkpoint, where SIGTERM checkpoints.
+    Here it lands after step 1's row (no checkpoint every step: the one it makes is the only one)."""
+    run_dir = tmp_path / "run"
+    interrupted = rlmm(run_dir, "train.checkpoint_every=0", fault=("sigint", "record_written", 2))
+    output = interrupted.stdout + interrupted.stderr
+    assert interrupted.returncode == 130, output[-3000:]
+    assert "Traceback" not in output and "KeyboardInterrupt" not in output, output[-3000:]
+    assert f"stop signal 2 at step 1: checkpoint in {run_dir / 'checkpoints' / 'step-000001'}" in output, output
+    assert_resumes_to_the_straight_records(run_dir, straight, f"resuming from {run_dir / 'checkpoints' / 'step-000001'}")

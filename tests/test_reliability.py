@@ -99,6 +99,25 @@ def test_a_rank_that_stops_for_another_ranks_signal_exits_as_for_sigterm():
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL or callable(signal.getsignal(signal.SIGTERM))
 
 
+def test_ctrl_c_is_a_stop_signal_and_twice_stops_at_once():
+    """SIGINT is recorded like SIGTERM (the loop checkpoints at the end of its step), and handing it over exits 130
+    without Python's handler, which would raise KeyboardInterrupt; a second one raises it at once."""
+    import os
+    import signal
+
+    from rlmm.preemption import StopSignals
+
+    with pytest.raises(SystemExit) as exited:
+        with StopSignals() as stop:
+            os.kill(os.getpid(), signal.SIGINT)
+            assert stop.received == signal.SIGINT
+            with pytest.raises(KeyboardInterrupt):
+                os.kill(os.getpid(), signal.SIGINT)
+            stop.hand_over()
+    assert exited.value.code == 128 + signal.SIGINT
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
 def test_sigterm_right_after_step_zero_still_checkpoints(small_model_path, tmp_path):
     """The signal lands the instant step 0's evaluation is recorded, before the first training step
     (in CI the default handler was still in place there and the process died without a checkpoint)."""
