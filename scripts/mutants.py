@@ -210,6 +210,10 @@ MUTANTS = [
            [("rlmm/algos/surrogate.py", "return -ratio.detach().clamp(1 - clip_low, 1 + clip_high) * advantages",
              "return -ratio.detach().clamp(1 - clip_low, max(1 + clip_high, 1.0)) * advantages")],
            tests=("tests/test_corrections_anchors.py",)),
+    Mutant("bypass_is_reads_pi_old", "correction=bypass_is weighs and rejects on pi_old / mu, not pi_theta / mu",
+           [("rlmm/corrections/on_current_policy.py", "BatchView(trainer_logprobs=micro.logprobs.detach(),",
+             "BatchView(trainer_logprobs=micro.trainer_logprobs,")],
+           tests=("tests/test_corrections_anchors.py",)),
 ]
 
 

@@ -134,3 +134,71 @@ def test_cispo_refuses_a_cap_that_is_no_range(clip_low, clip_high, message):
 def test_the_clipped_surrogate_still_refuses_clip_high_at_or_below_zero():
     with pytest.raises(ValueError, match="algo.clip_high: must be > 0, got -0.8"):
         algo("clip", clip_high=-0.8)
+
+
+# ---------------------------------------------------------------- verl's bypass mode
+
+# verl's compute_policy_loss_bypass_mode with loss_type "reinforce" (verl-project/verl
+# 1dda039b9c6311889a9c9a26040677e1254814f9, verl/trainer/ppo/core_algos.py and rollout_corr_helper.py; old_log_prob =
+# rollout_log_prob = mu, batch_num_tokens 12 as its engine counts the loss mask) on the batch above, for two of its
+# presets: loss, d loss / d log_prob on the response tokens, rollout_rs_masked_fraction.
+VERL_BYPASS = {
+    "bypass_pg_is": (0.3038183217986717, [-1 / 6] * 4 + [0.010232233810332282] * 4 + [1 / 27, 1 / 27, 0.0, 0.0], 0.0),
+    "bypass_pg_geo_rs_token_tis": (-0.35119050351662673, [0.0] * 4 + [
+        0.02016129032258064, 0.01666666666666667, 0.04934210526315789, 0.04464285714285715, 0.037037037037037035,
+        0.08333333333333333, 0.0, 0.0], 1 / 3),
+}
+
+
+BYPASS_STAGES = {"bypass_pg_is": {"seq_tis": {}},  # rollout_is sequence, threshold 2 (seq_tis.yaml's cap)
+                 # rollout_is token at 2, rollout_rs seq_mean_k1 "0.5_2.0"
+                 "bypass_pg_geo_rs_token_tis": {"tis": {}, "geo_rs": {"low": 0.5, "high": 2.0}}}
+
+
+@pytest.mark.parametrize("preset", sorted(VERL_BYPASS))
+def test_bypass_is_with_reinforce_is_verls_bypass_mode(preset):
+    """verl's bypass mode with loss_type reinforce: old = mu, the IS weights and rejection computed under no_grad from
+    pi_theta against mu (not pi_old), and -A * log pi_theta * w over the kept tokens, the rejected ones in the divisor.
+    ``correction=bypass_is algo=reinforce`` is verl's ``bypass_pg_is``; with ``correction.stages`` {tis, geo_rs} its
+    ``bypass_pg_geo_rs_token_tis``. Figures: verl-project/verl at 1dda039b9c6311889a9c9a26040677e1254814f9
+    (VERL_BYPASS). Row 0's geometric-mean ratio pi_theta / mu is 2.29 (rejected at 2); on pi_old / mu it is 1.37, so a
+    rejection on the trainer's recomputation would keep it: the stages must read pi_theta."""
+    from rlmm.config import from_yaml
+    from rlmm.corrections.on_current_policy import OnCurrentPolicy
+
+    loss, grad, metrics, fixes = step_loss(OnCurrentPolicy(BYPASS_STAGES[preset]), from_yaml("algo", "reinforce",
+                                                                                             group_size=2))
+    want_loss, want_grad, masked = VERL_BYPASS[preset]  # rlmm's weights are float32 (the corrections' contract)
+    assert loss == pytest.approx(want_loss, rel=1e-6)
+    assert grad == pytest.approx(want_grad, rel=1e-6, abs=1e-15)
+    assert fixes["frac_tokens_dropped"] == pytest.approx(masked, rel=1e-7)
+
+
+def test_bypass_is_yaml_is_verls_bypass_pg_is_preset():
+    from rlmm.config import from_yaml
+
+    loss, grad, _, _ = step_loss(from_yaml("correction", "bypass_is"), from_yaml("algo", "reinforce", group_size=2))
+    assert loss == pytest.approx(VERL_BYPASS["bypass_pg_is"][0], rel=1e-6)
+    assert grad == pytest.approx(VERL_BYPASS["bypass_pg_is"][1], rel=1e-6, abs=1e-15)
+
+
+def test_reinforce_is_minus_a_log_pi_whatever_the_ratio():
+    from rlmm.config import from_yaml
+    from rlmm.corrections.none import NoCorrection
+
+    old, _, theta, advantages, mask = batch()
+    loss, grad, _, _ = step_loss(NoCorrection(), from_yaml("algo", "reinforce", group_size=2))
+    assert loss == pytest.approx(-(advantages * theta)[mask].sum().item() / 12, rel=1e-12)
+    assert grad == pytest.approx((-advantages[mask] / 12).tolist(), rel=1e-12, abs=1e-15)
+
+
+@pytest.mark.parametrize(("stages", "message"), [
+    ({"foo": {}}, "correction.stages.foo: unknown correction (allowed: bypass, "),
+    ({"tis": {"cpa": 3}}, "correction.stages.tis: unknown key 'cpa' (allowed: cap)"),
+    ({"tv_trust": {}}, "correction.stages.tv_trust: acts inside the update (TVTrustRegion.in_update)"),
+])
+def test_bypass_is_refuses_stages_it_cannot_run(stages, message):
+    from rlmm.corrections.on_current_policy import OnCurrentPolicy
+
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        OnCurrentPolicy(stages)

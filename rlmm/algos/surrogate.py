@@ -82,7 +82,8 @@ class SurrogateLoss:
     """The clipped-surrogate policy loss of one micro-batch with its penalties, aggregation and metrics.
 
     Args:
-        clip_low: epsilon_low; ratios below 1 - clip_low stop pushing down tokens with A < 0.
+        clip_low: epsilon_low; ratios below 1 - clip_low stop pushing down tokens with A < 0; in (0, 1] (with
+            CISPO in [0, 1]: the weight's floor 1 - clip_low, and with clip_high 0 the weight is 1, REINFORCE).
         clip_high: epsilon_high; ratios above 1 + clip_high stop pushing up tokens with A > 0 (> 0; with CISPO the
             weight's cap 1 + clip_high, > 0 and at least 1 - clip_low, so TRL's absolute cap below 1 is spelled).
         loss_aggregation: "token", "sequence" or "constant" (rlmm/algos/grpo.py's docstring).
@@ -106,10 +107,13 @@ class SurrogateLoss:
     def __init__(self, clip_low: float, clip_high: float, loss_aggregation: str, kl_coef: float, kl_estimator: str,
                  entropy_coef: float, objective: str, dual_clip: float | None, count_rejected: bool,
                  ratio: RatioFn = token_ratio):
-        if not 0 < clip_low <= 1:
-            raise ValueError(f"algo.clip_low: must be in (0, 1] (1: no lower bound), got {clip_low}")
         if objective not in OBJECTIVES:
             raise ValueError(f"algo.objective: unknown objective '{objective}' (allowed: {', '.join(OBJECTIVES)})")
+        if objective == "cispo":  # a floor on a weight: 0 with clip_high 0 holds it at 1 (REINFORCE, algo=reinforce)
+            if not 0 <= clip_low <= 1:
+                raise ValueError(f"algo.clip_low: must be in [0, 1] (1: no lower bound), got {clip_low}")
+        elif not 0 < clip_low <= 1:
+            raise ValueError(f"algo.clip_low: must be in (0, 1] (1: no lower bound), got {clip_low}")
         if dual_clip is not None and not dual_clip > 1:
             raise ValueError(f"algo.dual_clip: must be > 1 or null (off), got {dual_clip}")
         if dual_clip is not None and objective != "clip":
