@@ -1,0 +1,66 @@
+"""Values refused before any engine starts (issue 50, case 9): a trainer's numeric keys out of range or not
+finite, and a `+key` the schema does not know. `trainer.lr=nan` ran 12 s, then a torch traceback; `lr=inf` ended
+advising a resume that was then refused; `+train.stepz=3` was accepted and ignored."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from omegaconf import open_dict
+
+import rlmm.schema  # noqa: F401  (registers the schemas)
+from rlmm.config import CONF_DIR, validate
+from rlmm.errors import ConfigError
+from tests.conftest import subprocess_env
+
+
+def composed(app: str, overrides: list[str]):
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            cfg = compose(app, overrides=overrides, return_hydra_config=True)
+        choices = dict(cfg.hydra.runtime.choices)
+        with open_dict(cfg):
+            del cfg["hydra"]
+        return cfg, choices
+    finally:
+        GlobalHydra.instance().clear()
+
+
+@pytest.mark.parametrize("override,message", [
+    ("trainer.lr=nan", "trainer=torch: lr must be a finite number > 0, got nan"),
+    ("trainer.lr=-1e-5", "trainer=torch: lr must be a finite number > 0, got -1e-05"),
+    ("trainer.lr=inf", "trainer=torch: lr must be a finite number > 0, got inf"),
+    ("trainer.lr=0", "trainer=torch: lr must be a finite number > 0, got 0"),
+    ("trainer.weight_decay=-0.1", "trainer=torch: weight_decay must be a finite number >= 0, got -0.1"),
+    ("trainer.grad_clip=nan", "trainer=torch: grad_clip must be a finite number > 0, got nan"),
+    ("trainer.micro_batch_size=0", "trainer=torch: micro_batch_size must be >= 1, got 0"),
+    ("trainer.warmup_steps=-1", "trainer=torch: warmup_steps must be >= 0, got -1"),
+    ("trainer.initial_loss_scale=inf", "trainer=torch: initial_loss_scale must be a finite number > 0, got inf"),
+    ("+train.stepz=3", "train.stepz: unknown key (allowed: steps, prompts_per_step, "),
+    ("+sampling.temprature=1", "sampling.temprature: unknown key (allowed: temperature, "),
+    ("+stepz=3", "stepz: unknown key (allowed: model, "),
+])
+def test_a_bad_trainer_value_or_an_added_key_the_schema_lacks_is_refused(override, message):
+    cfg, choices = composed("train", ["debug=train", "trainer=torch", override])
+    with pytest.raises(ConfigError) as refused:
+        validate(cfg, choices)
+    assert str(refused.value).startswith(message), str(refused.value)
+
+
+def test_the_shipped_trainers_pass():
+    for trainer in ("deepspeed", "fsdp", "torch"):
+        validate(*composed("train", [f"trainer={trainer}"]))
+    validate(*composed("probe", []))
+
+
+def test_a_bad_lr_is_one_line_before_anything_starts(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "rlmm.cli", "train", "debug=train", "trainer.lr=nan",
+                             f"hydra.run.dir={tmp_path / 'run'}"], capture_output=True, text=True, timeout=300,
+                            env=subprocess_env(), stdin=subprocess.DEVNULL)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stderr == "rlmm: error: trainer=deepspeed: lr must be a finite number > 0, got nan\n"
+    assert not (tmp_path / "run").exists() or not any((tmp_path / "run").iterdir())
