@@ -214,6 +214,10 @@ MUTANTS = [
            [("rlmm/corrections/on_current_policy.py", "BatchView(trainer_logprobs=micro.logprobs.detach(),",
              "BatchView(trainer_logprobs=micro.trainer_logprobs,")],
            tests=("tests/test_corrections_anchors.py",)),
+    Mutant("seq_normalize_ignores_empty_samples", "seq_normalize's count_empty (slime) averages over non-empty rows",
+           [("rlmm/corrections/seq_normalize.py", "rows = torch.ones_like(m[:, 0]) if self.count_empty else m.any(dim=1)",
+             "rows = m.any(dim=1)")],
+           tests=("tests/test_corrections_anchors.py",)),
 ]
 
 

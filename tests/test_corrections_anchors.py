@@ -38,7 +38,8 @@ def step_loss(correction, algorithm, old=None, mu=None, theta=None, advantages=N
     from rlmm.step import InUpdateCounts, OldPolicy, loss_normalizer_over_ranks
 
     b_old, b_mu, b_theta, b_adv, b_mask = batch()
-    old, mu, theta = (b_old if old is None else old), (b_mu if mu is None else mu), (b_theta if theta is None else theta)
+    old = b_old if old is None else old
+    mu, theta = (b_mu if mu is None else mu), (b_theta if theta is None else theta)
     advantages, mask = (b_adv if advantages is None else advantages), (b_mask if mask is None else mask)
     rows = list(range(mask.size(0)))
     scored = OldPolicy.score(old, mu, mask, advantages, torch.ones(mask.size(0)), correction, ratio_cap=2.0,
@@ -202,3 +203,59 @@ def test_bypass_is_refuses_stages_it_cannot_run(stages, message):
 
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         OnCurrentPolicy(stages)
+
+
+# ---------------------------------------------------------------- sequence-level self-normalisation
+
+# The batch's pi_old and mu with a fifth sample whose response is empty, sequence TIS at 2, then normalised to mean 1
+# over sequences: verl's compute_rollout_correction_weights (verl-project/verl 1dda039b9c6311889a9c9a26040677e1254814f9,
+# rollout_is "sequence", rollout_is_batch_normalize) and slime's compute_mis_weights (THUDM/slime
+# 624b824a898ab0ec1fcb4d373004c7f3852bf515, examples/train_infer_mismatch_helper/mis.py: tis_level sequence,
+# tis_mode truncate at 2, tis_batch_normalize): each sequence's weight and the mean the weights were divided by.
+SEQ_NORMALIZE = {
+    "verl": ([1.6624084567298154, 0.6773820536759859, 0.769633544782322, 0.8905759589624008, 0.0],
+             1.2030737643949871),
+    "slime": ([2.0780105635610346, 0.8467275640995727, 0.9620419275745533, 1.1132199447648397, 0.0],
+              0.9624590149208145),
+}
+
+
+def with_empty_sample():
+    old, mu, _, _, mask = batch()
+    half = torch.full((1, 4), 0.5, dtype=torch.float64).log()
+    return torch.cat([old, half]), torch.cat([mu, half]), torch.cat([mask, torch.zeros(1, 4, dtype=torch.bool)])
+
+
+@pytest.mark.parametrize("anchor", sorted(SEQ_NORMALIZE))
+def test_seq_normalize_is_verls_and_slimes_sequence_batch_normalisation(anchor):
+    """``correction=seq_tis+seq_normalize`` is verl's sequence-level batch normalisation (the mean over the rows with
+    a response token); with ``correction.stages.seq_normalize.count_empty=true`` slime's (over every sample, the
+    empty one counting 0): 5/4 of verl's factor here. Figures: verl at 1dda039b9c6311889a9c9a26040677e1254814f9,
+    slime at 624b824a898ab0ec1fcb4d373004c7f3852bf515 (SEQ_NORMALIZE)."""
+    from rlmm.corrections.seq_normalize import SequenceSelfNormalize
+    from rlmm.corrections.seq_tis import SequenceTIS
+    from rlmm.corrections.stack import Stack
+
+    old, mu, mask = with_empty_sample()
+    stack = Stack({"seq_tis": SequenceTIS(cap=2.0),
+                   "seq_normalize": SequenceSelfNormalize(count_empty=anchor == "slime")})
+    out = stack(old, mu, mask)
+    weights, mean = SEQ_NORMALIZE[anchor]
+    assert out.weights[:, 0].tolist() == pytest.approx(weights, rel=1e-6)  # float32 weights
+    assert (out.weights == out.weights[:, :1]).where(mask, True).all()  # one weight per sequence
+    assert out.metrics["seq_normalize/norm_factor"] == pytest.approx(1 / mean, rel=1e-6)
+
+
+def test_seq_normalize_differs_from_the_token_mean_where_lengths_differ():
+    """`normalize` divides by the token mean (long rows weigh more), `seq_normalize` by the sequence mean."""
+    from rlmm.corrections.normalize import SelfNormalize
+    from rlmm.corrections.seq_normalize import SequenceSelfNormalize
+    from rlmm.corrections.seq_tis import SequenceTIS
+    from rlmm.corrections.stack import Stack
+
+    old, mu, mask = with_empty_sample()
+    by_token = Stack({"seq_tis": SequenceTIS(cap=2.0), "normalize": SelfNormalize()})(old, mu, mask)
+    by_sequence = Stack({"seq_tis": SequenceTIS(cap=2.0), "seq_normalize": SequenceSelfNormalize(False)})(old, mu, mask)
+    assert by_token.weights[mask].double().mean().item() == pytest.approx(1.0, rel=1e-6)
+    assert by_sequence.weights[:4, 0].double().mean().item() == pytest.approx(1.0, rel=1e-6)
+    assert by_sequence.weights[mask].double().mean().item() != pytest.approx(1.0, rel=1e-3)
