@@ -218,6 +218,10 @@ MUTANTS = [
            [("rlmm/corrections/seq_normalize.py", "rows = torch.ones_like(m[:, 0]) if self.count_empty else m.any(dim=1)",
              "rows = m.any(dim=1)")],
            tests=("tests/test_corrections_anchors.py",)),
+    Mutant("sequence_divisor_without_rejected_rows", "count_rejected leaves a rejected sequence out of the divisor",
+           [("rlmm/algos/surrogate.py", "counted = response_mask if self.count_rejected and response_mask is not None",
+             "counted = mask if self.count_rejected and response_mask is not None")],
+           tests=("tests/test_corrections_anchors.py",)),
 ]
 
 

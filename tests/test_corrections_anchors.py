@@ -259,3 +259,33 @@ def test_seq_normalize_differs_from_the_token_mean_where_lengths_differ():
     assert by_token.weights[mask].double().mean().item() == pytest.approx(1.0, rel=1e-6)
     assert by_sequence.weights[:4, 0].double().mean().item() == pytest.approx(1.0, rel=1e-6)
     assert by_sequence.weights[mask].double().mean().item() != pytest.approx(1.0, rel=1e-3)
+
+
+# ---------------------------------------------------------------- slime's per-sample mean over every sample
+
+# slime's default loss (THUDM/slime 624b824a898ab0ec1fcb4d373004c7f3852bf515: compute_policy_loss of
+# slime/utils/ppo_utils.py at eps_clip 0.2 / 0.28, times examples/train_infer_mismatch_helper/mis.py's weights (token
+# truncate at 2, geometric rejection [0.9, 1.1]: row 0, at 1.37, rejected), reduced by
+# slime/backends/megatron_utils/cp_utils.py's get_sum_of_sample_mean with each row's original length as its
+# denominator and divided by the step's 4 samples as loss_function does): loss and d loss / d log pi_theta.
+SLIME_SAMPLE_MEAN = (0.3507933813027192, [0.0] * 6 + [0.037006578947368425, 0.03348214285714286, 0.0, 0.125, 0.0,
+                                                       0.0])
+
+
+@pytest.mark.parametrize("count_rejected", [True, False])
+def test_sequence_aggregation_is_slimes_per_sample_mean_with_count_rejected(count_rejected):
+    """slime divides the sum of per-sample means by every sample of the step, a rejected one included: rlmm's
+    ``algo.loss_aggregation=sequence algo.count_rejected=true`` (the rows with a response token); with
+    count_rejected false the rejected row leaves the divisor, 4/3 of slime's here. Figures: slime at
+    624b824a898ab0ec1fcb4d373004c7f3852bf515 (SLIME_SAMPLE_MEAN)."""
+    from rlmm.corrections.geo_rs import GeometricRejection
+    from rlmm.corrections.stack import Stack
+    from rlmm.corrections.tis import TokenTIS
+
+    correction = Stack({"tis": TokenTIS(cap=2.0), "geo_rs": GeometricRejection(low=0.9, high=1.1)})
+    loss, grad, _, fixes = step_loss(correction, algo(clip_low=0.2, clip_high=0.28, aggregation="sequence",
+                                                      count_rejected=count_rejected))
+    assert fixes["frac_sequences_masked"] == 0.25
+    scale = 1.0 if count_rejected else 4 / 3
+    assert loss == pytest.approx(SLIME_SAMPLE_MEAN[0] * scale, rel=1e-6)  # float32 weights
+    assert grad == pytest.approx([g * scale for g in SLIME_SAMPLE_MEAN[1]], rel=1e-6, abs=1e-15)
