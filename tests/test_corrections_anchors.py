@@ -151,6 +151,11 @@ VERL_BYPASS = {
 }
 
 
+def REINFORCE():  # noqa: N802
+    """-w A log pi_theta: CISPO's weight held in [1 - 0, 1 + 0] (algo=cispo algo.clip_low=0 algo.clip_high=0)."""
+    return algo("cispo", clip_low=0.0, clip_high=0.0)
+
+
 BYPASS_STAGES = {"bypass_pg_is": {"seq_tis": {}},  # rollout_is sequence, threshold 2 (seq_tis.yaml's cap)
                  # rollout_is token at 2, rollout_rs seq_mean_k1 "0.5_2.0"
                  "bypass_pg_geo_rs_token_tis": {"tis": {}, "geo_rs": {"low": 0.5, "high": 2.0}}}
@@ -160,15 +165,13 @@ BYPASS_STAGES = {"bypass_pg_is": {"seq_tis": {}},  # rollout_is sequence, thresh
 def test_bypass_is_with_reinforce_is_verls_bypass_mode(preset):
     """verl's bypass mode with loss_type reinforce: old = mu, the IS weights and rejection computed under no_grad from
     pi_theta against mu (not pi_old), and -A * log pi_theta * w over the kept tokens, the rejected ones in the divisor.
-    ``correction=bypass_is algo=reinforce`` is verl's ``bypass_pg_is``; with ``correction.stages`` {tis, geo_rs} its
-    ``bypass_pg_geo_rs_token_tis``. Figures: verl-project/verl at 1dda039b9c6311889a9c9a26040677e1254814f9
+    ``correction=bypass_is algo=cispo algo.clip_low=0 algo.clip_high=0`` (CISPO's weight held at 1: REINFORCE)
+    is verl's ``bypass_pg_is``; with ``correction.stages`` {tis, geo_rs} its ``bypass_pg_geo_rs_token_tis``. Figures: verl-project/verl at 1dda039b9c6311889a9c9a26040677e1254814f9
     (VERL_BYPASS). Row 0's geometric-mean ratio pi_theta / mu is 2.29 (rejected at 2); on pi_old / mu it is 1.37, so a
     rejection on the trainer's recomputation would keep it: the stages must read pi_theta."""
-    from rlmm.config import from_yaml
     from rlmm.corrections.on_current_policy import OnCurrentPolicy
 
-    loss, grad, metrics, fixes = step_loss(OnCurrentPolicy(BYPASS_STAGES[preset]), from_yaml("algo", "reinforce",
-                                                                                             group_size=2))
+    loss, grad, metrics, fixes = step_loss(OnCurrentPolicy(BYPASS_STAGES[preset]), REINFORCE())
     want_loss, want_grad, masked = VERL_BYPASS[preset]  # rlmm's weights are float32 (the corrections' contract)
     assert loss == pytest.approx(want_loss, rel=1e-6)
     assert grad == pytest.approx(want_grad, rel=1e-6, abs=1e-15)
@@ -178,17 +181,16 @@ def test_bypass_is_with_reinforce_is_verls_bypass_mode(preset):
 def test_bypass_is_yaml_is_verls_bypass_pg_is_preset():
     from rlmm.config import from_yaml
 
-    loss, grad, _, _ = step_loss(from_yaml("correction", "bypass_is"), from_yaml("algo", "reinforce", group_size=2))
+    loss, grad, _, _ = step_loss(from_yaml("correction", "bypass_is"), REINFORCE())
     assert loss == pytest.approx(VERL_BYPASS["bypass_pg_is"][0], rel=1e-6)
     assert grad == pytest.approx(VERL_BYPASS["bypass_pg_is"][1], rel=1e-6, abs=1e-15)
 
 
 def test_reinforce_is_minus_a_log_pi_whatever_the_ratio():
-    from rlmm.config import from_yaml
     from rlmm.corrections.none import NoCorrection
 
     old, _, theta, advantages, mask = batch()
-    loss, grad, _, _ = step_loss(NoCorrection(), from_yaml("algo", "reinforce", group_size=2))
+    loss, grad, _, _ = step_loss(NoCorrection(), REINFORCE())
     assert loss == pytest.approx(-(advantages * theta)[mask].sum().item() / 12, rel=1e-12)
     assert grad == pytest.approx((-advantages[mask] / 12).tolist(), rel=1e-12, abs=1e-15)
 
@@ -289,3 +291,22 @@ def test_sequence_aggregation_is_slimes_per_sample_mean_with_count_rejected(coun
     scale = 1.0 if count_rejected else 4 / 3
     assert loss == pytest.approx(SLIME_SAMPLE_MEAN[0] * scale, rel=1e-6)  # float32 weights
     assert grad == pytest.approx([g * scale for g in SLIME_SAMPLE_MEAN[1]], rel=1e-6, abs=1e-15)
+
+
+# ---------------------------------------------------------------- verl's geometric rejection bounds
+
+def test_verls_seq_mean_k1_bounds_are_geo_rs_with_the_bounds_inverted():
+    """verl's ``rollout_rs: seq_mean_k1`` with ``rollout_rs_threshold: "lo_hi"`` bounds the mean of k1 = -log r by
+    [log lo, log hi], so it keeps g in [1/hi, 1/lo]: its "0.999_1.001" preset is ``correction=geo_rs
+    correction.low=0.999000999 correction.high=1.001001001`` (geo_rs's own 0.999 / 1.001 differ at the edges).
+    Keep masks of compute_rollout_rejection_mask (verl-project/verl 1dda039b9c6311889a9c9a26040677e1254814f9) on
+    sequences of three tokens with these geometric-mean ratios: [1, 1, 0, 1, 0, 0]."""
+    from rlmm.corrections.geo_rs import GeometricRejection
+
+    g = torch.tensor([1.0009, 1.00100095, 1.0011, 0.9991, 0.99899905, 0.9989], dtype=torch.float64)
+    sampler = torch.full((6, 3), -1.0, dtype=torch.float64)
+    mask = torch.ones(6, 3, dtype=torch.bool)
+    verl = GeometricRejection(low=1 / 1.001, high=1 / 0.999)(sampler + g.log()[:, None], sampler, mask)
+    assert verl.mask[:, 0].tolist() == [True, True, False, True, False, False]
+    shipped = GeometricRejection(low=0.999, high=1.001)(sampler + g.log()[:, None], sampler, mask)
+    assert shipped.mask[:, 0].tolist() == [True, False, False, True, False, False]  # 1.00100095 > 1.001

@@ -109,7 +109,7 @@ class SurrogateLoss:
                  ratio: RatioFn = token_ratio):
         if objective not in OBJECTIVES:
             raise ValueError(f"algo.objective: unknown objective '{objective}' (allowed: {', '.join(OBJECTIVES)})")
-        if objective == "cispo":  # a floor on a weight: 0 with clip_high 0 holds it at 1 (REINFORCE, algo=reinforce)
+        if objective == "cispo":  # a floor on a weight: 0 with clip_high 0 holds it at 1 (REINFORCE)
             if not 0 <= clip_low <= 1:
                 raise ValueError(f"algo.clip_low: must be in [0, 1] (1: no lower bound), got {clip_low}")
         elif not 0 < clip_low <= 1:

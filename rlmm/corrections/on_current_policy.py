@@ -22,8 +22,8 @@ class OnCurrentPolicy(Correction):
 
         delta_t = log pi_theta(y_t) - log mu(y_t)   (not log pi_old - log mu),
 
-    and their weights and mask act on the loss: with ``algo=reinforce`` (CISPO's weight held at 1) the per-token loss is
-    verl's REINFORCE term -w_t * A_t * log pi_theta over the tokens the stages keep; the dropped ones stay in the
+    and their weights and mask act on the loss: with ``algo=cispo algo.clip_low=0 algo.clip_high=0`` (CISPO's weight held at 1: REINFORCE)
+    the per-token loss is verl's term -w_t * A_t * log pi_theta over the tokens the stages keep; the dropped ones stay in the
     divisor. The stages see one micro-batch, as verl's loss sees one (a self-normalisation or M2PO's cut is the
     micro-batch's here).
 
@@ -31,7 +31,7 @@ class OnCurrentPolicy(Correction):
     bypass_mode: true``, ``loss_type: reinforce``): ``compute_rollout_correction_and_rejection_mask`` on
     (log_prob, rollout_log_prob) under no_grad, then ``compute_policy_loss_reinforce`` -A * log_prob * w over the
     modified mask; Liu et al. 2025, "When Speed Kills Stability" (its bypass mode). verl's presets, here:
-    ``bypass_pg_is`` (sequence TIS at 2) is this YAML's default with ``algo=reinforce``; ``bypass_pg_geo_rs_token_tis``
+    ``bypass_pg_is`` (sequence TIS at 2) is this YAML's default with REINFORCE; ``bypass_pg_geo_rs_token_tis``
     is the stages {tis, geo_rs} with geo_rs's bounds its ``rollout_rs_threshold``. verl's ``loss_type: ppo_clip`` applies no weight
     (the ratio pi_theta / mu is already PPO's): `bypass` with a rejection stage on pi_old is the closest. Departures:
     verl clamps log-ratios to [-20, 20] before exp (the weights differ only beyond e^20, then capped anyway, or below

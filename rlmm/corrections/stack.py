@@ -37,7 +37,8 @@ class Stack(Correction):
     ``correction.stages.token_rs.high=2 correction.stages.seq_veto.estimator=min_ratio
     correction.stages.seq_veto.threshold=1e-4``; its `examples/train_infer_mismatch_helper/mis.py`, whose
     `calculate_veto_mask` tests the raw ratios on the loss mask after the rejection: so does seq_veto here);
-    NeMo-RL's and OpenRLHF's ``seq-mask-tis`` (``geo_rs+tis``).
+    NeMo-RL's and OpenRLHF's ``seq-mask-tis`` (``geo_rs+tis``; NeMo-RL's token weight is untruncated:
+    ``correction.stages.tis.cap=1e9``).
 
     Args:
         stages: name -> correction, in order (Hydra builds each from conf/correction/<name>.yaml: hydra_plugins/
