@@ -23,6 +23,9 @@ EXTRA = [  # bad input caught later than composition, or tested elsewhere (file 
     ("rlmm train sampler.quantization=fp8", "tests/test_quantized_rollouts.py"),
     ("rlmm train task=gsm8k task.path=/no/such.jsonl", "tests/test_tasks.py"),
     ("rlmm table /no/such/sweep", "tests/test_table.py"),
+    ("rlmm train debug=train trainer.lr=nan", "tests/test_validation.py"),
+    ("rlmm train debug=train trainer.weight_decay=-0.1", "tests/test_validation.py"),
+    ("rlmm train debug=train +train.stepz=3", "tests/test_validation.py"),
     ("rlmm trian", "tests/test_cli.py"),
 ]
 
@@ -56,7 +59,14 @@ def main() -> None:
           "train.resume: <dir> holds a run with other settings (train.staleness=1 there, 2 here): resume it with its "
           "own settings, or give this run another hydra.run.dir`, exit 2), and so are `train.resume=false` over a "
           "record, a checkpoint of another number of ranks, and a probe and a training run in one directory; the "
-          "same run, finished, is `rlmm: <dir> holds this run, finished (summary.json): nothing to do` (exit 0).")
+          "same run, finished, is `rlmm: <dir> holds this run, finished (summary.json): nothing to do` (exit 0; in "
+          "a sweep launched again, the next job runs). A second process into a run directory in use is refused "
+          "naming the holder (`rlmm: error: hydra.run.dir: <dir> is in use by another rlmm run (host vm, pid 9040, "
+          "since ...): let it end, or give this run another hydra.run.dir`, exit 2); a damaged record or checkpoint "
+          "is named and resumed from the checkpoint before it, or refused when none is whole and covered "
+          "(`rlmm: error: train.resume: line 2 of <dir>/steps.jsonl (after step 0) is torn or not JSON, and every "
+          "checkpoint is past it ...`, `... no whole checkpoint in <dir>/checkpoints: ... is damaged (rank0.pt does "
+          "not match its SHA-256 in SHA256SUMS) ...`, exit 2; tests/test_damaged_runs.py).")
     print("\nFaults of the machine (tests/test_faults.py) are one line with exit 4, saying what the record holds: "
           "`rlmm: machine fault: the disk is full (<dir>/checkpoints/.partial-step-000001); <dir>/steps.jsonl holds "
           "steps 0-1; once it is fixed the same command starts over`; likewise a read-only or immutable run "
