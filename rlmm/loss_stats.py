@@ -66,6 +66,7 @@ class PolicyLossStats:
     kl: Annotated[float | None, Combine.TOKEN_MEAN] = None  # only with reference log-probs
     entropy: Annotated[float | None, Combine.TOKEN_MEAN] = None  # only with the entropy
     approx_kl: Annotated[float, Combine.TOKEN_MEAN]
+    ppo_kl: Annotated[float, Combine.TOKEN_MEAN]  # k1 of KL(pi_old || pi_theta), verl's actor/ppo_kl
     clipfrac: Annotated[float, Combine.TOKEN_MEAN]
     clipfrac_low: Annotated[float, Combine.TOKEN_MEAN]
     clipfrac_high: Annotated[float, Combine.TOKEN_MEAN]

@@ -222,6 +222,9 @@ MUTANTS = [
            [("rlmm/algos/surrogate.py", "counted = response_mask if self.count_rejected and response_mask is not None",
              "counted = mask if self.count_rejected and response_mask is not None")],
            tests=("tests/test_corrections_anchors.py",)),
+    Mutant("ppo_kl_sign_flipped", "loss/ppo_kl is mean(log pi_theta - log pi_old), not verl's mean(log pi_old - log pi_theta)",
+           [("rlmm/algos/surrogate.py", '"ppo_kl": mean(-lr),', '"ppo_kl": mean(lr),')],
+           tests=("tests/test_corrections_anchors.py",)),
 ]
 
 

@@ -310,3 +310,33 @@ def test_verls_seq_mean_k1_bounds_are_geo_rs_with_the_bounds_inverted():
     assert verl.mask[:, 0].tolist() == [True, True, False, True, False, False]
     shipped = GeometricRejection(low=0.999, high=1.001)(sampler + g.log()[:, None], sampler, mask)
     assert shipped.mask[:, 0].tolist() == [True, False, False, True, False, False]  # 1.00100095 > 1.001
+
+
+# ---------------------------------------------------------------- the loss's metrics as the anchors log them
+
+# verl's compute_policy_loss_vanilla (verl-project/verl 1dda039b9c6311889a9c9a26040677e1254814f9) with clip_ratio_low
+# 0.2, clip_ratio_high 0.28, clip_ratio_c 3 (always on in verl), token-mean, on the batch with row 1's second token at
+# pi_theta 0.7 (r = 3.5 > c under A = -0.5): loss, d loss / d log_prob, pg_clipfrac, ppo_kl, pg_clipfrac_lower.
+VERL_VANILLA = (0.017999338624338612, [0.0, 0.0, -0.09722222222222222, -0.08796296296296297, 0.0, 0.0, 0.046875,
+                                       0.04464285714285715, 0.0, 0.09999999999999998, 0.0, 0.0],
+                0.3333333330555555, -0.11531593581238433, 0.08333333326388888)
+
+
+def test_ppo_kl_clipfrac_and_clipfrac_dual_are_verls_ppo_kl_pg_clipfrac_and_pg_clipfrac_lower():
+    """verl's PPO logs ``actor/ppo_kl`` = mean(log pi_old - log pi_theta) (k1 of KL(pi_old || pi_theta)),
+    ``pg_clipfrac`` and ``pg_clipfrac_lower`` (the dual clip's share: A < 0 and r > c); rlmm's loss/ppo_kl,
+    loss/clipfrac and loss/clipfrac_dual with ``algo.dual_clip=3``. Figures: verl at
+    1dda039b9c6311889a9c9a26040677e1254814f9 (VERL_VANILLA)."""
+    import math
+
+    from rlmm.corrections.none import NoCorrection
+
+    _, _, theta, _, _ = batch()
+    theta[1, 1] = math.log(0.7)
+    loss, grad, metrics, _ = step_loss(NoCorrection(), algo(clip_low=0.2, clip_high=0.28, dual_clip=3.0), theta=theta)
+    want_loss, want_grad, clipfrac, ppo_kl, clipfrac_lower = VERL_VANILLA
+    assert loss == pytest.approx(want_loss, rel=1e-9)
+    assert grad == pytest.approx(want_grad, rel=1e-9, abs=1e-15)
+    assert metrics["clipfrac"] == pytest.approx(clipfrac, rel=1e-7)
+    assert metrics["ppo_kl"] == pytest.approx(ppo_kl, rel=1e-7)
+    assert metrics["clipfrac_dual"] == pytest.approx(clipfrac_lower, rel=1e-7)

@@ -14,7 +14,7 @@ NAN = math.nan
 
 
 def policy_part(**values) -> dict[str, float]:
-    return {"loss": 0.0, "pg_loss": 0.0, "approx_kl": 0.0, "clipfrac": 0.0, "clipfrac_low": 0.0,
+    return {"loss": 0.0, "pg_loss": 0.0, "approx_kl": 0.0, "ppo_kl": 0.0, "clipfrac": 0.0, "clipfrac_low": 0.0,
             "clipfrac_high": 0.0, "ratio_mean": 1.0, "ratio_min": 1.0, "ratio_max": 1.0, "num_tokens": 0} | values
 
 
@@ -22,14 +22,15 @@ def test_policy_stats_combine_over_micro_batches_as_declared():
     """Three micro-batches, the last with no kept token (its means NaN, as `policy_loss` gives them): sums add
     up (a NaN-free loss of 0 included), token means are weighted by num_tokens and skip the empty one, min
     and max skip NaN, and `kl`, absent from every part, stays absent. The expected values are worked by hand."""
-    parts = [policy_part(loss=0.5, pg_loss=0.4, entropy=2.0, approx_kl=0.1, clipfrac=0.2, clipfrac_low=0.1,
+    parts = [policy_part(loss=0.5, pg_loss=0.4, entropy=2.0, approx_kl=0.1, ppo_kl=0.2, clipfrac=0.2, clipfrac_low=0.1,
                          clipfrac_high=0.1, ratio_mean=1.0, ratio_min=0.8, ratio_max=1.5, num_tokens=3),
-             policy_part(loss=0.25, pg_loss=0.2, entropy=1.0, approx_kl=0.4, ratio_mean=1.1, ratio_min=0.5,
+             policy_part(loss=0.25, pg_loss=0.2, entropy=1.0, approx_kl=0.4, ppo_kl=-0.2, ratio_mean=1.1, ratio_min=0.5,
                          ratio_max=1.2, num_tokens=1),
-             policy_part(entropy=NAN, approx_kl=NAN, clipfrac=NAN, clipfrac_low=NAN, clipfrac_high=NAN,
+             policy_part(entropy=NAN, approx_kl=NAN, ppo_kl=NAN, clipfrac=NAN, clipfrac_low=NAN, clipfrac_high=NAN,
                          ratio_mean=NAN, ratio_min=NAN, ratio_max=NAN, num_tokens=0)]
     combined = combined_metrics(PolicyLossStats, parts)
     expected = {"loss": 0.75, "pg_loss": 0.6, "entropy": (2.0 * 3 + 1.0) / 4, "approx_kl": (0.1 * 3 + 0.4) / 4,
+                "ppo_kl": (0.2 * 3 - 0.2) / 4,
                 "clipfrac": 0.6 / 4, "clipfrac_low": 0.3 / 4, "clipfrac_high": 0.3 / 4,
                 "ratio_mean": (1.0 * 3 + 1.1) / 4, "ratio_min": 0.5, "ratio_max": 1.5, "num_tokens": 4}
     assert combined == pytest.approx(expected)
@@ -70,7 +71,8 @@ def test_the_declared_reductions():
     """What the records declare, read back from their annotations (the table docs/training.md describes)."""
     assert reductions(PolicyLossStats) == {
         "loss": Combine.SUM, "pg_loss": Combine.SUM, "kl": Combine.TOKEN_MEAN, "entropy": Combine.TOKEN_MEAN,
-        "approx_kl": Combine.TOKEN_MEAN, "clipfrac": Combine.TOKEN_MEAN, "clipfrac_low": Combine.TOKEN_MEAN,
+        "approx_kl": Combine.TOKEN_MEAN, "ppo_kl": Combine.TOKEN_MEAN, "clipfrac": Combine.TOKEN_MEAN,
+        "clipfrac_low": Combine.TOKEN_MEAN,
         "clipfrac_high": Combine.TOKEN_MEAN, "clipfrac_dual": Combine.TOKEN_MEAN, "penalty": Combine.SUM,
         "ratio_mean": Combine.TOKEN_MEAN, "ratio_min": Combine.MIN,
         "ratio_max": Combine.MAX, "num_tokens": Combine.COUNT}

@@ -26,6 +26,7 @@ METRIC_KEYS = (
     "loss",
     "pg_loss",
     "approx_kl",
+    "ppo_kl",
     "clipfrac",
     "clipfrac_low",
     "clipfrac_high",
@@ -201,7 +202,8 @@ class SurrogateLoss:
         before any arithmetic, so inf/NaN there reach neither the loss nor the gradient. The loss is float32 (float64
         for float64 inputs). Metrics (docs/algorithms.md): ``loss``, ``pg_loss`` (the aggregated pg
         term, including weights), token means over kept tokens of ``kl``, ``entropy``,
-        ``approx_kl`` = mean(ratio - 1 - logratio), ``clipfrac{,_low,_high}`` = share of tokens whose
+        ``approx_kl`` = mean(ratio - 1 - logratio), ``ppo_kl`` = mean(-logratio) (verl's ``actor/ppo_kl``, k1 of
+        KL(pi_old || pi_theta), unclamped where verl clamps logratio to [-20, 20]), ``clipfrac{,_low,_high}`` = share of tokens whose
         gradient the clip removes, ``ratio_{mean,min,max}`` and ``num_tokens``. With no kept token
         the loss is 0 (with a zero gradient) and the token metrics are NaN.
         """
@@ -291,6 +293,7 @@ class SurrogateLoss:
                 "pg_loss": pg_loss.detach(),
                 **{k: mean(v) for k, v in stats.items()},
                 "approx_kl": mean(k3(lr)),  # k3 of log(pi_theta / pi_old) on pi_old's tokens: KL(pi_old || pi_theta)
+                "ppo_kl": mean(-lr),  # k1 of the same KL, as verl's and slime's ppo_kl
                 "clipfrac": (clipped_high | clipped_low).sum().to(dtype) / n,  # in the loss's dtype, not float32
                 "clipfrac_low": clipped_low.sum().to(dtype) / n,
                 "clipfrac_high": clipped_high.sum().to(dtype) / n,
