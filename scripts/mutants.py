@@ -225,6 +225,10 @@ MUTANTS = [
     Mutant("ppo_kl_sign_flipped", "loss/ppo_kl is mean(log pi_theta - log pi_old), not verl's mean(log pi_old - log pi_theta)",
            [("rlmm/algos/surrogate.py", '"ppo_kl": mean(-lr),', '"ppo_kl": mean(lr),')],
            tests=("tests/test_corrections_anchors.py",)),
+    Mutant("weight_ess_of_the_raw_ratios", "correction/weight_ess is the raw ratios' ESS, not the applied weights'",
+           [("rlmm/corrections/base.py", '"weight_ess": w.sum().square() / (kept.sum() * w.square().sum()),',
+             '"weight_ess": r.where(kept, 0.0).sum().square() / (kept.sum() * r.where(kept, 0.0).square().sum()),')],
+           tests=("tests/test_corrections_anchors.py",)),
 ]
 
 

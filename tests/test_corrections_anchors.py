@@ -340,3 +340,25 @@ def test_ppo_kl_clipfrac_and_clipfrac_dual_are_verls_ppo_kl_pg_clipfrac_and_pg_c
     assert metrics["clipfrac"] == pytest.approx(clipfrac, rel=1e-7)
     assert metrics["ppo_kl"] == pytest.approx(ppo_kl, rel=1e-7)
     assert metrics["clipfrac_dual"] == pytest.approx(clipfrac_lower, rel=1e-7)
+
+
+# ---------------------------------------------------------------- the correction's weights as verl logs them
+
+# verl's compute_rollout_correction_weights (verl-project/verl 1dda039b9c6311889a9c9a26040677e1254814f9, its
+# compute_is_metrics) with rollout_is "token" at 2, no batch normalisation, on the batch's pi_old and mu with the empty
+# fifth sample: rollout_is_mean, rollout_is_std, rollout_is_eff_sample_size.
+VERL_IS_METRICS = (1.0848387251061709, 0.29915796452601595, 0.9293291633808287)
+
+
+def test_weight_std_and_ess_are_verls_rollout_is_std_and_eff_sample_size():
+    """verl logs the applied weights' mean, population std and effective sample size (sum w)^2 / (n sum w^2) (Kong
+    1992); rlmm's correction/weight_mean, weight_std and weight_ess, over the kept tokens (verl's over its response
+    mask: the same with no rejection). Figures: verl at 1dda039b9c6311889a9c9a26040677e1254814f9 (VERL_IS_METRICS)."""
+    from rlmm.corrections.tis import TokenTIS
+
+    old, mu, mask = with_empty_sample()
+    out = TokenTIS(cap=2.0)(old, mu, mask)
+    mean, std, ess = VERL_IS_METRICS
+    assert out.metrics["weight_mean"] == pytest.approx(mean, rel=1e-7)
+    assert out.metrics["weight_std"] == pytest.approx(std, rel=1e-6)
+    assert out.metrics["weight_ess"] == pytest.approx(ess, rel=1e-7)

@@ -56,6 +56,8 @@ METRIC_KEYS = (
     "ratio_max",
     "seq_ratio_max",          # max_i exp(S_i); inf once some S_i > ~709.8 (float64 overflow), not clamped
     "weight_mean",            # mean weight over the tokens that are kept
+    "weight_std",             # their population std (verl's rollout_is_std)
+    "weight_ess",             # (sum w)^2 / (n sum w^2) over them, in [0, 1] (verl's rollout_is_eff_sample_size)
     "frac_tokens_masked",     # response tokens rejected / response tokens
     "frac_sequences_masked",  # non-empty sequences left with no kept token / non-empty sequences
 )
@@ -230,12 +232,16 @@ def finish(
     nonempty = mask.any(dim=1)
     seq = delta.sum(dim=1)  # padding is 0, so this sums response tokens only
     r = delta.exp()
+    w = torch.where(kept, weights.to(torch.float64), 0.0)
+    w_mean = masked_mean(w, kept)
     stats = {
         "ratio_mean": masked_mean(r, mask),
         "ratio_min": masked_min(r, mask),
         "ratio_max": masked_max(r, mask),
         "seq_ratio_max": masked_max(seq, nonempty).exp(),
-        "weight_mean": masked_mean(weights, kept),
+        "weight_mean": w_mean,
+        "weight_std": masked_mean((w - w_mean).square(), kept).sqrt(),
+        "weight_ess": w.sum().square() / (kept.sum() * w.square().sum()),  # Kong 1992
         "frac_tokens_masked": masked_mean((~kept).double(), mask),
         "frac_sequences_masked": masked_mean((~kept.any(dim=1)).double(), nonempty),
     } | (extra or {})
