@@ -20,6 +20,8 @@ Sources:
   * Qi et al. 2025, "Defeating the Training-Inference Mismatch via FP16".
   * Schulman 2020, "Approximating KL Divergence" (k1, k2, k3 estimators: rlmm/kl.py).
   * Kong 1992, "A note on importance sampling using standardized weights" (effective sample size).
+  * NeMo-RL's ClippedPGLossFn (nemo_rl/algorithms/loss/loss_functions.py): policy_kl_error, js_divergence_error,
+    token_mult_prob_error (its gen_kl_error is kl_k3).
 
 All arithmetic is float64 whatever the input dtype: bf16/fp16 log-probs convert to float64
 exactly, so the numbers reported are the mismatch of the inputs, not rounding of the metric.
@@ -48,6 +50,9 @@ METRIC_KEYS = (
     "kl_k1",
     "kl_k2",
     "kl_k3",
+    "policy_kl_error",
+    "js_divergence_error",
+    "token_mult_prob_error",
     "ppl_train",
     "ppl_sampler",
     "ppl_ratio",
@@ -133,7 +138,12 @@ def mismatch_metrics(
     * ``logprob_abs_diff_{mean,max}`` = stats of |delta|.
     * ``prob_pearson`` = Pearson corr(p_train, p_sampler) over tokens (MiniMax-M1 2025).
     * ``kl_k1`` = mean(-delta), ``kl_k2`` = mean(delta^2 / 2), ``kl_k3`` = mean(r - 1 - delta):
-      Schulman's (2020) estimators of KL(pi_sampler || pi_train) from sampler draws.
+      Schulman's (2020) estimators of KL(pi_sampler || pi_train) from sampler draws (``kl_k3`` is NeMo-RL's
+      ``gen_kl_error``).
+    * NeMo-RL's: ``policy_kl_error`` = mean(1/r - 1 + delta), k3 with the sides swapped (on sampler draws it
+      estimates no KL exactly; NeMo-RL logs it as KL(pi_train || pi_sampler)); ``js_divergence_error`` = mean of
+      (k3(log p_train - log m) + k3(log p_sampler - log m)) / 2 with m = (p_train + p_sampler) / 2 the sampled
+      token's two probabilities' mean; ``token_mult_prob_error`` = mean exp|delta| (>= 1, 1 = no mismatch).
     * ``ppl_train`` = exp(-mean log pi_train), ``ppl_sampler`` = exp(-mean log pi_sampler),
       ``ppl_ratio`` = ppl_train / ppl_sampler (= exp(kl_k1)) (Liu et al. 2025).
     * ``chi2_token`` = mean((r - 1)^2), ``chi2_seq`` = mean_i((exp(S_i) - 1)^2): estimates of
@@ -168,6 +178,7 @@ def mismatch_metrics(
     seq = (lt - ls).sum(dim=1)[nonempty]  # padding is 0, so this sums response tokens only
     geo = seq / lengths[nonempty]
     ppl_train, ppl_sampler = (-t.mean()).exp(), (-s.mean()).exp()
+    log_m = torch.logaddexp(t, s) - math.log(2.0)  # log of the two probabilities' mean, without leaving log space
 
     stats = {
         "prob_abs_diff_mean": p_diff.mean(),
@@ -179,6 +190,9 @@ def mismatch_metrics(
         "kl_k1": k1(d).mean(),
         "kl_k2": k2(d).mean(),
         "kl_k3": k3(d).mean(),  # expm1 inside: r - 1 stays accurate when delta ~ 1e-8 (bf16 vs fp32)
+        "policy_kl_error": k3(-d).mean(),
+        "js_divergence_error": ((k3(t - log_m) + k3(s - log_m)) / 2).mean(),
+        "token_mult_prob_error": d.abs().exp().mean(),
         "ppl_train": ppl_train,
         "ppl_sampler": ppl_sampler,
         "ppl_ratio": ppl_train / ppl_sampler,

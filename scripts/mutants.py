@@ -229,6 +229,10 @@ MUTANTS = [
            [("rlmm/corrections/base.py", '"weight_ess": w.sum().square() / (kept.sum() * w.square().sum()),',
              '"weight_ess": r.where(kept, 0.0).sum().square() / (kept.sum() * r.where(kept, 0.0).square().sum()),')],
            tests=("tests/test_corrections_anchors.py",)),
+    Mutant("js_divergence_one_sided", "mismatch/js_divergence_error keeps only the trainer's half of the divergence",
+           [("rlmm/metrics.py", '"js_divergence_error": ((k3(t - log_m) + k3(s - log_m)) / 2).mean(),',
+             '"js_divergence_error": k3(t - log_m).mean(),')],
+           tests=("tests/test_corrections_anchors.py", "tests/test_metrics.py")),
 ]
 
 

@@ -362,3 +362,29 @@ def test_weight_std_and_ess_are_verls_rollout_is_std_and_eff_sample_size():
     assert out.metrics["weight_mean"] == pytest.approx(mean, rel=1e-7)
     assert out.metrics["weight_std"] == pytest.approx(std, rel=1e-6)
     assert out.metrics["weight_ess"] == pytest.approx(ess, rel=1e-7)
+
+
+# ---------------------------------------------------------------- the mismatch as NeMo-RL and verl log it
+
+# NeMo-RL's ClippedPGLossFn.__call__ (NVIDIA-NeMo/RL 7ea279abfbeb698b092856d0dab61e7cf39bc909,
+# nemo_rl/algorithms/loss/loss_functions.py: its lines from "# token_mult_prob_error" to the JS divergence, run as they
+# are with its own calculate_kl and masked_mean, reference_policy_kl_type "k3") with prev_logprobs pi_old and
+# generation_logprobs mu of the batch; and verl's pearson_correlation_coefficient (verl-project/verl
+# 1dda039b9c6311889a9c9a26040677e1254814f9, verl/utils/debug/metrics.py: rollout_actor_probs_pearson_corr) of exp(pi_old)
+# and exp(mu).
+NEMO_MISMATCH = {"token_mult_prob_error": 1.257602654580969, "kl_k3": 0.08181287038942346,  # NeMo's gen_kl_error
+                 "policy_kl_error": 0.04284067033171642, "js_divergence_error": 0.013671353029051082}
+VERL_PEARSON = 0.9677884215911451
+
+
+def test_mismatch_metrics_hold_nemo_rls_errors_and_verls_probability_correlation():
+    """NeMo-RL logs gen_kl_error = mean k3(delta) (rlmm's kl_k3), policy_kl_error = mean k3(-delta),
+    js_divergence_error = mean (k3(log p_train - log m) + k3(log p_sampler - log m)) / 2 with m the two probabilities'
+    mean, and token_mult_prob_error = mean exp|delta|; verl rollout_actor_probs_pearson_corr (rlmm's prob_pearson).
+    Figures: NeMo-RL at 7ea279abfbeb698b092856d0dab61e7cf39bc909, verl at 1dda039b9c6311889a9c9a26040677e1254814f9."""
+    from rlmm.metrics import mismatch_metrics
+
+    old, mu, _, _, mask = batch()
+    metrics = mismatch_metrics(old, mu, mask)
+    assert {k: metrics[k] for k in NEMO_MISMATCH} == pytest.approx(NEMO_MISMATCH, rel=1e-7)
+    assert metrics["prob_pearson"] == pytest.approx(VERL_PEARSON, rel=1e-12)

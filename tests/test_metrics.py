@@ -44,6 +44,13 @@ EXPECTED = {
     "kl_k1": LN2 / 3,
     "kl_k2": 5 * LN2**2 / 6,
     "kl_k3": (0.25 + LN2) / 3,
+    # NeMo-RL's: k3(-delta) = [1/2 - 1 + ln2, 0, 4 - 1 - 2ln2] -> (5/2 - ln2)/3
+    "policy_kl_error": (2.5 - LN2) / 3,
+    # per token (k3(log p_t/m) + k3(log p_s/m))/2 = ln(m / sqrt(p_t p_s)) (the two ratios to m average 1):
+    # m = 3/8 -> ln(9/8)/2, equal -> 0, m = 5/16 -> ln(25/16)/2; mean ln(225/128)/6
+    "js_divergence_error": math.log(225 / 128) / 6,
+    # exp|delta| = [2, 1, 4]
+    "token_mult_prob_error": 7 / 3,
     # ppl_train = exp((1 + 2 + 3) ln2 / 3) = 4; ppl_sampler = exp((2 + 2 + 1) ln2 / 3) = 2^(5/3)
     "ppl_train": 4.0,
     "ppl_sampler": 2 ** (5 / 3),
@@ -104,10 +111,10 @@ def test_identical_inputs():
     mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
     got = mismatch_metrics(lp, lp, mask)
     zeros = [k for k in METRIC_KEYS if "diff" in k or k.startswith(("kl_", "chi2", "seq_"))]
-    zeros += ["ratio_std", "frac_ratio_outside"]
+    zeros += ["ratio_std", "frac_ratio_outside", "policy_kl_error", "js_divergence_error"]
     assert all(got[k] == 0.0 for k in zeros), {k: got[k] for k in zeros}
     ones = ["prob_pearson", "ppl_ratio", "ratio_mean", "ratio_min", "ratio_max"]
-    assert all(got[k] == 1.0 for k in ones + ["ess_token", "ess_seq"])
+    assert all(got[k] == 1.0 for k in ones + ["ess_token", "ess_seq", "token_mult_prob_error"])
     assert got["ppl_train"] == got["ppl_sampler"]
     assert (got["num_tokens"], got["num_sequences"]) == (5, 2)
 
