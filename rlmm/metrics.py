@@ -36,7 +36,8 @@ import torch
 
 from rlmm.kl import k1, k2, k3
 
-__all__ = ["mismatch_metrics", "staleness_decomposition", "position_profile", "early_vs_late", "METRIC_KEYS"]
+__all__ = ["mismatch_metrics", "staleness_decomposition", "position_profile", "entropy_profile", "early_vs_late",
+           "METRIC_KEYS"]
 
 METRIC_KEYS = (
     "num_tokens",
@@ -311,6 +312,52 @@ def position_profile(
         "logprob_abs_diff_mean": abs_d,
         "prob_abs_diff_mean": abs_p,
         "kl_k3": kl,
+    }
+
+
+def entropy_profile(
+    train_logprobs: torch.Tensor,
+    sampler_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    entropy: torch.Tensor,
+    *,
+    edges: tuple[float, ...] = (0.1, 0.5, 1.0, 2.0),
+) -> dict[str, list]:
+    """Mismatch as a function of the token's entropy H_t (nats, ``[B, T]``: the policy's entropy at each response
+    position, e.g. the trainer's, rlmm/algos/entropy.py).
+
+    Buckets ``[0, e_1), [e_1, e_2), ..., [e_k, inf)`` for ``edges`` e_1 < ... < e_k (all > 0). Returns equal-length
+    lists ``bucket_start``, ``bucket_end`` (exclusive; ``inf`` for the last), ``num_tokens`` and per bucket the token
+    means ``logprob_abs_diff_mean`` = mean |delta|, ``kl_k3`` = mean(r - 1 - delta) (Schulman 2020) and ``ratio_std``
+    = the population std of r (the scale a ratio threshold acts on), with the conventions of :func:`mismatch_metrics`;
+    an empty bucket holds NaN with ``num_tokens`` 0. A token whose entropy is not finite is left out (counted in no
+    bucket). The argument for it: the natural scale of the ratio grows with the token's entropy, so one ratio
+    threshold for every token clips high-entropy tokens for their ordinary noise (arXiv 2607.22186, as issue 49 cites
+    it); this shows the scale per entropy band. Not an anchor's metric: it is checked against values worked out by
+    hand.
+    """
+    if not edges or any(not e > 0 for e in edges) or list(edges) != sorted(set(edges)):
+        raise ValueError(f"entropy_profile: edges must be increasing and > 0, got {list(edges)}")
+    lt, ls, m = _gather(train_logprobs, sampler_logprobs, mask)
+    h = entropy.detach().to(lt.device, torch.float64)
+    if h.shape != m.shape:
+        raise ValueError(f"entropy_profile: entropy has shape {tuple(h.shape)}, expected {tuple(m.shape)}")
+    counted = m & torch.isfinite(h)
+    d = (lt - ls)[counted]
+    bounds = torch.tensor(edges, dtype=torch.float64, device=d.device)
+    idx = torch.bucketize(h[counted], bounds, right=True)  # [0, e_1) -> 0, ..., [e_k, inf) -> k
+    r = d.exp()
+    per_token = torch.stack([torch.ones_like(d), d.abs(), k3(d), r, r * r])
+    sums = torch.zeros(5, len(edges) + 1, dtype=torch.float64, device=d.device).index_add_(1, idx, per_token)
+    means = sums[1:] / sums[0]  # 0 / 0 = NaN for an empty bucket
+    ratio_std = (means[3] - means[2].square()).clamp_min(0).sqrt()
+    return {
+        "bucket_start": [0.0, *map(float, edges)],
+        "bucket_end": [*map(float, edges), math.inf],
+        "num_tokens": sums[0].long().tolist(),
+        "logprob_abs_diff_mean": means[0].tolist(),
+        "kl_k3": means[1].tolist(),
+        "ratio_std": ratio_std.tolist(),
     }
 
 

@@ -233,6 +233,10 @@ MUTANTS = [
            [("rlmm/metrics.py", '"js_divergence_error": ((k3(t - log_m) + k3(s - log_m)) / 2).mean(),',
              '"js_divergence_error": k3(t - log_m).mean(),')],
            tests=("tests/test_corrections_anchors.py", "tests/test_metrics.py")),
+    Mutant("entropy_buckets_closed_on_the_right", "entropy_profile files a token on an edge in the bucket below it",
+           [("rlmm/metrics.py", "idx = torch.bucketize(h[counted], bounds, right=True)",
+             "idx = torch.bucketize(h[counted], bounds, right=False)")],
+           tests=("tests/test_metrics.py",)),
 ]
 
 

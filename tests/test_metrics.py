@@ -291,3 +291,26 @@ def test_early_vs_late_compares_the_same_long_responses():
     assert math.isnan(early_vs_late(train, sampler, mask & False, response_tokens=4, window=1)["early_kl_k3"])
     with pytest.raises(ValueError, match="2 \\* window <= response_tokens"):
         early_vs_late(train, sampler, mask, response_tokens=4, window=3)
+
+
+def test_entropy_profile_by_hand():
+    """Three tokens of the hand example with entropies 0.05, 0.7, 3.0 and a padded one at 0.3: with edges (0.1, 1.0)
+    each lands in its own bucket; |delta| = ln2, 0, 2ln2; k3 = 1 - ln2, 0, 1/4 - 1 + 2ln2; one token a bucket, so
+    ratio_std 0. With edges (0.5,) the last two share [0.5, inf): r = 1 and 1/4, std 3/8."""
+    from rlmm.metrics import entropy_profile
+
+    entropy = torch.tensor([[0.05, 0.7, 0.3], [3.0, math.nan, math.nan]], dtype=torch.float64)
+    got = entropy_profile(TRAIN, SAMPLER, MASK, entropy, edges=(0.1, 1.0))
+    assert got["bucket_start"] == [0.0, 0.1, 1.0] and got["bucket_end"] == [0.1, 1.0, math.inf]
+    assert got["num_tokens"] == [1, 1, 1]
+    assert got["logprob_abs_diff_mean"] == pytest.approx([LN2, 0.0, 2 * LN2])
+    assert got["kl_k3"] == pytest.approx([1 - LN2, 0.0, 0.25 - 1 + 2 * LN2])
+    assert got["ratio_std"] == pytest.approx([0.0, 0.0, 0.0], abs=1e-12)
+    two = entropy_profile(TRAIN, SAMPLER, MASK, entropy, edges=(0.5,))
+    assert two["num_tokens"] == [1, 2]
+    assert two["ratio_std"] == pytest.approx([0.0, 3 / 8])
+    empty = entropy_profile(TRAIN, SAMPLER, MASK, entropy, edges=(0.01, 0.02, 0.5))
+    assert empty["num_tokens"] == [0, 0, 1, 2] and math.isnan(empty["kl_k3"][0])
+    assert entropy_profile(TRAIN, SAMPLER, MASK, entropy, edges=(0.7,))["num_tokens"] == [1, 2]  # [0.7, inf) holds 0.7
+    with pytest.raises(ValueError, match="edges must be increasing and > 0"):
+        entropy_profile(TRAIN, SAMPLER, MASK, entropy, edges=(1.0, 0.5))
