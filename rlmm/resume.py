@@ -221,7 +221,15 @@ def check_train_dir(run_dir: Path, config: dict, world: int, resume: bool) -> No
     if not saved_config.exists():
         raise ResumeRefused(f"train.resume: {run_dir} holds a run's record but no config.yaml, so whether this is that "
                             f"run cannot be told: give this run another hydra.run.dir")
-    changed = differences(yaml.safe_load(saved_config.read_text()) or {}, config)
+    try:
+        saved = yaml.safe_load(saved_config.read_text(encoding="utf-8")) or {}
+        why = "not a mapping"
+    except (yaml.YAMLError, UnicodeDecodeError) as err:
+        saved, why = None, str(err).splitlines()[0]
+    if not isinstance(saved, dict):
+        raise ResumeRefused(f"train.resume: {saved_config} is not readable YAML ({why}), so whether this is that run "
+                            f"cannot be told: restore it, or give this run another hydra.run.dir")
+    changed = differences(saved, config)
     if changed:
         raise ResumeRefused(f"train.resume: {run_dir} holds a run with other settings ({listed(changed)}): resume it "
                             f"with its own settings, or give this run another hydra.run.dir")

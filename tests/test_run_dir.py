@@ -103,6 +103,17 @@ def test_a_finished_run_is_nothing_to_do_and_other_ranks_or_resume_false_or_no_c
         check_train_dir(no_config, CONFIG, world=1, resume=True)
 
 
+def test_a_run_directory_whose_config_yaml_does_not_read_is_refused_in_one_line(tmp_path):
+    """Issue 50, case 9: a corrupt config.yaml in the run directory ended in a YAML traceback."""
+    for name, content in (("garbage", b"seed: [0\n  train: {"), ("binary", b"\xff\xfe\x00seed"), ("list", b"- 1\n")):
+        run_dir = record(tmp_path / name)
+        (run_dir / "config.yaml").write_bytes(content)
+        with pytest.raises(ResumeRefused, match=rf"^train.resume: .*{name}/config.yaml is not readable YAML \(.+\), so "
+                                                rf"whether this is that run cannot be told: restore it, or give this run "
+                                                rf"another hydra.run.dir$"):
+            check_train_dir(run_dir, CONFIG, world=1, resume=True)
+
+
 def test_a_probe_and_a_training_run_never_share_a_directory(tmp_path):
     with pytest.raises(ResumeRefused, match=r"holds a training run's record \(steps.jsonl\): give the probe another"):
         check_probe_dir(record(tmp_path / "run"), CONFIG)
