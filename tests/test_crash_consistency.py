@@ -5,9 +5,13 @@ and no file outside the run directory changed.
 
 The default run tries a few points (a torn row of steps.jsonl, a checkpoint half written, the weight sync); the
 whole sweep (every point at every step, with staleness 1 and its batch in flight, the overlapped sampler whose
-process is killed instead, and the MoE model under routing replay) is `slow`: docs/testing.md has its figures.
+process is killed instead, and the MoE model under routing replay) is `slow`: docs/testing.md has its figures. So
+is the sweep of damage a user or a disk does to a killed run's directory (a torn or repeated middle row, flipped
+checkpoint bytes, the newest checkpoint removed) and Ctrl-C, each in every variant (issue 50; each damage's
+default check is in tests/test_damaged_runs.py).
 """
 import hashlib
+import shutil
 import signal
 import subprocess
 import sys
@@ -101,3 +105,50 @@ def test_a_run_killed_at_a_point_resumes_to_the_uninterrupted_records(straight_r
 @pytest.mark.parametrize("variant,point,n", every_point())
 def test_every_kill_point_resumes_to_the_uninterrupted_records(straight_runs, tmp_path, variant, point, n):
     assert_killed_run_resumes_to_the_straight_records(straight_runs, tmp_path, variant, point, n)
+
+
+# ---- damage, then the same command (issue 50): every variant, each damage -----------------------------------------
+
+def damage_then_resume(run_dir: Path, overrides: tuple, damage: str) -> None:
+    """Bring run_dir to the damaged state `damage` names; the run that makes it ends as expected."""
+    if damage == "sigint":  # Ctrl-C after step 1's row: a checkpoint of step 1 (the only one), exit 130
+        stopped = rlmm(run_dir, *overrides, "train.checkpoint_every=0", fault=("sigint", "record_written", 2))
+        assert stopped.returncode == 130, stopped.stdout[-2000:] + stopped.stderr[-3000:]
+        return
+    # SIGKILL after the last row, before its checkpoint: rows 0-3, checkpoints of steps 1 and 2
+    killed = rlmm(run_dir, *overrides, fault=("kill", "record_written", STEPS + 1))
+    assert killed.returncode == -signal.SIGKILL, killed.stdout[-2000:] + killed.stderr[-3000:]
+    steps, newest = run_dir / "steps.jsonl", run_dir / "checkpoints" / f"step-{STEPS - 1:06d}"
+    lines = steps.read_text().splitlines(keepends=True)
+    if damage == "torn_middle_row":  # step 2's row cut in half (a disk, an editor)
+        steps.write_text("".join([*lines[:2], lines[2][:len(lines[2]) // 2] + "\n", *lines[3:]]))
+    elif damage == "repeated_middle_row":  # step 2's row twice (a copy appended twice)
+        steps.write_text("".join([*lines[:3], lines[2], *lines[3:]]))
+    elif damage == "flipped_checkpoint":  # 4000 bytes of the newest checkpoint's weights inverted
+        data = bytearray((newest / "model.safetensors").read_bytes())
+        middle = len(data) // 2
+        data[middle:middle + 4000] = bytes(b ^ 0xFF for b in data[middle:middle + 4000])
+        (newest / "model.safetensors").write_bytes(bytes(data))
+    elif damage == "newest_checkpoint_removed":  # by hand, `latest` still naming it
+        shutil.rmtree(newest)
+    else:
+        raise ValueError(damage)
+
+
+DAMAGES = ("torn_middle_row", "repeated_middle_row", "flipped_checkpoint", "newest_checkpoint_removed", "sigint")
+
+
+@pytest.mark.slow  # 20 damaged runs x two runs of seconds each (docs/testing.md); each damage's default check:
+@pytest.mark.parametrize("variant", VARIANTS)  # tests/test_damaged_runs.py
+@pytest.mark.parametrize("damage", DAMAGES)
+def test_every_damage_resumes_to_the_uninterrupted_records(straight_runs, tmp_path, variant, damage):
+    overrides = (*BASE, *VARIANTS[variant])
+    run_dir = tmp_path / "run"
+    damage_then_resume(run_dir, overrides, damage)
+    resumed = rlmm(run_dir, *overrides)
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-3000:]
+    rows = read_steps(run_dir)
+    assert [row["step"] for row in rows] == list(range(STEPS + 1))
+    assert len((run_dir / "steps.jsonl").read_text().splitlines()) == STEPS + 1
+    assert comparable(rows) == comparable(straight_runs(variant))
+    assert (run_dir / "summary.json").exists()
