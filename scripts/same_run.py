@@ -28,7 +28,8 @@ def differences(before: list[dict], after: list[dict]) -> list[str]:
     found = []
     if len(before) != len(after):
         found.append(f"{len(before)} steps before, {len(after)} after")
-    for number, (old, new) in enumerate(zip(before, after), start=1):
+    for old, new in zip(before, after):
+        number = old["step"]
         for key in sorted((old.keys() | new.keys())):
             if is_timing(key):
                 continue

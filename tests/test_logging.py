@@ -14,11 +14,11 @@ def test_redact_hides_credentials_only():
 
 def test_record_is_readable_after_a_torn_line(tmp_path):
     record = RunRecord(tmp_path, {"seed": 0, "logger": {"api_key": "k"}})
-    record.log({"loss/loss": 1.0, "nan": float("nan")}, step=1)
-    record.log({"loss/loss": 0.5}, step=2)
+    record.log({"loss/loss": 1.0, "nan": float("nan")}, step=0)
+    record.log({"loss/loss": 0.5}, step=1)
     record.close()
     with open(tmp_path / "steps.jsonl", "a") as f:
-        f.write('{"step": 3, "loss/lo')  # a job killed mid-write
-    assert [r["step"] for r in read_steps(tmp_path)] == [1, 2]
+        f.write('{"step": 2, "loss/lo')  # a job killed mid-write
+    assert [r["step"] for r in read_steps(tmp_path)] == [0, 1]
     assert read_steps(tmp_path)[0]["nan"] is None
     assert "api_key: <redacted>" in (tmp_path / "config.yaml").read_text()
