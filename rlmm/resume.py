@@ -73,14 +73,38 @@ def leaves(tree, prefix: str = "") -> dict[str, object]:
     return flat or {prefix: {}}
 
 
-def differences(saved: dict, current: dict) -> list[str]:
-    """`key=saved there, current here` for every leaf that differs, keys of MAY_DIFFER aside."""
+def groups_added_since(saved: dict, current: dict, app: str) -> tuple[str, ...]:
+    """The config groups `current` has and the saved run's config lacks altogether (an axis rlmm gained after the run
+    was written, e.g. `support=`) where this run has the app's default option as its YAML writes it: what the saved
+    run computed too, so no difference."""
+    from omegaconf import OmegaConf
+
+    from rlmm.config import CONF_DIR, option_node
+
+    defaults = {}
+    for entry in OmegaConf.to_container(OmegaConf.load(CONF_DIR / f"{app}.yaml")).get("defaults", []):
+        if isinstance(entry, dict):
+            defaults.update({k: v for k, v in entry.items() if isinstance(v, str)})
+    added = []
+    for group, option in current.get("choices", {}).items():
+        if group in saved or group in saved.get("choices", {}) or defaults.get(group) != option:
+            continue
+        if OmegaConf.to_container(option_node(group, option)) == current.get(group):
+            added.append(group)
+    return tuple(added)
+
+
+def differences(saved: dict, current: dict, app: str = "train") -> list[str]:
+    """`key=saved there, current here` for every leaf that differs, keys of MAY_DIFFER and groups added since the
+    run was written at their default (`groups_added_since`) aside."""
     # Through YAML, as config.yaml was written: 1e-3 and tuples come back as what the file holds.
     old, new = leaves(yaml.safe_load(yaml.safe_dump(saved))), leaves(yaml.safe_load(yaml.safe_dump(current)))
+    skipped = MAY_DIFFER + tuple(name for group in groups_added_since(saved, current, app)
+                                 for name in (group, f"choices.{group}"))
     shown = []
     for key in sorted(old.keys() | new.keys()):
         name = key.rstrip(".")
-        if any(name == allowed or name.startswith(allowed + ".") for allowed in MAY_DIFFER):
+        if any(name == allowed or name.startswith(allowed + ".") for allowed in skipped):
             continue
         missing = "(not set)"
         if old.get(key, missing) != new.get(key, missing):
@@ -255,7 +279,7 @@ def check_probe_dir(run_dir: Path, config: dict) -> None:
     except json.JSONDecodeError:
         raise ResumeRefused(f"hydra.run.dir: {record} is not readable JSON: give the probe another hydra.run.dir, or "
                             f"remove it") from None
-    changed = differences({"choices": saved.get("choices", {}), **saved.get("config", {})}, config)
+    changed = differences({"choices": saved.get("choices", {}), **saved.get("config", {})}, config, app="probe")
     if changed:
         raise ResumeRefused(f"hydra.run.dir: {run_dir} holds a probe with other settings ({listed(changed)}): give "
                             f"this probe "

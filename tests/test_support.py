@@ -195,3 +195,22 @@ def test_top_p_trains_every_step_and_measures_the_truncation(tmp_path):
                                                                     rel=1e-4) for s in steps)
     assert sum(s["support/frac_outside_trainer_set"] for s in steps) > 0  # the event the old code skipped on
     assert "bad step skipped" not in result.stderr + result.stdout
+
+
+def test_a_run_written_before_the_support_axis_resumes_at_its_default():
+    """A run directory from before `support=` existed has no `support` in its config.yaml: resuming it with the
+    default support (what it computed) is no difference; with another support, or another max_kept, it is."""
+    from omegaconf import OmegaConf
+
+    from rlmm.config import option_node
+    from rlmm.resume import differences
+
+    def config(option: str, **values):
+        return {"choices": {"model": "tiny", "support": option}, "seed": 0,
+                "support": {**OmegaConf.to_container(option_node("support", option)), **values}}
+
+    before = {"choices": {"model": "tiny"}, "seed": 0}
+    assert differences(before, config("sampler")) == []
+    assert "choices.support=(not set) there, full here" in differences(before, config("full"))
+    assert "support.max_kept=(not set) there, 7 here" in differences(before, config("sampler", max_kept=7))
+    assert differences({**before, "seed": 1}, config("sampler")) == ["seed=1 there, 0 here"]
