@@ -10,8 +10,9 @@ the same with `sampling.top_p=1.0 support=sampler` (no truncation: every support
    table, statsmodels' `multipletests`) of each support from support=sampler with the same correction, of TIS from
    none with the same support, and of each truncated arm from no truncation with the same correction.
 2. The bias per arm (steps.jsonl, the run's mean over steps 1..N): the trainer's mass S on the sampler's kept set
-   (mean log S, the bias `full` carries), the signed and absolute sampler-vs-trainer gap the run trained on
-   (mismatch/logprob_diff_mean, _abs_diff_mean), the share of sampled tokens outside the trainer's own set, and
+   (mean log S, the bias `full` carries), the signed gap log π − log μ with the trainer normalised over the
+   vocabulary and over K_S (support/full/, support/sampler_set/logprob_diff_mean), the absolute gap the run trained
+   on (mismatch/logprob_abs_diff_mean), the share of sampled tokens outside the trainer's own set, and
    with TIS the mean weight it gave a token (`correction/weight_mean`: TRL #6789's "share of the gradient kept").
 Writes sampling_truncation.png beside SWEEP: the gap over the steps per support, and the accuracy bars.
 """
@@ -32,7 +33,8 @@ from rlmm.table.paired import difference_stats
 ACCURACY = {"eval_accuracy_trained_end": "trained weights", "eval_accuracy_end": "deployed sampler"}
 PER_STEP = {"support/log_kept_mass_sampler_set": "mean log S", "support/kept_mass_sampler_set": "S",
             "support/kept_size_sampler": "|K_S|", "support/frac_outside_trainer_set": "outside K_T",
-            "mismatch/logprob_diff_mean": "mean δ", "mismatch/logprob_abs_diff_mean": "mean |δ|",
+            "support/full/logprob_diff_mean": "δ over V", "support/sampler_set/logprob_diff_mean": "δ over K_S",
+            "mismatch/logprob_abs_diff_mean": "mean |δ| trained on",
             "mismatch/kl_k3": "KL k3", "correction/weight_mean": "TIS weight", "loss/entropy": "entropy"}
 SUPPORTS = ("sampler", "trainer", "full")
 
