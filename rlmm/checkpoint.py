@@ -3,7 +3,9 @@
     <run dir>/checkpoints/step-000040/model.safetensors  full weights (Hugging Face names), from rank 0
     <run dir>/checkpoints/step-000040/rank0.pt, rank1.pt  per rank: trainer state (optimizer, ZeRO partition,
                                                           LR schedule, step counters), torch's RNG state and,
-                                                          with train.staleness, the rank's rollouts in flight
+                                                          with train.staleness, the rank's rollouts in flight,
+                                                          and a correction's state where it carries one (a
+                                                          learning-rate decay: `Correction.state_dict`)
     <run dir>/checkpoints/step-000040/shards/            the states' sharded tensors (DTensors: FSDP's optimizer
                                                           moments), written by `torch.distributed.checkpoint`,
                                                           each rank its own shard
@@ -37,6 +39,7 @@ from pathlib import Path
 import torch
 
 from rlmm.checksums import write_sums
+from rlmm.corrections.base import Correction
 from rlmm.critic import NoCritic
 from rlmm.disk import writing
 from rlmm.interfaces import Critic
@@ -82,12 +85,12 @@ def to_resume(run_dir: str | Path) -> Path | None:
 
 
 def save(run_dir: str | Path, step: int, trainer, sampler, critic: Critic = NoCritic(), keep: int = 2,
-         loop: dict | None = None, rollouts: dict | None = None) -> Path:
+         loop: dict | None = None, rollouts: dict | None = None, correction: Correction = Correction()) -> Path:
     """Write a checkpoint of step `step` (every rank calls this together); keep the newest `keep`. `loop`: the
     training loop's own state (JSON: bad-step counts, the monitor's detectors), back as state.json's "loop".
     `rollouts`: this rank's rollouts in flight (`RolloutSource.state_dict()`: tensors and plain values, in its
     rankN.pt; {} or None writes nothing), back as `load`'s "rollouts". A critic with no weights and no state
-    (`NoCritic`) writes nothing."""
+    (`NoCritic`) writes nothing, nor does a correction with no state (`state_dict()` {}: all but a decay's)."""
     from safetensors.torch import save_file
 
     rank, world = _rank_and_world()
@@ -108,7 +111,8 @@ def save(run_dir: str | Path, step: int, trainer, sampler, critic: Critic = NoCr
                           partial / CRITIC_WEIGHTS)
     _barrier()
     rank_state, shards = split_sharded({"trainer": trainer.checkpoint_state(), "torch_rng": torch.get_rng_state(),
-                                        **critic_entry(critic), **({"rollouts": rollouts} if rollouts else {})})
+                                        **critic_entry(critic), **({"rollouts": rollouts} if rollouts else {}),
+                                        **({"correction": state} if (state := correction.state_dict()) else {})})
     with writing(partial):
         if shards:  # a collective: every rank of a sharded trainer has them (its metadata names files relative to it)
             import torch.distributed.checkpoint as dcp
@@ -147,9 +151,10 @@ def remove_partial(run_dir: str | Path) -> None:
         shutil.rmtree(partial, ignore_errors=True)
 
 
-def load(path: Path, trainer, sampler, critic: Critic = NoCritic()) -> dict:
-    """Restore trainer, sampler, critic and RNG from checkpoint `path`; returns its state.json, with this rank's
-    rollouts in flight under "rollouts" (None when it holds none)."""
+def load(path: Path, trainer, sampler, critic: Critic = NoCritic(), correction: Correction = Correction()) -> dict:
+    """Restore trainer, sampler, critic, the correction's state (where the checkpoint holds one) and RNG from
+    checkpoint `path`; returns its state.json, with this rank's rollouts in flight under "rollouts" (None when it
+    holds none)."""
     from safetensors.torch import load_file
 
     rank, world = _rank_and_world()
@@ -177,6 +182,8 @@ def load(path: Path, trainer, sampler, critic: Critic = NoCritic()) -> dict:
     trainer.load_checkpoint(weights, [s["trainer"] for s in rank_states])
     if "critic" in fresh:
         critic.load_checkpoint(read(path / CRITIC_WEIGHTS, load_file), [s["critic"] for s in rank_states])
+    if "correction" in rank_states[rank]:
+        correction.load_state_dict(rank_states[rank]["correction"])
     torch.set_rng_state(rank_states[rank]["torch_rng"])
     sampler.calls = state["sampler_calls"]
     sampler.load_weights(trainer.state_dict())

@@ -6,10 +6,12 @@ Each config group's options are classes that satisfy one of these (structurally:
 - `Sampler` (`sampler=`): rollouts and their log-probs from the inference engine (rlmm/samplers/base.py).
 - `Trainer` (`trainer=`): the training engine: scores rollouts, takes minibatch updates, hands its weights
   to the sampler, saves and restores its state.
-- `Correction` (`correction=`): a class with two places to act, both the identity unless overridden
+- `Correction` (`correction=`): a class with three places to act, each the identity unless overridden
   (rlmm/corrections/base.py): once per batch (`before_update`: the sampler's and the trainer's log-probs and the
-  advantages in, old log-probs / weights / mask out) and in each micro-batch of the update (`in_update`: the
-  current policy's log-probs in, a weight, a mask and a penalty out).
+  advantages in, old log-probs / weights / mask out), in each micro-batch of the update (`in_update`: the
+  current policy's log-probs in, a weight, a mask and a penalty out), and on the step's learning rate
+  (`step_size`: the batch in, a factor on this step's rate out; with `state_dict` / `load_state_dict` for what it
+  carries from step to step).
 - `Algorithm` (`algo=`): advantages from rewards and the policy loss of one micro-batch; one with a critic
   (`critic` set: PPO) is also a `ValueLoss`.
 - `Critic`: the value model an algorithm with `critic` set trains beside the policy (rlmm/critic.py::
@@ -45,6 +47,10 @@ class MinibatchUpdate(Protocol):
 
     def forward(self, micro_batch: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """[b, T] log π and entropy of the micro-batch's response tokens, differentiable."""
+        ...
+
+    def scale_lr(self, factor: float) -> None:
+        """This step's learning rate is the schedule's times `factor` (a correction's `step_size`); before `backward`."""
         ...
 
     def backward(self, loss: torch.Tensor) -> None:

@@ -1,8 +1,8 @@
 """One RL step, top to bottom (`rl_step`: `SampledBatch.now`, then `rl_update`), over the interfaces of
 rlmm/interfaces.py:
 
-    sample -> reward -> score (π_old by the trainer) -> mismatch -> correct -> advantages
-    -> for epoch, minibatch: for micro-batch: forward, loss, backward; step
+    sample -> reward -> score (π_old by the trainer) -> mismatch -> correct (and its step size) -> advantages
+    -> for epoch, minibatch: for micro-batch: forward, loss, backward; step (at the corrected rate)
     -> weight sync trainer -> sampler -> metrics
 
 Each stage hands the next a typed value (`SampledBatch`, then `OldPolicy`), not a dict filled by callbacks,
@@ -35,7 +35,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from rlmm.collectives import any_rank, divisor_over_ranks, gathered_over_ranks, own_rows, rows_of_every_rank
+from rlmm.collectives import (all_reduce_min, any_rank, divisor_over_ranks, gathered_over_ranks, own_rows,
+                               rows_of_every_rank)
 from rlmm.components import Components
 from rlmm.corrections.base import BatchView, CorrectionOutput, MicroBatchView
 from rlmm.loss_stats import PolicyLossStats, combined_metrics
@@ -69,6 +70,7 @@ class OldPolicy:
     advantages: torch.Tensor
     mismatch: dict[str, float]  # sampler vs trainer (rlmm/metrics.py), logged under mismatch/
     correction_metrics: dict[str, float]  # logged under correction/
+    lr_scale: float  # the correction's factor on this step's learning rate (`step_size`), the same on every rank
     nonfinite: dict[str, float]  # fraction of each side's response log-probs that are NaN/Inf
     fault: str | None  # why the step must be skipped (NaN/Inf rewards or log-probs on any rank), or None
 
@@ -86,13 +88,17 @@ class OldPolicy:
         # trains on its own rows of the result.
         every = rows_of_every_rank(trainer_logprobs, sampler_logprobs, mask, advantages)
         corrected: CorrectionOutput = correction.before_update(BatchView(*every))
+        # Its factor on this step's learning rate, from the same batch; the ranks step with their smallest (one).
+        size = correction.step_size(BatchView(*every))
+        lr_scale = all_reduce_min(torch.tensor([size.scale], dtype=torch.float64)).item()
         mine = own_rows(*mask.shape)
         nonfinite = {side: 1 - torch.isfinite(lp[every[2]]).float().mean().item()
                      for side, lp in (("trainer", every[0]), ("sampler", every[1]))}
         mismatch = mismatch_metrics(*every[:3], ratio_cap=ratio_cap)
         return cls(logprobs=mine(corrected.old_logprobs), weights=mine(corrected.weights), mask=mine(corrected.mask),
                    trainer_logprobs=trainer_logprobs, sampler_logprobs=sampler_logprobs, advantages=advantages,
-                   mismatch=mismatch, correction_metrics=corrected.metrics, nonfinite=nonfinite, fault=fault)
+                   mismatch=mismatch, correction_metrics=corrected.metrics | size.metrics, lr_scale=lr_scale,
+                   nonfinite=nonfinite, fault=fault)
 
     def micro_batch(self, rows: list[int], logprobs: torch.Tensor) -> MicroBatchView:
         """What the correction sees of one micro-batch inside the update: its rows cut to the width of the
@@ -202,6 +208,7 @@ def rl_update(c: Components, batch: SampledBatch, ratio_cap: float, reuse_traini
                 if not train_policy:
                     continue
                 update = first_update or trainer.begin_update(trained, rows)
+                update.scale_lr(old.lr_scale)  # before any backward: DeepSpeed steps inside the last one
                 normalizer = loss_normalizer_over_ranks(algo, old.mask[rows], response_mask[rows], max_length)
                 parts = []
                 for i, micro in enumerate(update.micro_batches):

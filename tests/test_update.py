@@ -41,7 +41,8 @@ CORRECTIONS = sorted(p.stem for p in (CONF_DIR / "correction").glob("*.yaml"))
 # so that each masking correction keeps some tokens and drops others.
 TEST_SETTINGS = {"icepop": {"low": 0.97, "high": 1.03}, "mis": {"high": 1.03}, "seq_mis": {"cap": 1.05},
                  "geo_rs": {"low": 0.97, "high": 1.03}, "token_rs": {"low": 0.97, "high": 1.03},
-                 "seq_veto": {"threshold": 0.002}, "m2po": {"threshold": 0.001}, "tv_trust": {"eps": 0.01}}
+                 "seq_veto": {"threshold": 0.002}, "m2po": {"threshold": 0.001}, "tv_trust": {"eps": 0.01},
+                 "vcpo": {"power": 100.0}}  # ESS/B is ~0.9987 here: raised to the 100th, a step ~0.87 of the rate
 MASKING = ("icepop", "mis", "seq_mis", "geo_rs", "kl_rs", "token_rs", "seq_veto", "m2po")
 MASKING_IN_UPDATE = ("opsm", "tv_trust")  # drop tokens once π_θ is known, in each micro-batch
 
@@ -253,8 +254,9 @@ def test_step_equals_the_hand_computed_sgd_step(small_model_path, arithmetic_tas
 def test_each_correction_moves_the_weights_as_its_output_implies(small_model_path, arithmetic_task, tmp_path, name):
     """A fresh trainer per correction: the update is the surrogate's SGD step under that correction's own
     old log-probs, weights and mask, and inside the update its own weights, mask and penalty on π_θ (one step on
-    one minibatch: π_θ is π_old at the forward) (a correction whose weights never reach the loss fails here)."""
-    from rlmm.corrections.base import MicroBatchView
+    one minibatch: π_θ is π_old at the forward), at the learning rate times its step size (a fresh instance's, on
+    the same batch) (a correction whose weights or step size never reach the update fails here)."""
+    from rlmm.corrections.base import BatchView, MicroBatchView
 
     fix = correction(name)
     metrics, change, ref = check_step(small_model_path, arithmetic_task, tmp_path, "torch", fix, True)
@@ -269,12 +271,57 @@ def test_each_correction_moves_the_weights_as_its_output_implies(small_model_pat
     if name in MASKING_IN_UPDATE:
         dropped = metrics["correction/frac_tokens_dropped"]
         assert 0 < dropped < 1 and dropped == pytest.approx(1 - (inside.mask.sum() / expected.mask.sum()).item())
+    size = correction(name).step_size(BatchView(ref.train_logprobs, ref.sampler_logprobs, ref.mask, advantages))
+    assert metrics.get("correction/lr_scale", 1.0) == pytest.approx(size.scale, rel=1e-6)
+    if name == "vcpo":  # VCPO's factor is far enough from 1 for an update that ignored it to fail below
+        assert size.scale < 0.95, size
     rows = list(range(len(ref.rollouts)))
     expected_change = ref.sgd_step(ref.surrogate(rows, expected.old_logprobs, expected.weights * inside.weights,
                                                  expected.mask & inside.mask, counted=expected.mask,
-                                                 penalty=inside.penalty))
+                                                 penalty=inside.penalty), lr=size.scale)
     assert max(v.abs().max().item() for v in expected_change.values()) > 0
     assert relative_error(change, expected_change) < 1e-3, name
+
+
+class FixedStepSize(Correction):
+    """The identity, but for a step size of `scale`: what the trainers do with a correction's factor alone."""
+
+    def __init__(self, scale: float):
+        self.scale = scale
+
+    def step_size(self, batch):
+        from rlmm.corrections.base import StepSize
+
+        return StepSize(scale=self.scale, metrics={"lr_scale": self.scale})
+
+
+@pytest.mark.parametrize("backend,reuse_training_forward", [("torch", True), ("deepspeed", True),
+                                                            ("deepspeed", False), ("fsdp", True)],
+                         ids=["torch-one_pass", "deepspeed-one_pass", "deepspeed-scored_first", "fsdp-one_pass"])
+def test_the_optimizer_step_is_scaled_by_exactly_the_declared_factor(small_model_path, arithmetic_task, tmp_path,
+                                                                    backend, reuse_training_forward):
+    """SGD at lr 1: a correction declaring a step size of 0.37 moves every weight by 0.37 of the identity's move on
+    the same rollouts (DeepSpeed steps inside the last backward: the factor is set before it, the one-pass update
+    begun before the correction was asked); `loss/lr` is the rate used, `correction/lr_scale` the factor; the
+    schedule's own rate is left for the next step."""
+    moves, logged = {}, {}
+    for scale in (1.0, 0.37):
+        trainer = sgd_trainer(backend, small_model_path, tmp_path)
+        c = components(small_model_path, arithmetic_task, trainer, FixedStepSize(scale))
+        try:
+            before = weights_of(trainer)
+            logged[scale] = rl_step(c, arithmetic_task.examples("train", 4), ratio_cap=2.0,
+                                    reuse_training_forward=reuse_training_forward)
+            moves[scale] = {k: v - before[k] for k, v in weights_of(trainer).items()}
+            groups = trainer.engine.optimizer.param_groups if backend == "deepspeed" else trainer.optimizer.param_groups
+            assert groups[0]["lr"] == 1.0  # the rate is the schedule's again after the step
+        finally:
+            trainer.close()
+            c.sampler.close()
+    assert max(v.abs().max().item() for v in moves[1.0].values()) > 0
+    assert relative_error(moves[0.37], {k: 0.37 * v for k, v in moves[1.0].items()}) < 1e-5
+    assert logged[0.37]["loss/lr"] == pytest.approx(0.37 * logged[1.0]["loss/lr"], rel=1e-12)
+    assert logged[0.37]["correction/lr_scale"] == 0.37
 
 
 class ScaledAndMasked(Correction):

@@ -7,8 +7,8 @@ that trains on them. It sees three policies on the step's sampled tokens (docs/c
 * ``log pi_old``, the trainer's recomputation before the update (``trainer_logprobs``: the proximal policy),
 * ``log pi_theta``, the current policy of each micro-batch inside the update (``logprobs``, detached),
 
-and the advantages. It can act in two places, each a method of its class (`Correction` gives both as the identity,
-so a method overrides only where it acts; the RL step calls both for every correction, never asking which):
+and the advantages. It can act in three places, each a method of its class (`Correction` gives each as the identity,
+so a method overrides only where it acts; the RL step calls all three for every correction, never asking which):
 
 * ``before_update(batch: BatchView) -> CorrectionOutput``: once per batch, on every rank's rows (the whole batch,
   as one rank would see it): which log-probs play pi_old in PPO's ratio, a detached per-token weight, the tokens
@@ -16,7 +16,13 @@ so a method overrides only where it acts; the RL step calls both for every corre
   the self-normalisation of the weights);
 * ``in_update(micro: MicroBatchView) -> InUpdate``: each micro-batch of every epoch and minibatch, once pi_theta
   is known: a weight and a mask on top of the batch's, an optional penalty on log pi_theta, and token counts
-  logged as ratios summed over the step (OPSM, DPPO's TV trust region).
+  logged as ratios summed over the step (OPSM, DPPO's TV trust region);
+* ``step_size(batch: BatchView) -> StepSize``: once per batch, after ``before_update``, on the same view: a factor
+  on the learning rate of this RL step's optimizer steps (the schedule's rate times it, the schedule itself
+  untouched) and its metrics (VCPO's effective-sample-size scaling, a mismatch-triggered decay). The identity is
+  1.0 and no metric, so a method that does not act here changes no bit of a run. A method whose factor depends on
+  the steps before (a decay) keeps that in ``state_dict()`` / ``load_state_dict()``, saved with the checkpoint
+  (rlmm/checkpoint.py); the others have none ({}).
 
 Everything in the batch stage is a function of delta = log pi_old - log pi_sampler (see rlmm/metrics.py): the token
 ratio r_t = exp(delta_t), the sequence log-ratio S_i = sum_t delta_t and the geometric-mean log-ratio S_i / |y_i|.
@@ -42,7 +48,7 @@ from typing import ClassVar, Literal
 import torch
 
 __all__ = ["BatchView", "Correction", "CorrectionOutput", "InUpdate", "METRIC_KEYS", "MicroBatchView",
-           "OldPolicyChoice", "log_ratios", "finish", "masked_mean", "masked_max", "masked_min"]
+           "OldPolicyChoice", "StepSize", "log_ratios", "finish", "masked_mean", "masked_max", "masked_min"]
 
 # Which log-probs a method's weights assume as PPO's pi_old: the trainer's recomputation (the importance weight
 # pi_old / mu corrects the samples towards it), the sampler's (pi_old := mu: bypass, DPPO's trust region), or no
@@ -133,9 +139,22 @@ class InUpdate:
     counts: dict[str, tuple[float, float]] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class StepSize:
+    """What a correction does to the step size, once per batch: ``scale`` multiplies the learning rate of this RL
+    step's optimizer steps (every epoch's and minibatch's; the schedule's own rate is untouched, the next step
+    starts from it again), finite and >= 0; ``metrics`` are logged under ``correction/<key>`` beside the batch
+    stage's (none for the identity, so a run without such a method logs what it always has). The RL step agrees
+    the scale over the ranks (their smallest) before any rank steps."""
+
+    scale: float = 1.0
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
 class Correction:
-    """The base of every correction: the identity in both places (pi_old the trainer's, weight 1, nothing dropped).
-    A method overrides `before_update`, `in_update` or both; calling it, ``correction(train_logprobs,
+    """The base of every correction: the identity in every place (pi_old the trainer's, weight 1, nothing dropped,
+    the step size as the schedule has it, no state).
+    A method overrides `before_update`, `in_update`, `step_size` or several; calling it, ``correction(train_logprobs,
     sampler_logprobs, mask[, advantages])``, runs `before_update` on a batch of one rank (tests, scripts).
 
     `old_policy`: which pi_old the method's weights assume (`OldPolicyChoice`); the batch stage's `old_logprobs`
@@ -154,6 +173,16 @@ class Correction:
 
     def in_update(self, micro: MicroBatchView) -> InUpdate:
         return InUpdate(weights=torch.ones_like(micro.weights), mask=micro.mask)
+
+    def step_size(self, batch: BatchView) -> StepSize:
+        return StepSize()
+
+    def state_dict(self) -> dict:
+        """What the method carries from step to step (plain ints and floats), saved with a checkpoint; {} for none."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what `state_dict` returned (a resumed run continues as the uninterrupted one)."""
 
     def __call__(self, train_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, mask: torch.Tensor,
                  advantages: torch.Tensor | None = None) -> CorrectionOutput:

@@ -43,7 +43,8 @@ class OnCurrentPolicy(Correction):
         stages: correction option -> the parameters that differ from conf/correction/<option>.yaml ({} for none),
             run in order on (pi_theta, mu) inside the update: ``correction.stages.seq_tis.cap=3``; Hydra adds and
             removes one with ``+correction.stages.geo_rs={low:0.5,high:2}``, ``~correction.stages.seq_tis``. Batch
-            stages only (one that acts inside the update is refused: its own in_update would never run).
+            stages only (one that acts inside the update or on the step size is refused: its own in_update or
+            step_size would never run).
     """
 
     old_policy = "sampler"
@@ -76,4 +77,7 @@ def stage(option: str, values: Mapping[str, Any]) -> Correction:
     if type(built).in_update is not Correction.in_update:
         raise ValueError(f"{where}: acts inside the update ({type(built).__name__}.in_update); bypass_is runs "
                          "batch stages on pi_theta")
+    if type(built).step_size is not Correction.step_size:
+        raise ValueError(f"{where}: acts on the step size ({type(built).__name__}.step_size), which bypass_is's "
+                         "stages never reach; stack it outside: correction=bypass_is+" + option)
     return built

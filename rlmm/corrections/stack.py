@@ -6,8 +6,8 @@ from collections.abc import Mapping
 
 import torch
 
-from rlmm.corrections.base import (BatchView, Correction, CorrectionOutput, InUpdate, MicroBatchView, finish,
-                                   log_ratios)
+from rlmm.corrections.base import (BatchView, Correction, CorrectionOutput, InUpdate, MicroBatchView, StepSize,
+                                   finish, log_ratios)
 
 SEPARATOR = "+"
 RAW_RATIOS = ("ratio_mean", "ratio_min", "ratio_max", "seq_ratio_max")  # METRIC_KEYS before any weight or mask
@@ -23,7 +23,10 @@ class Stack(Correction):
     pi_old is the one the stages' `old_policy` names (the trainer's when none names one); two stages naming
     different ones, or two importance-weighting stages (their product would count the ratio twice), are refused
     when the stack is built, before any engine starts. Inside the update the stages' `in_update` are chained the
-    same way: weights multiplied, masks ANDed, penalties added.
+    same way: weights multiplied, masks ANDed, penalties added. The step size is the product of the stages'
+    factors, each stage seeing the stack's own batch (``correction=tis+vcpo``: TIS's weights, VCPO's step); a
+    stack with a stage that acts there logs the product as ``correction/lr_scale`` beside each stage's
+    ``correction/<stage>/<key>``. Its state is each stage's, by name.
 
     Each stage's metrics (but the raw ratios, the same for every stage) are logged under ``correction/<stage>/<key>``,
     the shared ones (rlmm/corrections/base.py's
@@ -90,6 +93,25 @@ class Stack(Correction):
         whole = finish(old_logprobs=old, weights=weights, keep=mask, delta=delta, mask=response)
         whole.metrics.update(metrics)
         return whole
+
+    def step_size(self, batch: BatchView) -> StepSize:
+        scale, metrics = 1.0, {}
+        for name, stage in self.stages.items():
+            size = stage.step_size(batch)
+            scale *= size.scale
+            metrics.update({f"{name}/{key}": value for key, value in size.metrics.items()})
+        return StepSize(scale=scale, metrics={"lr_scale": scale, **metrics} if metrics else {})
+
+    def state_dict(self) -> dict:
+        return {name: state for name, stage in self.stages.items() if (state := stage.state_dict())}
+
+    def load_state_dict(self, state: dict) -> None:
+        unknown = sorted(set(state) - set(self.stages))
+        if unknown:
+            raise ValueError(f"correction={SEPARATOR.join(self.stages)}: the saved state has a stage '{unknown[0]}' "
+                             "this stack lacks")
+        for name, saved in state.items():
+            self.stages[name].load_state_dict(saved)
 
     def in_update(self, micro: MicroBatchView) -> InUpdate:
         mask, weights, penalties, counts = micro.mask, micro.weights, [], {}

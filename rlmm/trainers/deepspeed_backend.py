@@ -28,7 +28,7 @@ from rlmm.trainers.deepspeed_internals import (checkpoint_types, current_loss_sc
                                                no_backward_allreduce, skip_at_min_scale)
 from rlmm.trainers.deepspeed_ops import prepare_jit_ops
 from rlmm.trainers.deepspeed_skip import BadStep
-from rlmm.trainers.optim import linear_warmup
+from rlmm.trainers.optim import linear_warmup, scaled_lr
 from rlmm.trainers.memory import ActivationBudget, optimizer_state_bytes, prepare_for_training
 from rlmm.trainers.packing import Batch, MicroBatching, use_varlen_attention
 from rlmm.trainers.scoring import model_scores, score_rollouts
@@ -252,7 +252,10 @@ class DeepSpeedUpdate(MicroBatchedUpdate):
         if self.bad_step.is_fault(head_finite, self.own_norm):
             self.bad_step.skip()
             return
-        engine.step()
+        # A correction's factor on this step's rate: engine.step() steps the optimizer, then the schedule, which
+        # writes the next step's rate (or, on an overflow, leaves this one's): its get_last_lr is put back.
+        with scaled_lr(engine.optimizer.param_groups, self.lr_scale, settled=engine.lr_scheduler.get_last_lr):
+            engine.step()
 
     def step(self) -> dict[str, float]:
         engine, head = self.engine, self.trainer.head_optimizer
@@ -260,7 +263,7 @@ class DeepSpeedUpdate(MicroBatchedUpdate):
         if self.backwards != len(self.micro_batches):
             raise RuntimeError(f"DeepSpeedUpdate: step() after {self.backwards} of the minibatch's "
                                f"{len(self.micro_batches)} micro-batches")
-        metrics = {"lr": self.lr}
+        metrics = {"lr": self.lr * self.lr_scale}
         if self.loss_scale is not None:
             metrics["loss_scale"] = self.loss_scale
         norm = engine.get_global_grad_norm()
@@ -270,5 +273,6 @@ class DeepSpeedUpdate(MicroBatchedUpdate):
         metrics.update(self.bad_step.metrics(skipped, self.loss_scale, self.trainer.min_loss_scale))
         if head:
             metrics["grad_norm"] = math.hypot(metrics["grad_norm"], head.norm)
-            head.step(skip=skipped)
+            with scaled_lr(head.optimizer.param_groups, self.lr_scale, settled=head.schedule.get_last_lr):
+                head.step(skip=skipped)
         return metrics

@@ -33,7 +33,7 @@ from rlmm.precision import SidePrecision, dtype_name
 from rlmm.samplers.base import Rollouts, SamplingOptions
 from rlmm.trainers.loss_scale import MIN_LOSS_SCALE, grad_scaler, skip_metrics
 from rlmm.trainers.memory import ActivationBudget, optimizer_state_bytes, prepare_for_training
-from rlmm.trainers.optim import linear_warmup
+from rlmm.trainers.optim import linear_warmup, scaled_lr
 from rlmm.trainers.packing import Batch, MicroBatching, use_varlen_attention
 from rlmm.trainers.scoring import model_scores, score_rollouts
 from rlmm.trainers.update import MicroBatchedUpdate
@@ -227,11 +227,12 @@ class FSDPUpdate(MicroBatchedUpdate):
         max_norm = trainer.grad_clip if trainer.grad_clip > 0 else float("inf")
         norm = torch.nn.utils.clip_grad_norm_(trainer.model.parameters(), max_norm)
         metrics["grad_norm"] = (norm.full_tensor() if hasattr(norm, "full_tensor") else norm).item()
-        metrics["lr"] = trainer.lr_schedule.get_last_lr()[0]
+        metrics["lr"] = trainer.lr_schedule.get_last_lr()[0] * self.lr_scale
         nonfinite = not math.isfinite(metrics["grad_norm"])
         metrics.update(skip_metrics(nonfinite, loss_scale, MIN_LOSS_SCALE))
         if not nonfinite:
-            scaler.step(trainer.optimizer) if scaler.is_enabled() else trainer.optimizer.step()
+            with scaled_lr(trainer.optimizer.param_groups, self.lr_scale):  # a correction's factor, this step only
+                scaler.step(trainer.optimizer) if scaler.is_enabled() else trainer.optimizer.step()
             trainer.lr_schedule.step()
         scaler.update()
         if loss_scale is not None and scaler.get_scale() < MIN_LOSS_SCALE:

@@ -28,7 +28,7 @@ from rlmm.models.loading import load_causal_lm, load_value_model, model_precisio
 from rlmm.precision import SidePrecision
 from rlmm.samplers.base import Rollouts, SamplingOptions
 from rlmm.trainers.loss_scale import MIN_LOSS_SCALE, grad_scaler, skip_metrics
-from rlmm.trainers.optim import linear_warmup
+from rlmm.trainers.optim import linear_warmup, scaled_lr
 from rlmm.trainers.memory import ActivationBudget, optimizer_state_bytes, prepare_for_training
 from rlmm.trainers.packing import Batch, MicroBatching, use_varlen_attention
 from rlmm.trainers.scoring import model_scores, score_rollouts
@@ -201,11 +201,12 @@ class TorchUpdate(MicroBatchedUpdate):
         scaler.unscale_(trainer.optimizer)
         max_norm = trainer.grad_clip if trainer.grad_clip > 0 else float("inf")
         metrics["grad_norm"] = torch.nn.utils.clip_grad_norm_(trainer.optimized_params, max_norm).item()
-        metrics["lr"] = trainer.lr_schedule.get_last_lr()[0]
+        metrics["lr"] = trainer.lr_schedule.get_last_lr()[0] * self.lr_scale
         nonfinite = not math.isfinite(metrics["grad_norm"])
         metrics.update(skip_metrics(nonfinite, loss_scale, MIN_LOSS_SCALE))
         if not nonfinite:  # a NaN/Inf gradient never reaches the weights or AdamW's moments
-            trainer.optimizer.step()
+            with scaled_lr(trainer.optimizer.param_groups, self.lr_scale):  # a correction's factor, this step only
+                trainer.optimizer.step()
             trainer.lr_schedule.step()
             if trainer.master_params is not None:
                 with torch.no_grad():

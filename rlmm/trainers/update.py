@@ -7,6 +7,7 @@ its `backward` and `step`.
 """
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import torch
@@ -23,6 +24,7 @@ class MicroBatchedUpdate:
     """One optimizer step over the minibatch `rows` of some rollouts, as the RL loop drives it:
 
         update = trainer.begin_update(rollouts, rows)       # gradients zeroed, checkpointing chosen
+        update.scale_lr(factor)                              # (optional) this step's rate: the schedule's x factor
         for micro in update.micro_batches:
             logprobs, entropy = update.forward(micro)        # [b, T] each, with grad
             update.backward(loss_of(micro, logprobs, entropy))
@@ -49,6 +51,7 @@ class MicroBatchedUpdate:
         # Positions each micro-batch's forward computes (padding included): what its activations scale with.
         self._tokens = [batching.positions(row_tokens(rollouts, micro)) for micro in self.micro_batches]
         self._graphs_fit = budget.for_update(model, self._tokens)
+        self.lr_scale = 1.0  # `scale_lr`: this step's factor on the schedule's learning rate
 
     @property
     def holds_graphs(self) -> bool:
@@ -61,11 +64,20 @@ class MicroBatchedUpdate:
                                  batch_of(self.rollouts, micro_batch, self._batching, self._pad_id),
                                  self._options, with_entropy=True)
 
+    def scale_lr(self, factor: float) -> None:
+        """Step at the schedule's learning rate times `factor` (finite, >= 0; 1 unless called): this optimizer step
+        only, the schedule untouched (rlmm/trainers/optim.py::scaled_lr). Call it before the first `backward`
+        (DeepSpeed steps inside the last one). The RL step passes its correction's `step_size`."""
+        if not (math.isfinite(factor) and factor >= 0.0):
+            raise ValueError(f"a correction's step scale must be finite and >= 0, got {factor}")
+        self.lr_scale = float(factor)
+
     def backward(self, loss: torch.Tensor) -> None:
         raise NotImplementedError
 
     def step(self) -> dict[str, float]:
-        """Step the optimizer once (or skip a non-finite step); metrics: grad_norm, lr, skipped (1.0 when
+        """Step the optimizer once (or skip a non-finite step); metrics: grad_norm, lr (the rate this step used: the
+        schedule's x `lr_scale`), skipped (1.0 when
         the step was skipped for a fault: a non-finite gradient that is no normal loss-scale overflow),
         and with fp16 loss scaling loss_scale (the scale this step's backward used) and loss_scale_skipped
         (1.0 when the loss scaler skipped the step on an overflow it lowers its scale for; at most one of
