@@ -90,7 +90,8 @@ def run_train(cfg: DictConfig, run_dir: Path, choices: dict[str, str], logger) -
     if rank == 0:
         checkpoint.remove_partial(run_dir)  # what a run killed while checkpointing left
     last = checkpoint.to_resume(run_dir) if options.resume else None
-    resumed = checkpoint.load(last, trainer, sampler, components.critic) if last else {"step": 0}
+    resumed = checkpoint.load(last, trainer, sampler, components.critic, correction=components.correction) \
+        if last else {"step": 0}
     first_step = resumed["step"] + 1
     # The loop's own state as a fresh run starts it, then as the checkpoint left it (older ones lack it).
     loop_state = {"bad_steps": 0, "bad_steps_in_a_row": 0, "monitor": {}} | resumed.get("loop", {})
@@ -151,7 +152,7 @@ def run_train(cfg: DictConfig, run_dir: Path, choices: dict[str, str], logger) -
                 # Bad steps changed no weights: this checkpoint holds the last good state.
                 saved = checkpoint.save(run_dir, step, trainer, sampler, components.critic,
                                         loop=bad.state_dict() | {"monitor": monitor.state_dict()},
-                                        rollouts=rollouts.state_dict())
+                                        rollouts=rollouts.state_dict(), correction=components.correction)
             if too_many_bad:
                 raise TrainingStopped(f"{bad.in_a_row} bad steps in a row (train.max_bad_steps="
                                       f"{options.max_bad_steps}) at step {step}; last good state in {saved}")

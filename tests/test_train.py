@@ -471,6 +471,7 @@ class ShutdownWatch:
         components = Part("components")
         components.task, components.trainer, components.sampler = Task(), None, None
         components.critic, components.precision_report = None, {}
+        components.correction = Part("correction")  # its state goes into the checkpoint (a decay's count)
         monkeypatch.setattr(rlmm.train, "build_components", lambda cfg, prompts, max_rows, **kwargs: components)
         monkeypatch.setattr(rlmm.train, "Evaluation", FakeEvaluation)
         monkeypatch.setattr(rlmm.train, "RunRecord", WatchedRecord)
@@ -487,8 +488,10 @@ class ShutdownWatch:
         monkeypatch.setattr(rlmm.train, "DelayLine", NoRollouts)
         monkeypatch.setattr(rlmm.train, "rl_update", step)
         monkeypatch.setattr(rlmm.train, "mean_over_ranks", lambda metrics: metrics)
-        monkeypatch.setattr(rlmm.checkpoint, "save",
-                            lambda run_dir, step, *parts, loop, rollouts: events.append("checkpoint"))
+        self.saved_corrections = []
+        monkeypatch.setattr(rlmm.checkpoint, "save", lambda run_dir, step, *parts, loop, rollouts, correction: (
+            events.append("checkpoint"), self.saved_corrections.append(correction)))
+        self.components = components
         self.logger = Logger()
 
     @staticmethod
@@ -563,5 +566,6 @@ def test_a_stop_signal_checkpoints_then_shuts_down_then_hands_over(tmp_path, mon
         signal.signal(signal.SIGTERM, previous)
     assert stopped.value.code == 128 + signal.SIGTERM
     assert watch.events == ["checkpoint", "record", "logger", "evaluation", "components"]
+    assert watch.saved_corrections == [watch.components.correction]  # the correction's state is checkpointed
     assert [row["step"] for row in read_steps(tmp_path)] == [0, 1]
     assert not (tmp_path / "summary.json").exists()
