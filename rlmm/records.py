@@ -23,12 +23,13 @@ from rlmm.errors import MachineFault
 from rlmm.logging import redact
 
 
-def _plain(value):
-    """JSON-safe: NaN/inf become None (JSON has no such numbers), tensors become floats."""
+def json_safe(value):
+    """JSON-safe: NaN/inf become None (strict JSON has no such numbers; every record of rlmm writes them so: steps.jsonl,
+    summary.json, probe.json), tensors and numpy scalars become Python numbers."""
     if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
+        return {k: json_safe(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
+        return [json_safe(v) for v in value]
     if hasattr(value, "item"):
         value = value.item()
     if isinstance(value, float) and not math.isfinite(value):
@@ -62,7 +63,7 @@ class RunRecord:
             raise MachineFault(f"{self._steps.name} was removed while the run wrote it (its run directory removed or "
                                f"replaced?)")
         with writing(self._steps.name):
-            self._steps.write(json.dumps(_plain({"step": step, **metrics})) + "\n")
+            self._steps.write(json.dumps(json_safe({"step": step, **metrics})) + "\n")
             self._steps.flush()
             os.fsync(self._steps.fileno())
 
@@ -70,7 +71,7 @@ class RunRecord:
         path = self.dir / "summary.json"
         tmp = path.with_suffix(".tmp")
         with writing(path):
-            tmp.write_text(json.dumps(_plain(summary), indent=2))
+            tmp.write_text(json.dumps(json_safe(summary), indent=2))
             tmp.replace(path)
 
     def close(self) -> None:

@@ -20,7 +20,8 @@ def run_probe(tmp_path, *overrides: str) -> dict:
                             capture_output=True, text=True, timeout=900, env=subprocess_env())
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
     assert (tmp_path / "probe.png").stat().st_size > 10_000
-    record = json.loads((tmp_path / "probe.json").read_text())
+    # strict JSON: a NaN figure (an early-vs-late window no answer reaches) is null, never a bare NaN
+    record = json.loads((tmp_path / "probe.json").read_text(), parse_constant=lambda name: pytest.fail(name))
     record["stdout"] = result.stdout
     return record
 

@@ -46,7 +46,7 @@ def test_vllm_engine_options_resolve_per_device_and_are_recorded(small_model_pat
         assert sampler.actual_precision["engine"] == {
             "enforce_eager": True, "enable_prefix_caching": False, "distributed_executor_backend": None,
             "max_model_len": 21, "kv_cache_bytes": 2**30, "seed_per_request": True, "threads": None, "sleep_mode": False,
-            "untied_head": False, "capture_routing": False, "device": "cpu"}
+            "untied_head": False, "capture_routing": False, "kept_sets": "none (no truncation)", "device": "cpu"}
         sampler.sleep()
         assert sampler.generate([[1, 5, 6]], n=2).response_ids  # still generates after a skipped sleep
     finally:

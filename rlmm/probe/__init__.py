@@ -40,6 +40,7 @@ from rlmm.probe.measurements import (batch_invariance, decode_vs_prefill, real_v
                                      token_agreement, trainer_across_layouts, trainer_against_itself)
 from rlmm.probe.plot import plot_probe
 from rlmm.probe.report import print_probe
+from rlmm.records import json_safe
 from rlmm.support import recorded as support_recorded
 from rlmm.support import support_metrics
 from rlmm.timing import timed
@@ -133,7 +134,7 @@ def run_probe(cfg: DictConfig, run_dir: Path, choices: dict[str, str]) -> dict:
         "stage_seconds": stage_seconds,
         "config": redact(to_container(cfg)),
     }
-    (run_dir / "probe.json").write_text(json.dumps(record, indent=2, default=float))
+    (run_dir / "probe.json").write_text(json.dumps(json_safe(record), indent=2, default=float, allow_nan=False))
     plot_probe(record, run_dir / "probe.png")
     if attribution:
         plot_attribution(attribution, run_dir / "attribution.png", choices)
