@@ -38,7 +38,7 @@ import torch.distributed as dist
 from rlmm.collectives import (all_reduce_min, any_rank, divisor_over_ranks, gathered_over_ranks, own_rows,
                                rows_of_every_rank)
 from rlmm.components import Components
-from rlmm.corrections.base import BatchView, CorrectionOutput, MicroBatchView
+from rlmm.corrections.base import BatchView, CorrectionOutput, MicroBatchView, drop_split
 from rlmm.loss_stats import PolicyLossStats, combined_metrics
 from rlmm.metrics import mismatch_metrics, staleness_decomposition
 from rlmm.precision import nonfinite_cause
@@ -216,6 +216,7 @@ def rl_update(c: Components, batch: SampledBatch, ratio_cap: float, reuse_traini
                     view = old.micro_batch(micro, logprobs)  # π_θ in view: OPSM, tv_trust act here
                     fix = c.correction.in_update(view)
                     in_update.add(fix.counts)
+                    in_update.add(drop_split(view, response_mask[micro, :logprobs.size(1)], view.mask & fix.mask))
                     loss, metrics = algo.policy_loss(logprobs, view.old_logprobs, view.advantages, view.mask & fix.mask,
                                                      view.weights * fix.weights, entropy=entropy, max_length=max_length,
                                                      normalizer=normalizer, penalty=fix.penalty)

@@ -387,3 +387,60 @@ def test_count_rejected_keeps_rejected_tokens_in_the_divisor():
     response = torch.tensor([[True, True, True], [True, False, True]])
     assert grpo().loss_normalizer(kept, max_length=3, response_mask=response) == 3.0
     assert grpo(count_rejected=True).loss_normalizer(kept, max_length=3, response_mask=response) == 5.0
+
+
+# prime-rl's default_loss_fn on a seeded batch (tv_trust's anchor: DefaultLossConfig(dppo_mask_low=0.2,
+# dppo_mask_high=0.2, kl_tau=1e-3), src/prime_rl/trainer/rl/loss.py at 559b44772e471d1538537b8805cc77f3824a5e64, run
+# outside rlmm through its `compute_loss` with its beartype/jaxtyping/config imports stubbed): log pi_theta and log mu
+# of 4 rows of lengths 6, 4, 5, 3 with A = +1, -1, 0, +0.5 (torch.Generator seed 0: mu = -1.5 U, pi_theta = mu + N(0, 1)
+# clamped at 0, float64), and the per-sample metrics it logs.
+PRIME_THETA = [[-1.2163614445416588, -0.3282014280723978, -2.0109562438333137, -0.06631016098581699, -2.455031815834881, -1.9002971779173135], [0.0, -1.479547076294177, -4.0173076528344955, -0.5460851157801978, 0.0, -0.9304027698437377], [-1.1201227358688386, 0.0, 0.0, 0.0, -1.9918590134054297, -2.362908907630404], [-0.9499807097749838, -1.5628796482760468, -0.5905846315697384, -0.12851905128527263, 0.0, -0.7934837065039131]]
+PRIME_MU = [[-1.4550795027098296, -1.061729796599682, -0.6890744146911763, -1.3811215261829404, -0.9675361801841471, -1.1867218382704556], [-0.2679092628011264, -0.5266614365908926, -0.8720113797113618, -0.4323538382042253, -0.6793032733216713, -0.26519928930557113], [-0.5329001375089597, -0.9328578730192916, -0.7227726011725628, -0.6612007485665392, -0.6109223615466624, -0.30815789019238066], [-0.9975572636252241, -1.1773108506826766, -0.31554971237757684, -1.0151086813765187, -0.1646028903561691, -0.7856280891033651]]
+PRIME_LENGTHS, PRIME_ADVANTAGES = [6, 4, 5, 3], [1.0, -1.0, 0.0, 0.5]
+PRIME_SPLIT = {  # rlmm's key: prime-rl's per-sample values (its metric name in DROP_SPLIT_KEYS' comments)
+    "kl_k3_dropped": [0.8790619444244427, 1.263431358012942, 0.3876856431679554, 0.0],
+    "kl_k3_kept": [0.38407891603370703, 0.022774146487918534, 0.4073952625443303, 0.03378765088319402],
+    "dropped_advantage_positive": [1.0, 0.0, 0.0, 0.0],
+    "dropped_advantage_negative": [0.0, 1.0, 0.0, 0.0],
+}
+PRIME_IS_MASKED = [1 / 3, 0.5, 0.4, 0.0]
+
+
+@pytest.mark.parametrize("micro_batches", [[[0, 1, 2, 3]], [[0, 3], [1], [2]]])
+def test_the_kept_and_dropped_split_is_prime_rls_whatever_the_micro_batching(micro_batches):
+    """tv_trust at prime-rl's defaults through the step's path (`OldPolicy.score`, `in_update`, `drop_split`, the
+    step's `InUpdateCounts`), pi_old = pi_theta as in the update's first forward: the mismatch KL over the dropped and
+    the kept tokens and the advantage sign of the dropped ones are prime-rl's (the mean over samples of each sample's
+    mean, 0 where a sample has none: row 2's dropped tokens have A = 0, neither sign), however the rows are cut."""
+    from rlmm.corrections.base import drop_split
+    from rlmm.step import InUpdateCounts, OldPolicy
+
+    theta = torch.tensor(PRIME_THETA, dtype=torch.float64)
+    mu = torch.tensor(PRIME_MU, dtype=torch.float64)
+    mask = torch.arange(6)[None] < torch.tensor(PRIME_LENGTHS)[:, None]
+    advantages = torch.tensor(PRIME_ADVANTAGES, dtype=torch.float64)[:, None].expand(4, 6) * mask
+    old = OldPolicy.score(theta, mu, mask, advantages, torch.ones(4), TVTrustRegion(eps=0.2, kl_coef=1e-3),
+                          ratio_cap=2.0, also_checked={})
+    counts = InUpdateCounts()
+    dropped_shares = {}
+    for rows in micro_batches:
+        view = old.micro_batch(rows, theta[rows])
+        fix = TVTrustRegion(eps=0.2, kl_coef=1e-3).in_update(view)
+        counts.add(drop_split(view, mask[rows], view.mask & fix.mask))
+        for row, share in zip(rows, (mask[rows] & ~fix.mask).sum(1) / mask[rows].sum(1)):
+            dropped_shares[row] = share.item()
+    assert [dropped_shares[row] for row in range(4)] == pytest.approx(PRIME_IS_MASKED)
+    logged = counts.over_ranks()
+    for key, per_sample in PRIME_SPLIT.items():
+        assert logged[key] == pytest.approx(sum(per_sample) / 4, rel=1e-12), key
+
+
+def test_the_split_of_a_correction_that_drops_nothing_is_zero_dropped_and_the_whole_kl_kept():
+    from rlmm.corrections.base import drop_split
+
+    train, sampler, mask = random_batch(seed=5)
+    split = drop_split(view(train, sampler, torch.randn(mask.shape), mask), mask, mask)
+    assert split["kl_k3_dropped"] == (0.0, mask.size(0)) and split["dropped_advantage_positive"][0] == 0.0
+    delta = torch.where(mask, train.double() - sampler.double(), 0.0)
+    per_row = (torch.where(mask, delta.exp() - 1 - delta, 0.0).sum(1) / mask.sum(1).clamp_min(1)).sum().item()  # an empty row: 0
+    assert split["kl_k3_kept"][0] == pytest.approx(per_row)

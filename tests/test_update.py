@@ -227,6 +227,8 @@ def test_step_equals_the_hand_computed_sgd_step(small_model_path, arithmetic_tas
     """One step (two micro-batches of 8 rows, TIS): the logged mismatch and correction figures are those of
     the rollouts' trainer and sampler log-probs, in that order; the loss is the surrogate's; the weights
     move by minus its gradient. Fails on a negated or rescaled loss, swapped arguments, ignored weights."""
+    from rlmm.corrections.base import MicroBatchView, drop_split
+
     fix = correction("tis")
     metrics, change, ref = check_step(small_model_path, arithmetic_task, tmp_path, backend, fix,
                                       reuse_training_forward)
@@ -241,7 +243,15 @@ def test_step_equals_the_hand_computed_sgd_step(small_model_path, arithmetic_tas
     # mean is near 1 by design: an importance weight's expectation under the sampler is 1).
     assert (expected.weights[expected.mask] - 1).abs().mean() > 1e-2
     logged = {k.removeprefix("correction/"): v for k, v in metrics.items() if k.startswith("correction/")}
-    assert logged == pytest.approx(expected.metrics, rel=1e-3, abs=1e-6)
+    # prime-rl's kept/dropped split, over the update's forward (pi_theta = pi_old at it): TIS drops nothing
+    advantages = torch.where(ref.mask, ref.advantages[:, None], 0.0)
+    split = drop_split(MicroBatchView(logprobs=ref.train_logprobs, old_logprobs=expected.old_logprobs,
+                                      trainer_logprobs=ref.train_logprobs, sampler_logprobs=ref.sampler_logprobs,
+                                      advantages=advantages, mask=expected.mask, weights=expected.weights),
+                       ref.mask, expected.mask)
+    assert split["kl_k3_kept"][0] > 0 and split["kl_k3_dropped"][0] == 0
+    expected_split = {key: numerator / denominator for key, (numerator, denominator) in split.items()}
+    assert logged == pytest.approx(expected.metrics | expected_split, rel=1e-3, abs=1e-6)
     rows = list(range(len(ref.rollouts)))
     loss = ref.surrogate(rows, expected.old_logprobs, expected.weights, expected.mask)
     assert metrics["loss/loss"] == pytest.approx(loss.item(), rel=1e-4, abs=1e-7)
@@ -271,6 +281,8 @@ def test_each_correction_moves_the_weights_as_its_output_implies(small_model_pat
     if name in MASKING_IN_UPDATE:
         dropped = metrics["correction/frac_tokens_dropped"]
         assert 0 < dropped < 1 and dropped == pytest.approx(1 - (inside.mask.sum() / expected.mask.sum()).item())
+    if name in MASKING or name in MASKING_IN_UPDATE:  # the split sees what it dropped, wherever it dropped it
+        assert metrics["correction/kl_k3_dropped"] > 0, metrics
     size = correction(name).step_size(BatchView(ref.train_logprobs, ref.sampler_logprobs, ref.mask, advantages))
     assert metrics.get("correction/lr_scale", 1.0) == pytest.approx(size.scale, rel=1e-6)
     if name == "vcpo":  # VCPO's factor is far enough from 1 for an update that ignored it to fail below

@@ -48,7 +48,8 @@ from typing import ClassVar, Literal
 import torch
 
 __all__ = ["BatchView", "Correction", "CorrectionOutput", "InUpdate", "METRIC_KEYS", "MicroBatchView",
-           "OldPolicyChoice", "StepSize", "log_ratios", "finish", "masked_mean", "masked_max", "masked_min"]
+           "OldPolicyChoice", "StepSize", "DROP_SPLIT_KEYS", "drop_split", "log_ratios", "finish", "masked_mean",
+           "masked_max", "masked_min"]
 
 # Which log-probs a method's weights assume as PPO's pi_old: the trainer's recomputation (the importance weight
 # pi_old / mu corrects the samples towards it), the sampler's (pi_old := mu: bypass, DPPO's trust region), or no
@@ -192,6 +193,46 @@ class Correction:
             advantages = torch.zeros(train_logprobs.shape, dtype=torch.float32, device=train_logprobs.device)
         return self.before_update(BatchView(trainer_logprobs=train_logprobs, sampler_logprobs=sampler_logprobs,
                                             mask=mask, advantages=advantages))
+
+
+# What the correction dropped and what it kept, inside the update (`drop_split`; logged by every method).
+DROP_SPLIT_KEYS = (
+    "kl_k3_dropped",               # prime-rl's masked_mismatch_kl
+    "kl_k3_kept",                  # prime-rl's unmasked_mismatch_kl
+    "dropped_advantage_positive",  # prime-rl's masked_advantage_positive
+    "dropped_advantage_negative",  # prime-rl's masked_advantage_negative
+)
+
+
+def drop_split(micro: MicroBatchView, response_mask: torch.Tensor, kept: torch.Tensor) -> dict[str, tuple[float, float]]:
+    """prime-rl's split of the mismatch over the tokens a correction kept and those it dropped, for one micro-batch
+    of the update, as `InUpdate.counts` pairs (summed over micro-batches and ranks, logged as their ratio).
+
+    With delta_t = log pi_theta(y_t) - log mu(y_t) (the update's own forward against the sampler) and k3 = e^delta -
+    1 - delta per token, for each sample (row) i, D_i its dropped tokens (`response_mask` and not `kept`: the batch
+    stage's drops and the in-update ones together) and K_i its kept ones:
+        kl_k3_dropped = mean_i mean_{t in D_i} k3_t,  kl_k3_kept = mean_i mean_{t in K_i} k3_t,
+        dropped_advantage_positive / _negative = mean_i share of D_i with A_t > 0 / A_t < 0 (A_t = 0 is neither),
+    a sample's mean 0 where its set is empty (so a run that drops nothing logs 0, not NaN) and the outer mean over
+    every sample of the micro-batches: prime-rl's `default_loss_fn` metrics masked_mismatch_kl, unmasked_mismatch_kl,
+    masked_advantage_positive / _negative, each a per-sample `_safe_mean` that `compute_loss` stacks over samples
+    (src/prime_rl/trainer/rl/loss.py at 559b447; tests/test_corrections_inside.py holds its figures on a seeded batch).
+    Whether the tokens a trust region drops are the ones the sampler and trainer disagree on, and whether it drops
+    reinforcement or punishment."""
+    m = response_mask.to(micro.logprobs.device, torch.bool)
+    kept = kept & m
+    dropped = m & ~kept
+    delta = torch.where(m, micro.logprobs.detach().to(torch.float64) - micro.sampler_logprobs.to(torch.float64), 0.0)
+    k3 = delta.exp() - 1 - delta
+
+    def per_sample_mean(x: torch.Tensor, sel: torch.Tensor) -> float:
+        return float((torch.where(sel, x, 0.0).sum(1) / sel.sum(1).clamp_min(1)).sum())
+
+    rows = float(m.size(0))
+    adv = micro.advantages.to(m.device)
+    return {"kl_k3_dropped": (per_sample_mean(k3, dropped), rows), "kl_k3_kept": (per_sample_mean(k3, kept), rows),
+            "dropped_advantage_positive": (per_sample_mean((adv > 0).to(torch.float64), dropped), rows),
+            "dropped_advantage_negative": (per_sample_mean((adv < 0).to(torch.float64), dropped), rows)}
 
 
 def check_cap(cap: float) -> float:
