@@ -86,6 +86,12 @@ class Trainer(Protocol):
         scores the same rollouts padded, under a token budget and padding-free)."""
         ...
 
+    def logprobs_with_entropy(self, rollouts: Rollouts) -> tuple[torch.Tensor, torch.Tensor]:
+        """`logprobs(rollouts)` (the same values, to the bit) and the [B, T] float32 entropy H_t of the same forward's
+        distribution at each response position (the one the log-probs are of; 0 past each response), in the
+        trainer's own micro-batches. The probe's mismatch by token entropy (`rlmm.metrics.entropy_profile`)."""
+        ...
+
     def begin_update(self, rollouts: Rollouts, rows: list[int]) -> MinibatchUpdate:
         """Start one optimizer step on the rollout rows `rows` (gradients zeroed)."""
         ...

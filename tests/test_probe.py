@@ -106,6 +106,34 @@ def test_fp32_hf_sampler_vs_fp32_trainer_is_near_zero(tmp_path, small_model_path
     assert ("bitwise identical on all" in record["stdout"]) == agreement["bitwise_identical"]
 
 
+@pytest.mark.parametrize("backend", ["torch", "deepspeed", "fsdp"])
+def test_trainer_entropy_is_that_of_the_scoring_forward(backend, small_model_path, prompts):
+    """`logprobs_with_entropy` (the probe's scoring): `logprobs`' values to the bit, and H_t = per_token_entropy of
+    the processed (here tempered) logits at each response position, 0 past each response."""
+    import torch
+
+    from rlmm.algos.entropy import per_token_entropy
+    from rlmm.precision import SidePrecision
+    from rlmm.samplers.base import Rollouts
+    from tests.conftest import build_trainer, sampling
+
+    responses = [[5, 9, 12, 7], [3], [20, 21, 22, 23, 24, 25], [8, 8]]  # ragged rows: a padded micro-batch of 3, then 1
+    rollouts = Rollouts(prompt_ids=prompts[:4], response_ids=responses,
+                        sampler_logprobs=[torch.zeros(len(r)) for r in responses], finish_reasons=["length"] * 4)
+    trainer = build_trainer(backend, small_model_path, SidePrecision("fp32", False), sampling(temperature=0.7),
+                            micro_batch_size=3)
+    logprobs, entropy = trainer.logprobs_with_entropy(rollouts)
+    assert torch.equal(logprobs, trainer.logprobs(rollouts))
+    assert entropy.shape == logprobs.shape and entropy.dtype == torch.float32
+    with torch.no_grad():
+        for i, (prompt, response) in enumerate(zip(rollouts.prompt_ids, responses)):
+            logits = trainer.model(input_ids=torch.tensor([prompt + response])).logits[0]  # the head unaimed: all V
+            expected = per_token_entropy(logits[len(prompt) - 1:-1] / 0.7)  # the positions predicting the response
+            torch.testing.assert_close(entropy[i, :len(response)], expected, rtol=1e-5, atol=1e-5)
+            assert not entropy[i, len(response):].any()
+    trainer.close()
+
+
 def test_token_agreement_counts_tokens_scored_to_the_same_bits():
     import torch
 

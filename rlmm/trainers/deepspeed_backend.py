@@ -31,7 +31,7 @@ from rlmm.trainers.deepspeed_skip import BadStep
 from rlmm.trainers.optim import linear_warmup, scaled_lr
 from rlmm.trainers.memory import ActivationBudget, optimizer_state_bytes, prepare_for_training
 from rlmm.trainers.packing import Batch, MicroBatching, use_varlen_attention
-from rlmm.trainers.scoring import model_scores, score_rollouts
+from rlmm.trainers.scoring import model_scores, score_rollouts, score_with_entropy
 from rlmm.trainers.update import MicroBatchedUpdate
 
 
@@ -168,6 +168,9 @@ class DeepSpeedTrainer:
         return score_rollouts(self._forward, self.head, rollouts, self.sampling,
                               (layout or self.batching).sized(micro_batch_size),
                               self.pad_id)
+
+    def logprobs_with_entropy(self, rollouts: Rollouts) -> tuple[torch.Tensor, torch.Tensor]:
+        return score_with_entropy(self._forward, self.head, rollouts, self.sampling, self.batching, self.pad_id)
 
     def begin_update(self, rollouts: Rollouts, rows: list[int]) -> DeepSpeedUpdate:
         return DeepSpeedUpdate(self, rollouts, rows)

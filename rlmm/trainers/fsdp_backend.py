@@ -35,7 +35,7 @@ from rlmm.trainers.loss_scale import MIN_LOSS_SCALE, grad_scaler, skip_metrics
 from rlmm.trainers.memory import ActivationBudget, optimizer_state_bytes, prepare_for_training
 from rlmm.trainers.optim import linear_warmup, scaled_lr
 from rlmm.trainers.packing import Batch, MicroBatching, use_varlen_attention
-from rlmm.trainers.scoring import model_scores, score_rollouts
+from rlmm.trainers.scoring import model_scores, score_rollouts, score_with_entropy
 from rlmm.trainers.update import MicroBatchedUpdate
 from rlmm.trainers.weight_sync import GatheredWeights
 
@@ -143,6 +143,9 @@ class FSDPTrainer:
         return score_rollouts(self._forward, self.head, rollouts, self.sampling,
                               (layout or self.batching).sized(micro_batch_size),
                               self.pad_id)
+
+    def logprobs_with_entropy(self, rollouts: Rollouts) -> tuple[torch.Tensor, torch.Tensor]:
+        return score_with_entropy(self._forward, self.head, rollouts, self.sampling, self.batching, self.pad_id)
 
     def begin_update(self, rollouts: Rollouts, rows: list[int]) -> FSDPUpdate:
         return FSDPUpdate(self, rollouts, rows)

@@ -79,11 +79,29 @@ def score_rollouts(forward: ForwardFn, head: OutputHead | None, rollouts: Rollou
     """[len(rows), T] float32 log π_train (a value model: V) of each response token of `rows` (default: all,
     in their order) on the CPU, laid out like `rollouts.padded_sampler_logprobs()`. Under a token budget a
     collective (every rank scores together)."""
+    return _scored(forward, head, rollouts, options, batching, pad_id, rows, with_entropy=False)[0]
+
+
+@torch.no_grad()
+def score_with_entropy(forward: ForwardFn, head: OutputHead, rollouts: Rollouts, options: SamplingOptions,
+                       batching: MicroBatching, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`score_rollouts` of every row, and the [B, T] float32 entropy H_t of the same forward's distribution at each
+    response position (the one the log-probs are of: processed or raw, over the trainer's support; 0 past each
+    response). The log-probs are those `score_rollouts` gives, to the bit: the head computes H_t beside them."""
+    if head is None:
+        raise ValueError("score_with_entropy: a value model (no LM head) has no entropy")
+    logprobs, entropy = _scored(forward, head, rollouts, options, batching, pad_id, None, with_entropy=True)
+    return logprobs, entropy
+
+
+def _scored(forward: ForwardFn, head: OutputHead | None, rollouts: Rollouts, options: SamplingOptions,
+            batching: MicroBatching, pad_id: int, rows: list[int] | None, with_entropy: bool) -> list[torch.Tensor]:
+    """[log π] or [log π, H] of `rows` (default: all), each [len(rows), T] on the CPU (`padded_rows`)."""
     rows = list(range(len(rollouts))) if rows is None else rows
     chunks = batching.split(row_tokens(rollouts, rows), rows)
-    logprobs = [response_logprobs(forward, head, batch_of(rollouts, chunk, batching, pad_id), options)[0]
-                for chunk in chunks]
-    return padded_rows(rollouts, chunks, logprobs, order=rows)
+    scored = [response_logprobs(forward, head, batch_of(rollouts, chunk, batching, pad_id), options, with_entropy)
+              for chunk in chunks]
+    return [padded_rows(rollouts, chunks, [pair[k] for pair in scored], order=rows) for k in range(1 + with_entropy)]
 
 
 def padded_rows(rollouts: Rollouts, chunks: list[list[int]], logprobs: list[torch.Tensor],
