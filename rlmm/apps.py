@@ -210,13 +210,14 @@ def fit_env_to_submitted_job() -> str:
 
 
 def end(line: str, code: int, submitted: bool, touch_run_dir: bool = True) -> NoReturn:
-    """Print why the run ended and exit with `code`; in a submitted job, log it (the job's log then says
-    why) and raise JobFailed instead: Hydra keeps a job's exception in the result the sweep command waits
-    for, while an exit leaves none, and without sacct (the local cluster) the sweep would wait forever.
+    """Print why the run ended on stderr, where every fault's one line goes (rlmm/errors.py::fail, rlmm/cli.py),
+    and exit with `code`; in a submitted job, log it (the job's log then says why) and raise JobFailed instead:
+    Hydra keeps a job's exception in the result the sweep command waits for, while an exit leaves none, and
+    without sacct (the local cluster) the sweep would wait forever.
     `touch_run_dir=False` (a refused resume: the record is left as it was): no line in the job's log file,
     which is in the run directory; submitit's own log (stderr) and the sweep's error carry it."""
     if not submitted:
-        print(line, flush=True)
+        print(line, file=sys.stderr, flush=True)
         raise SystemExit(code)
     if touch_run_dir:
         log.error(line)

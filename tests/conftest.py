@@ -66,6 +66,20 @@ def subprocess_env(**extra: str) -> dict[str, str]:
     return {**{k: v for k, v in os.environ.items() if k not in drop}, **extra}
 
 
+# The lines a run that did not finish ends with (rlmm/apps.py::end, rlmm/errors.py::fail, rlmm/cli.py): each alone,
+# on stderr, never on stdout.
+ENDINGS = ("rlmm: error: ", "rlmm: machine fault: ", "rlmm: stopped: ", "rlmm: interrupted")
+
+
+def ending(result) -> str:
+    """The one line the `rlmm` command of `result` (a finished subprocess.run) ended with: the only one of ENDINGS on
+    its stderr, none on its stdout."""
+    said = [line for line in result.stderr.splitlines() if line.startswith(ENDINGS)]
+    on_stdout = [line for line in result.stdout.splitlines() if line.startswith(ENDINGS)]
+    assert len(said) == 1 and not on_stdout, (result.stdout[-2000:], result.stderr[-3000:])
+    return said[0]
+
+
 def torchrun(args: list[str], *, ranks: int = 2, timeout: float = 900, **env: str):
     """`torchrun --standalone --nproc_per_node <ranks> <args...>` from the repository root (one thread a rank,
     the repository importable), its output captured; asserts it exits 0, showing the end of its output."""

@@ -10,7 +10,7 @@ import uuid
 import pytest
 
 from rlmm.records import read_steps
-from tests.conftest import subprocess_env
+from tests.conftest import ending, subprocess_env
 
 RUN = ("train", "debug=train", "sampler=hf", "trainer=torch", "precision=fp32", "train.steps=3",
        "train.checkpoint_every=1")
@@ -64,8 +64,8 @@ def test_a_full_disk_is_one_line_with_the_record_intact_and_the_same_command_res
     run_dir, filler = small_disk / "run", small_disk / "filler"
     full = rlmm(run_dir, *RUN, fault=("fill", point, n), filler=filler)
     assert full.returncode == 4, full.stdout[-2000:] + full.stderr[-3000:]
-    assert full.stdout == (f"rlmm: machine fault: the disk is full ({run_dir / fails_at}); {run_dir}/steps.jsonl holds "
-                           f"steps 0-{kept[-1]}; once it is fixed the same command {resumes}\n")
+    assert ending(full) == (f"rlmm: machine fault: the disk is full ({run_dir / fails_at}); {run_dir}/steps.jsonl "
+                            f"holds steps 0-{kept[-1]}; once it is fixed the same command {resumes}")
     assert "Traceback" not in full.stderr, full.stderr[-3000:]
     assert [row["step"] for row in read_steps(run_dir)] == kept
     assert not (run_dir / "checkpoints" / "step-000002").exists()  # a checkpoint is whole or absent
@@ -80,8 +80,8 @@ def test_a_full_disk_at_the_plot_says_the_record_is_complete(small_disk, straigh
     run_dir, filler = small_disk / "run", small_disk / "filler"
     full = rlmm(run_dir, *RUN, fault=("fill", "summary", 1), filler=filler)
     assert full.returncode == 4, full.stdout[-2000:] + full.stderr[-3000:]
-    assert full.stdout == (f"rlmm: machine fault: the disk is full ({run_dir / 'training.png'}); the run finished: its "
-                           f"record in {run_dir} is complete (summary.json); what came after it is missing\n")
+    assert ending(full) == (f"rlmm: machine fault: the disk is full ({run_dir / 'training.png'}); the run finished: "
+                            f"its record in {run_dir} is complete (summary.json); what came after it is missing")
     assert comparable(read_steps(run_dir)) == comparable(straight)
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == 3
 
@@ -92,8 +92,8 @@ def test_a_read_only_run_directory_is_one_line_before_anything_starts(tmp_path):
     try:
         existing = rlmm(disk, *RUN)  # the run directory is there: rlmm's first write fails
         assert existing.returncode == 4, existing.stdout[-2000:] + existing.stderr[-3000:]
-        assert existing.stdout == (f"rlmm: machine fault: the file system is read-only ({disk / '.hydra'}); no step "
-                                   f"was recorded in {disk}; run the same command again once it is fixed\n")
+        assert ending(existing) == (f"rlmm: machine fault: the file system is read-only ({disk / '.hydra'}); no step "
+                                    f"was recorded in {disk}; run the same command again once it is fixed")
         missing = rlmm(disk / "new", *RUN)  # Hydra would make it: refused before Hydra starts
         assert missing.returncode == 4, missing.stdout[-2000:] + missing.stderr[-3000:]
         assert missing.stderr == (f"rlmm: machine fault: cannot make the run directory {disk / 'new'}: Read-only file "
@@ -110,8 +110,8 @@ def test_an_immutable_run_directory_is_one_line(tmp_path):
     try:
         refused = rlmm(run_dir, *RUN)
         assert refused.returncode == 4, refused.stdout[-2000:] + refused.stderr[-3000:]
-        assert refused.stdout.startswith(f"rlmm: machine fault: not permitted (an immutable file or directory?) "
-                                         f"({run_dir / '.hydra'}); "), refused.stdout
+        assert ending(refused).startswith(f"rlmm: machine fault: not permitted (an immutable file or directory?) "
+                                          f"({run_dir / '.hydra'}); "), refused.stderr
     finally:
         subprocess.run(["chattr", "-i", str(run_dir)], check=False)
 
@@ -123,9 +123,9 @@ def test_a_killed_sampler_process_is_one_line_naming_the_signal(tmp_path):
     run_dir = tmp_path / "run"
     killed = rlmm(run_dir, *RUN, "train.staleness=1", "train.overlap=true", fault=("kill", "sampler_process", 3))
     assert killed.returncode == 4, killed.stdout[-2000:] + killed.stderr[-3000:]
-    assert killed.stdout == ("rlmm: machine fault: train.overlap: the sampler process was killed by SIGKILL before the "
-                             f"trainer's request; {run_dir}/steps.jsonl holds steps 0-1; once it is fixed the same "
-                             "command resumes from its checkpoint of step 1\n")
+    assert ending(killed) == ("rlmm: machine fault: train.overlap: the sampler process was killed by SIGKILL before the "
+                              f"trainer's request; {run_dir}/steps.jsonl holds steps 0-1; once it is fixed the same "
+                              "command resumes from its checkpoint of step 1")
     assert "Traceback" not in killed.stderr, killed.stderr[-3000:]
 
 
@@ -158,3 +158,4 @@ def test_a_fault_on_one_of_two_ranks_is_one_line_and_the_same_command_resumes(tm
     resumed = torchrun(["-m", "rlmm.cli"])
     assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-4000:]
     assert [row["step"] for row in read_steps(run_dir)] == [0, 1, 2, 3]
+

@@ -10,7 +10,7 @@ import pytest
 
 from rlmm.errors import ConfigError
 from rlmm.monitor import CUSUM, Monitor, NoMonitor, build_monitor
-from tests.conftest import subprocess_env
+from tests.conftest import ending, subprocess_env
 
 DETECTOR = dict(warmup_steps=10, drift=1.0, threshold=12.0, clip=4.0)  # conf/train.yaml's values
 SETTLED = {**DETECTOR, "warmup_steps": 30}  # a baseline estimated well (30 steps), for the exact properties
@@ -223,11 +223,11 @@ def test_monitor_off_leaves_the_run_unchanged_and_stop_checkpoints_and_stops(sma
     assert [r.get("monitor/alarm") for r in on_rows] == [None, 0.0, 0.0, 1.0]  # step 0 is the evaluation
     assert {"monitor/kl_k1_score", "monitor/ppl_ratio_score"} <= set(on_rows[3])
     assert on_rows[3]["monitor/alarms"][0]["signal"] in ("mismatch/kl_k1", "mismatch/ppl_ratio")
-    stopped = [line for line in on.stdout.splitlines() if line.startswith("rlmm: stopped:")]
-    assert len(stopped) == 1 and "monitor alarm: mismatch/" in stopped[0] and "at step 3" in stopped[0], on.stdout[-2000:]
-    assert "(train.monitor.action=stop); checkpoint in" in stopped[0]
+    stopped = ending(on)
+    assert stopped.startswith("rlmm: stopped: monitor alarm: mismatch/") and "at step 3" in stopped, stopped
+    assert "(train.monitor.action=stop); checkpoint in" in stopped
     assert (tmp_path / "stop" / "checkpoints" / "step-000003" / "state.json").exists()
-    assert "monitor alarm: mismatch/" in on.stdout.replace(stopped[0], "")  # the warning line too
+    assert "monitor alarm: mismatch/" in on.stdout  # the warning line too, logged
 
 
 def test_switch_correction_trains_with_the_new_correction_from_the_next_step(small_model_path, tmp_path):

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import subprocess_env
+from tests.conftest import ending, subprocess_env
 
 SAMPLE = Path(__file__).parent / "data" / "gsm8k_sample.jsonl"
 HUB_VARS = ("HF_HOME", "HF_HUB_CACHE", "HF_DATASETS_CACHE", "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE",
@@ -126,10 +126,11 @@ def rlmm(*args: str, cwd: Path, env: dict[str, str]) -> subprocess.CompletedProc
 
 
 def error_line(result: subprocess.CompletedProcess) -> str:
-    """The one line a failed run ends with (Hydra apps print it on stdout, other commands on stderr)."""
-    lines = [line for line in (result.stdout + result.stderr).splitlines() if line.startswith("rlmm: error: ")]
-    assert result.returncode == 2 and len(lines) == 1, (result.stdout + result.stderr)[-3000:]
-    return lines[0]
+    """The one line a failed run ends with, on stderr (Hydra apps and other commands alike)."""
+    assert result.returncode == 2, (result.stdout + result.stderr)[-3000:]
+    line = ending(result)
+    assert line.startswith("rlmm: error: "), line
+    return line
 
 
 @pytest.fixture()

@@ -13,7 +13,7 @@ from rlmm import checkpoint
 from rlmm.config import from_yaml
 from rlmm.precision import SidePrecision
 from rlmm.records import read_steps
-from tests.conftest import sampling, subprocess_env
+from tests.conftest import ending, sampling, subprocess_env
 
 
 def train_command(model_path, run_dir, *overrides):
@@ -316,7 +316,7 @@ def test_run_stops_after_max_bad_steps_with_a_checkpoint(small_model_path, tmp_p
                       "train.max_bad_steps=2", "train.steps=6", "train.checkpoint_every=1"),
         capture_output=True, text=True, timeout=600, env=subprocess_env(), stdin=subprocess.DEVNULL)
     assert result.returncode == 3, result.stderr[-3000:]
-    assert "rlmm: stopped: 2 bad steps in a row (train.max_bad_steps=2) at step 3" in result.stdout
+    assert ending(result).startswith("rlmm: stopped: 2 bad steps in a row (train.max_bad_steps=2) at step 3")
     rows = read_steps(tmp_path)
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
     assert [r["train/skipped"] for r in rows[1:]] == [0, 1, 1]

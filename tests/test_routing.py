@@ -119,14 +119,14 @@ def test_an_moe_checkpoint_takes_replay_and_rlmm_train_refuses_it_for_a_dense_on
     import subprocess
     import sys
 
-    from tests.conftest import subprocess_env
+    from tests.conftest import ending, subprocess_env
 
     refused = subprocess.run([sys.executable, "-m", "rlmm.cli", "train", "debug=train", "routing=r3"], text=True,
                              capture_output=True, timeout=300, env=subprocess_env(), stdin=subprocess.DEVNULL)
     assert refused.returncode == 2, refused.stderr[-3000:]
-    assert refused.stdout == ("rlmm: error: routing=r3: the model (Qwen2ForCausalLM) has no mixture-of-experts router; "
-                              "routing replay needs an MoE model such as model=tiny_moe (a dense model takes "
-                              "routing=none)\n")
+    assert ending(refused) == ("rlmm: error: routing=r3: the model (Qwen2ForCausalLM) has no mixture-of-experts router; "
+                               "routing replay needs an MoE model such as model=tiny_moe (a dense model takes "
+                               "routing=none)")
     assert "vllm" not in refused.stderr.lower() and "deepspeed" not in refused.stderr.lower(), refused.stderr[-3000:]
 
 

@@ -64,3 +64,18 @@ def test_a_bad_lr_is_one_line_before_anything_starts(tmp_path):
     assert result.returncode == 2, result.stdout + result.stderr
     assert result.stderr == "rlmm: error: trainer=deepspeed: lr must be a finite number > 0, got nan\n"
     assert not (tmp_path / "run").exists() or not any((tmp_path / "run").iterdir())
+
+
+@pytest.mark.parametrize("line,code", [("rlmm: error: task.path: bad", 2), ("rlmm: stopped: 3 bad steps in a row", 3),
+                                       ("rlmm: machine fault: the disk is full (/d/steps.jsonl)", 4),
+                                       ("rlmm: interrupted (SIGINT): no step was recorded", 130)])
+def test_the_line_a_run_ends_with_goes_to_stderr(capsys, line, code):
+    """Every fault one line with its exit code, on stderr: `end` printed these on stdout, where the composition's
+    refusals (rlmm/errors.py::fail) went to stderr."""
+    from rlmm.apps import end
+
+    with pytest.raises(SystemExit) as ended:
+        end(line, code, submitted=False)
+    assert ended.value.code == code
+    assert capsys.readouterr() == ("", line + "\n")
+
