@@ -54,6 +54,7 @@ class ProbeOptions:
     samples_per_prompt: int = MISSING
     ratio_cap: float = MISSING
     position_buckets: int = MISSING
+    entropy_edges: list[float] = MISSING  # bucket edges of the trainer's token entropy (rlmm/metrics.py::entropy_profile)
     trainer_micro_batch_sizes: list[int] = MISSING
     trainer_layouts: dict[str, TrainerLayout] = MISSING
     early_vs_late: EarlyVsLateOptions = field(default_factory=EarlyVsLateOptions)

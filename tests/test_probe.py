@@ -84,6 +84,17 @@ def test_default_probe_vllm_deepspeed(tmp_path):
     assert layers["comparisons"]["precision"]["rel_error"][0] > 0  # the fp32 embeddings rounded to bf16
     assert "layers: at bf16 the sampler" in record["stdout"] and (tmp_path / "layers.png").stat().st_size > 10_000
     assert values["layers/kernels/rel_error/norm"] == kernels["rel_error"][-1]
+    by_entropy = record["entropy_profile"]  # the trainer's H_t of its scoring forward: finite on every response token
+    assert by_entropy["bucket_start"] == [0, 0.1, 0.5, 1, 2]
+    assert by_entropy["bucket_end"] == [0.1, 0.5, 1, 2, None]  # the last one's inf: null in strict JSON
+    assert sum(by_entropy["num_tokens"]) == metrics["num_tokens"]
+    for i, tokens in enumerate(by_entropy["num_tokens"]):  # an empty bucket's figures are null in strict JSON
+        figures = [by_entropy[key][i] for key in ("logprob_abs_diff_mean", "kl_k3", "ratio_std")]
+        assert all(f is None for f in figures) if tokens == 0 else all(f >= 0 for f in figures), (i, figures)
+    for key in ("logprob_abs_diff_mean", "kl_k3"):  # the buckets split the same tokens' sampler-vs-trainer figures
+        assert sum(n * by_entropy[key][i] for i, n in enumerate(by_entropy["num_tokens"]) if n) == pytest.approx(
+            metrics[key] * metrics["num_tokens"], rel=1e-6), key
+    assert "by the trainer's token entropy H" in record["stdout"]
     assert list((tmp_path / "wandb").glob("offline-run-*")), "W&B offline run directory missing"
     assert "WANDB_API_KEY" not in (tmp_path / "probe.json").read_text()
 
@@ -132,6 +143,15 @@ def test_trainer_entropy_is_that_of_the_scoring_forward(backend, small_model_pat
             torch.testing.assert_close(entropy[i, :len(response)], expected, rtol=1e-5, atol=1e-5)
             assert not entropy[i, len(response):].any()
     trainer.close()
+
+
+def test_entropy_edges_are_checked_before_any_engine_starts():
+    from rlmm.probe.checks import check_entropy_edges
+
+    assert check_entropy_edges([0.1, 1]) == (0.1, 1.0)
+    for bad in ([], [0.0, 1.0], [1.0, 0.5], [0.5, 0.5]):
+        with pytest.raises(ValueError, match=r"^probe.entropy_edges: increasing values > 0 \(nats\), got"):
+            check_entropy_edges(bad)
 
 
 def test_token_agreement_counts_tokens_scored_to_the_same_bits():

@@ -3,7 +3,8 @@
 Reads top to bottom:
   1. build the task, the model checkpoint, the precision policy, the sampler and the trainer;
   2. check that each engine really runs the precision it was asked for;
-  3. sample rollouts and score them on both sides -> mismatch metrics and the per-position profile;
+  3. sample rollouts and score them on both sides -> mismatch metrics, the per-position profile and the profile
+     by the trainer's token entropy (`entropy_profile`, from the scoring forward's H_t);
   4. decompose: trainer vs itself at two micro-batch sizes, and across micro-batch layouts (padded
      micro-batches of trainer.micro_batch_size vs a token budget vs padding-free, `probe.trainer_layouts`);
      sampler vs itself, greedy, with the same prompts alone and inside larger batches (Thinking Machines 2025, "Defeating
@@ -34,7 +35,7 @@ from rlmm.config import build, to_container
 from rlmm.logging import redact
 from rlmm.attribution import attribute, plot_attribution
 from rlmm.layer_attribution import compare_layers, plot_layers
-from rlmm.metrics import early_vs_late, mismatch_metrics, position_profile
+from rlmm.metrics import early_vs_late, entropy_profile, mismatch_metrics, position_profile
 from rlmm.probe.checks import check_finite, check_options
 from rlmm.probe.measurements import (batch_invariance, decode_vs_prefill, real_vs_simulated, routing_decomposition,
                                      token_agreement, trainer_across_layouts, trainer_against_itself)
@@ -72,7 +73,7 @@ def run_probe(cfg: DictConfig, run_dir: Path, choices: dict[str, str]) -> dict:
     rollouts = routing.scored(rollouts)  # r3: the trainer replays the sampler's experts in every scoring below
     with timed(stage_seconds, "score"), routing.recorded(trainer.model) as own_routing, \
             support_recorded(trainer.model) as support:
-        train_logprobs = trainer.logprobs(rollouts)
+        train_logprobs, train_entropy = trainer.logprobs_with_entropy(rollouts)  # H_t of the same forward
     check_finite({"sampler": sampler_logprobs[mask], "trainer": train_logprobs[mask]}, precision_report,
                  close=(trainer, sampler))
     sampler_vs_trainer = mismatch_metrics(train_logprobs, sampler_logprobs, mask, ratio_cap=options.ratio_cap)
@@ -83,6 +84,8 @@ def run_probe(cfg: DictConfig, run_dir: Path, choices: dict[str, str]) -> dict:
     # Whole-token buckets of equal width, so short answers get one bucket per position.
     bucket_size = max(1, math.ceil(mask.sum(1).max().item() / options.position_buckets))
     profile = position_profile(train_logprobs, sampler_logprobs, mask, bucket_size=bucket_size)
+    by_entropy = entropy_profile(train_logprobs, sampler_logprobs, mask, train_entropy,
+                                 edges=tuple(options.entropy_edges))
     early_late = options.early_vs_late
     same_responses = ({} if early_late.response_tokens is None else
                       early_vs_late(train_logprobs, sampler_logprobs, mask, **early_late))
@@ -122,6 +125,7 @@ def run_probe(cfg: DictConfig, run_dir: Path, choices: dict[str, str]) -> dict:
         "agreement": agreement,
         "support": truncation,
         "position_profile": profile,
+        "entropy_profile": by_entropy,
         "early_vs_late": same_responses,
         "trainer_vs_itself": trainer_vs_itself,
         "sampler_vs_itself": sampler_vs_itself,

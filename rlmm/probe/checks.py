@@ -31,6 +31,7 @@ def check_options(cfg: DictConfig) -> dict[str, MicroBatching]:
         if cfg.probe[key] < 1:
             raise ValueError(f"probe.{key}: must be >= 1, got {cfg.probe[key]}")
     check_micro_batch_sizes(cfg.probe.trainer_micro_batch_sizes)
+    check_entropy_edges(cfg.probe.entropy_edges)
     check_early_vs_late(cfg.probe.early_vs_late, cfg.sampling.max_new_tokens)
     check_batch_invariance(cfg.probe.batch_invariance)
     if cfg.probe.attribution:
@@ -50,6 +51,14 @@ def check_micro_batch_sizes(sizes) -> tuple[int, int]:
     if len(sizes) != 2 or sizes[0] == sizes[1] or sizes[0] < 1:
         raise ValueError(f"probe.trainer_micro_batch_sizes: two different sizes >= 1, got {sizes}")
     return sizes[0], sizes[1]
+
+
+def check_entropy_edges(edges) -> tuple[float, ...]:
+    """`probe.entropy_edges`: the entropy buckets' inner edges (nats), increasing and > 0 (`entropy_profile`'s rule)."""
+    edges = [float(e) for e in edges]
+    if not edges or any(not e > 0 for e in edges) or edges != sorted(set(edges)):
+        raise ValueError(f"probe.entropy_edges: increasing values > 0 (nats), got {edges}")
+    return tuple(edges)
 
 
 def check_batch_invariance(options) -> None:

@@ -1,5 +1,5 @@
 """The probe's figure (`probe.png`) from its record: mismatch by response position, tokens per position
-bucket, and the trainer against itself by batch shape and layout."""
+bucket, the trainer against itself by batch shape and layout, and mismatch by the trainer's token entropy."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -14,7 +14,7 @@ def plot_probe(record: dict, path: Path) -> None:
     profile = record["position_profile"]
     starts, ends = profile["bucket_start"], profile["bucket_end"]
     centers = [(s + e) / 2 for s, e in zip(starts, ends)]
-    fig, axes = plt.subplots(1, 3, figsize=(15, 3.8))
+    fig, axes = plt.subplots(1, 4, figsize=(20, 3.8))
     axes[0].plot(centers, profile["logprob_abs_diff_mean"], marker="o", label="mean |δ|")
     axes[0].plot(centers, profile["kl_k3"], marker="s", label="KL k3 (per token)")
     axes[0].set_xlabel("response position (tokens)")
@@ -42,6 +42,21 @@ def plot_probe(record: dict, path: Path) -> None:
     ax.set_ylabel("|Δ log p| (nats)")
     ax.set_title("trainer vs itself: batch shape and layout")
     ax.legend()
+    # The ratio's spread per entropy band (rlmm/metrics.py::entropy_profile); an empty band's NaN leaves a gap.
+    by_entropy = record["entropy_profile"]
+    ax = axes[3]
+    at = range(len(by_entropy["num_tokens"]))
+    ax.plot(at, by_entropy["logprob_abs_diff_mean"], marker="o", label="mean |δ|")
+    ax.plot(at, by_entropy["kl_k3"], marker="s", label="KL k3 (per token)")
+    ax.plot(at, by_entropy["ratio_std"], marker="^", label="ratio std")
+    ax.set_xticks(list(at), [f"[{s:g}, {'∞' if e == float('inf') else f'{e:g}'})\n{n} tok" for s, e, n in
+                             zip(by_entropy["bucket_start"], by_entropy["bucket_end"], by_entropy["num_tokens"])],
+                  fontsize=8)
+    ax.set_xlabel("trainer's token entropy H (nats)")
+    ax.set_yscale("symlog", linthresh=1e-6)
+    ax.set_ylim(bottom=0)  # every figure is >= 0
+    ax.set_title("mismatch by token entropy")
+    ax.legend(loc="lower right")
     choices = record["choices"]
     fig.suptitle(" ".join(f"{k}={v}" for k, v in choices.items()), fontsize=9)
     fig.tight_layout()

@@ -27,6 +27,7 @@ def print_probe(record: dict) -> None:
         table.add_row(key, fmt(record["sampler_vs_trainer"][key]), fmt(itself[key]))
     console.print(table)
     console.print(agreement_verdict(record["agreement"]))
+    print_entropy_profile(console, record["entropy_profile"])
     if support := record.get("support"):
         print_support(console, support, record["choices"].get("support", "sampler"))
     layouts = itself["layouts"]
@@ -88,6 +89,22 @@ def agreement_verdict(agreement: dict) -> str:
                 "no mismatch to correct with these engines, settings and CPU kernels)")
     return (f"sampler vs trainer: not bitwise identical, {agreement['frac_tokens_identical']:.1%} of "
             f"{agreement['num_tokens']} tokens score the same bits")
+
+
+def print_entropy_profile(console, profile: dict) -> None:
+    """The sampler-vs-trainer gap per bucket of the trainer's token entropy (rlmm/metrics.py::entropy_profile): does
+    the ratio's spread grow with H, so that one ratio threshold clips high-entropy tokens for their ordinary noise?"""
+    from rich.table import Table
+
+    table = Table(title="sampler vs trainer by the trainer's token entropy H (nats)", title_justify="left")
+    for column in ("H", "tokens", "mean |Δlogp|", "KL k3", "ratio std"):
+        table.add_column(column, justify="left" if column == "H" else "right")
+    for i, (start, end, tokens) in enumerate(zip(profile["bucket_start"], profile["bucket_end"],
+                                                 profile["num_tokens"])):
+        figures = [format_number(profile[key][i]) if tokens else "-"  # an empty bucket's NaN
+                   for key in ("logprob_abs_diff_mean", "kl_k3", "ratio_std")]
+        table.add_row(f"[{start:g}, {'∞' if end == float('inf') else f'{end:g}'})", str(tokens), *figures)
+    console.print(table)
 
 
 def describe_layout(layout: dict) -> str:
