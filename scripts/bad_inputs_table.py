@@ -26,6 +26,7 @@ EXTRA = [  # bad input caught later than composition, or tested elsewhere (file 
     ("rlmm train debug=train trainer.lr=nan", "tests/test_validation.py"),
     ("rlmm train debug=train trainer.weight_decay=-0.1", "tests/test_validation.py"),
     ("rlmm train debug=train +train.stepz=3", "tests/test_validation.py"),
+    ("rlmm train model.cache_dir=README.md", "tests/test_validation.py"),
     ("rlmm trian", "tests/test_cli.py"),
 ]
 

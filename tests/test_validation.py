@@ -14,7 +14,7 @@ from omegaconf import open_dict
 import rlmm.schema  # noqa: F401  (registers the schemas)
 from rlmm.config import CONF_DIR, validate
 from rlmm.errors import ConfigError
-from tests.conftest import subprocess_env
+from tests.conftest import ending, subprocess_env
 
 
 def composed(app: str, overrides: list[str]):
@@ -79,3 +79,40 @@ def test_the_line_a_run_ends_with_goes_to_stderr(capsys, line, code):
     assert ended.value.code == code
     assert capsys.readouterr() == ("", line + "\n")
 
+
+# ---- the command line, for real: one line on stderr, no traceback, nothing written ----------------------------------
+
+def rlmm(*args: str, cwd=None, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "rlmm.cli", *args], capture_output=True, text=True, timeout=300,
+                          env=subprocess_env(**env), stdin=subprocess.DEVNULL, cwd=cwd)
+
+
+def refused(result: subprocess.CompletedProcess, code: int = 2) -> str:
+    """The one line of a refused command: its exit code, no traceback."""
+    assert result.returncode == code, (result.stdout[-2000:], result.stderr[-3000:])
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    return ending(result)
+
+
+FAST = ("train", "debug=train", "sampler=hf", "trainer=torch")
+
+
+@pytest.mark.parametrize("how", ["RLMM_CACHE", "RLMM_CACHE below", "model.cache_dir"])
+def test_a_cache_directory_that_is_a_file_is_one_line_before_anything_starts(tmp_path, how):
+    """RLMM_CACHE (or model.cache_dir) naming a file, or a path below one: a NotADirectoryError traceback once a
+    model was built; now refused with the other bad values, before the run directory is made."""
+    file = tmp_path / "cache"
+    file.write_text("a file, not a directory")
+    run_dir = tmp_path / "run"
+    if how == "model.cache_dir":
+        result = rlmm(*FAST, "model.rebuild=true", f"model.cache_dir={file}", f"hydra.run.dir={run_dir}")
+        says = (f"rlmm: error: model.cache_dir: {file} is a file, not a directory (give a directory, or null for "
+                "$RLMM_CACHE or ~/.cache/rlmm)")
+    else:
+        cache = file if how == "RLMM_CACHE" else file / "below"
+        result = rlmm(*FAST, "model.rebuild=true", f"hydra.run.dir={run_dir}", RLMM_CACHE=str(cache))
+        where = "is a file" if cache == file else f"is below {file}, a file"
+        says = (f"rlmm: error: RLMM_CACHE: {cache} {where}, not a directory (point RLMM_CACHE at a directory, or "
+                "unset it for ~/.cache/rlmm)")
+    assert refused(result) == says
+    assert not run_dir.exists()

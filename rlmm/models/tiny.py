@@ -52,7 +52,28 @@ ABANDONED_AFTER_S = 24 * 3600
 
 
 def default_cache_dir() -> Path:
-    return Path(os.environ.get("RLMM_CACHE", Path.home() / ".cache" / "rlmm"))
+    """$RLMM_CACHE (unset or empty: ~/.cache/rlmm); a one-line ValueError naming it where it cannot be a directory."""
+    named = os.environ.get("RLMM_CACHE")
+    if not named:
+        return checked_cache_dir(Path.home() / ".cache" / "rlmm", "RLMM_CACHE (unset: ~/.cache/rlmm)",
+                                 "remove that file, or point RLMM_CACHE at a directory")
+    return checked_cache_dir(Path(named), "RLMM_CACHE", "point RLMM_CACHE at a directory, or unset it for ~/.cache/rlmm")
+
+
+def checked_cache_dir(path: Path, named_by: str, instead: str) -> Path:
+    """`path`, unless it or the nearest of its parents that exists is not a directory (a file): then a one-line
+    ValueError naming `named_by` and saying what to do `instead` (mkdir would raise NotADirectoryError later, a
+    traceback). A parent it may not look into is left to the write that needs it (a fault of the disk)."""
+    for existing in (path, *path.parents):
+        try:
+            if existing.exists():
+                break
+        except OSError:
+            return path
+    if existing.is_dir():
+        return path
+    where = "is a file" if existing == path else f"is below {existing}, a file"
+    raise ValueError(f"{named_by}: {path} {where}, not a directory ({instead})")
 
 
 def sha256_of(path: Path) -> str:
@@ -178,7 +199,8 @@ class TinyModel:
                          max_position=max_position)
         self.seed = seed
         self.warm_start = dict(steps=warm_start_steps, lr=warm_start_lr, batch_size=warm_start_batch_size)
-        self.cache_dir = Path(cache_dir) if cache_dir else default_cache_dir()
+        self.cache_dir = checked_cache_dir(Path(cache_dir), "model.cache_dir", "give a directory, or null for "
+                                           "$RLMM_CACHE or ~/.cache/rlmm") if cache_dir else default_cache_dir()
         self.rebuild = rebuild
 
     # Builds are named <prefix>-<cache_key>, in the cache and in rlmm/models/builtin/.
