@@ -277,6 +277,20 @@ def test_gsm8k_bad_file(tmp_path, content, message):
     assert message in str(info.value) and str(path) in str(info.value) and "\n" not in str(info.value)
 
 
+def test_gsm8k_file_not_in_utf8_names_its_line_and_byte(tmp_path):
+    """A file saved as Latin-1 (issue 50, case 9): a UnicodeDecodeError from the codec, whose traceback named
+    neither the file nor the line; now one line naming both and the byte's offset in the file."""
+    first = json.dumps({"question": "What is 1 + 1?", "answer": "1 + 1 = 2\n#### 2"}) + "\n"
+    second = '{"question": "Combien co\u00fbte 2 + 2?", "answer": "#### 4"}\n'
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes(first.encode() + second.encode("latin-1"))
+    offset = len(first) + second.index("\u00fb")
+    with pytest.raises(ValueError) as info:
+        gsm8k(path)
+    assert str(info.value) == (f"task.path: {path}:2: not UTF-8: byte 0xfb at offset {offset} of the file (save it as "
+                               "UTF-8: iconv -f <its encoding> -t utf-8)")
+
+
 def test_gsm8k_hub_id_without_datasets(monkeypatch):
     monkeypatch.setitem(sys.modules, "datasets", None)  # makes `import datasets` fail
     with pytest.raises(ValueError) as info:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
@@ -116,3 +117,11 @@ def test_a_cache_directory_that_is_a_file_is_one_line_before_anything_starts(tmp
                 "unset it for ~/.cache/rlmm)")
     assert refused(result) == says
     assert not run_dir.exists()
+
+
+def test_a_task_file_not_in_utf8_is_one_line_naming_its_line_and_byte(tmp_path):
+    """tests/data/gsm8k_latin1.jsonl: a record saved as Latin-1 (its `û` the byte 0xfb); docs/bad_inputs.md runs it."""
+    path = Path(__file__).parent / "data" / "gsm8k_latin1.jsonl"
+    result = rlmm(*FAST, "task=gsm8k", f"task.path={path}", f"hydra.run.dir={tmp_path / 'run'}")
+    assert refused(result) == (f"rlmm: error: task.path: {path}:1: not UTF-8: byte 0xfb at offset 24 of the file (save "
+                               "it as UTF-8: iconv -f <its encoding> -t utf-8)")

@@ -170,12 +170,21 @@ def _load(path: str) -> dict[str, list[tuple[str, str]]]:
 
 
 def _read_jsonl(path: str) -> list[tuple[str, str]]:
+    """The file's records, read as bytes and decoded a line at a time, so that a byte that is not UTF-8 is named by
+    its line and its offset in the file (the codec's own error names neither)."""
     records = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+    offset = 0
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            where = f"task.path: {path}:{lineno}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise ValueError(f"{where}: not UTF-8: byte 0x{raw[err.start]:02x} at offset {offset + err.start} of "
+                                 "the file (save it as UTF-8: iconv -f <its encoding> -t utf-8)") from None
+            offset += len(raw)
             if not line.strip():
                 continue
-            where = f"task.path: {path}:{lineno}"
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as err:
