@@ -1,7 +1,6 @@
 """Hydra entry points behind the `rlmm` subcommands."""
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import signal
@@ -18,6 +17,7 @@ from omegaconf import DictConfig
 import rlmm.schema  # noqa: F401  (registers the schemas with Hydra)
 from rlmm.logging import NoOpLogger, redact
 from rlmm.config import BUILD_TIME_ARGS, CONF_DIR, build, to_container, validate
+from rlmm.disk import disk_fault
 from rlmm.errors import MACHINE_FAULT_EXIT, ConfigError, JobFailed, MachineFault, RunStopped
 from rlmm.resume import FINISHED_JOB, AlreadyFinished, ResumeRefused, check_probe_dir, check_train_dir, resume_point
 
@@ -43,16 +43,10 @@ def user_error(err: BaseException) -> str | None:
     return str(err).splitlines()[0] if str(err) else type(err).__name__
 
 
-# The OSErrors that are the disk's or the file system's, not a bug's: what each means for the user.
-DISK_FAULTS = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is exceeded",
-               errno.EROFS: "the file system is read-only", errno.EACCES: "permission denied",
-               errno.EPERM: "not permitted (an immutable file or directory?)", errno.EIO: "an I/O error of the disk"}
-
-
 def machine_fault(err: BaseException) -> str | None:
     """What failed, in a few words, when `err` (or an error it was raised from or while handling) is a fault of
-    the machine: rlmm's `MachineFault` (a dead sampler process), an OSError of the disk (`DISK_FAULTS`; rlmm's
-    writes name their file: rlmm/disk.py), or a collective's peer gone (torch's distributed errors, gloo's
+    the machine: rlmm's `MachineFault` (a dead sampler process), an OSError of the disk (rlmm/disk.py's
+    `DISK_FAULTS`; rlmm's writes name their file), or a collective's peer gone (torch's distributed errors, gloo's
     "Connection reset by peer"): a rank died; None otherwise."""
     seen = set()
     while err is not None and id(err) not in seen:
@@ -60,8 +54,8 @@ def machine_fault(err: BaseException) -> str | None:
         text = str(err).splitlines()[0] if str(err) else type(err).__name__
         if isinstance(err, MachineFault):
             return text
-        if isinstance(err, OSError) and err.errno in DISK_FAULTS:
-            return f"{DISK_FAULTS[err.errno]} ({err.filename or text})"
+        if disk_fault(err) is not None:
+            return disk_fault(err)
         # torch.distributed's own errors (torch not imported here), and gloo's, a RuntimeError naming its source:
         # "[.../gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:2478: Connection reset by peer"
         if (any(kind.__name__ == "DistError" for kind in type(err).__mro__)

@@ -3,8 +3,9 @@
 A full disk does not always look like one: Python's own writes raise OSError(ENOSPC) without the file's name
 (a buffered flush), safetensors raises `SafetensorError("... No space left on device (os error 28)")` and
 `torch.save` a RuntimeError from its zip writer ("unexpected pos 576 vs 534"). `writing(path)` turns each into
-`OSError(errno, strerror, path)`, which `rlmm.apps.machine_fault` reports in one line (exit 4): an OSError keeps
-its errno and gains the path; any other error raised while the file system holding `path` has less than
+`OSError(errno, strerror, path)`, which `disk_fault` names in a few words and the commands report in one line
+(exit 4: `rlmm.apps.machine_fault` for `rlmm train` and `rlmm probe`, `rlmm table`'s own): an OSError keeps its
+errno and gains the path; any other error raised while the file system holding `path` has less than
 FULL_BELOW_BYTES free is that file system being full (what is left after a write that failed on space is
 nothing, give or take a block).
 """
@@ -17,6 +18,19 @@ from contextlib import contextmanager
 from pathlib import Path
 
 FULL_BELOW_BYTES = 1 << 20
+# The OSErrors that are the disk's or the file system's, not a bug's: what each means for the user.
+DISK_FAULTS = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is exceeded",
+               errno.EROFS: "the file system is read-only", errno.EACCES: "permission denied",
+               errno.EPERM: "not permitted (an immutable file or directory?)", errno.EIO: "an I/O error of the disk"}
+
+
+def disk_fault(err: BaseException) -> str | None:
+    """`err`, an OSError of the disk (DISK_FAULTS), in a few words naming its file: `the disk is full (<path>)`;
+    None for any other error."""
+    if isinstance(err, OSError) and err.errno in DISK_FAULTS:
+        text = str(err).splitlines()[0] if str(err) else type(err).__name__
+        return f"{DISK_FAULTS[err.errno]} ({err.filename or text})"
+    return None
 
 
 def free_bytes(path: Path) -> int | None:

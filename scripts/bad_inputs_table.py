@@ -73,7 +73,10 @@ def main() -> None:
           "`rlmm: machine fault: the disk is full (<dir>/checkpoints/.partial-step-000001); <dir>/steps.jsonl holds "
           "steps 0-1; once it is fixed the same command starts over`; likewise a read-only or immutable run "
           "directory, a full disk at steps.jsonl or the plot, and `train.overlap`'s sampler process killed (`the "
-          "sampler process was killed by SIGKILL while the trainer waited for it`).")
+          "sampler process was killed by SIGKILL while the trainer waited for it`); `rlmm table` on a read-only or "
+          "full disk: `rlmm: machine fault: the file system is read-only (<sweep>/table); the run records are as they "
+          "were (rlmm table only reads them): run it again once it is fixed, or give --out another directory`. Every "
+          "such line goes to stderr.")
 
 
 if __name__ == "__main__":

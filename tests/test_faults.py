@@ -2,7 +2,9 @@
 same command resuming to the uninterrupted run's records: the disk filling up at a checkpoint, at steps.jsonl, at
 the plot (a small tmpfs, filled from outside the run as the run reaches each point: tests/fault_at.py), a
 read-only or immutable run directory, and a sampler process killed under `train.overlap`."""
+import errno
 import json
+import os
 import subprocess
 import sys
 import uuid
@@ -159,3 +161,44 @@ def test_a_fault_on_one_of_two_ranks_is_one_line_and_the_same_command_resumes(tm
     assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-4000:]
     assert [row["step"] for row in read_steps(run_dir)] == [0, 1, 2, 3]
 
+
+def fill(path) -> None:
+    """Write zeros into `path` until the disk holding it is full."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT)
+    try:
+        while True:
+            os.write(fd, b"\0" * 65536)
+    except OSError as err:
+        assert err.errno == errno.ENOSPC, err
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("fault,says", [("read-only", "the file system is read-only"), ("full", "the disk is full")])
+def test_rlmm_table_on_a_read_only_or_full_disk_is_one_line(tmp_path, fault, says):
+    """`rlmm table SWEEP` writes its tables and plots beside the sweep (SWEEP/table/): a read-only or full disk
+    there was an OSError traceback (issue 50, case 9); now one line, exit 4, the run records as they were."""
+    from tests.test_table import train_run
+
+    disk = tmp_path / "disk"
+    mount(disk, "size=4m")
+    try:
+        sweep = disk / "sweep"
+        for job, correction in enumerate(("tis", "icepop")):
+            train_run(sweep / str(job), "bf16", correction, 0)
+        records = {p: p.read_bytes() for p in sweep.rglob("*") if p.is_file()}
+        if fault == "read-only":
+            subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)
+        else:
+            fill(disk / "filler")
+        result = subprocess.run([sys.executable, "-m", "rlmm.cli", "table", str(sweep)], capture_output=True, text=True,
+                                timeout=300, env=subprocess_env(), stdin=subprocess.DEVNULL)
+        assert result.returncode == 4, (result.stdout[-2000:], result.stderr[-3000:])
+        assert "Traceback" not in result.stderr, result.stderr[-3000:]
+        line = ending(result)
+        assert line.startswith(f"rlmm: machine fault: {says} ({sweep / 'table'}"), line
+        assert line.endswith("); the run records are as they were (rlmm table only reads them): run it again once it "
+                             "is fixed, or give --out another directory"), line
+        assert {p: p.read_bytes() for p in records} == records
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)

@@ -35,7 +35,8 @@ import re
 import sys
 from pathlib import Path
 
-from rlmm.errors import fail
+from rlmm.disk import disk_fault
+from rlmm.errors import MACHINE_FAULT_EXIT, fail
 from rlmm.table.base import Run, TableError
 from rlmm.table.discovery import read_runs
 from rlmm.table.frames import DEFAULT_METRICS, check_metrics, default_metrics, direction, load_runs, varying_axes
@@ -98,8 +99,15 @@ def main(argv: list[str] | None = None) -> None:
         check_metrics(df, metrics)
         baseline = parse_baseline(args.baseline, df) if args.baseline else None
         out = args.out or default_out(args.sources)
-        text, written = write_outputs(runs, df, metrics, out, args.include_incomplete, baseline,
-                                      args.interval or "t")
+        try:
+            text, written = write_outputs(runs, df, metrics, out, args.include_incomplete, baseline,
+                                          args.interval or "t")
+        except OSError as err:  # the disk's fault where the tables go: one line, exit 4 (another OSError: a bug's)
+            if disk_fault(err) is None:
+                raise
+            print(f"rlmm: machine fault: {disk_fault(err)}; the run records are as they were (rlmm table only "
+                  "reads them): run it again once it is fixed, or give --out another directory", file=sys.stderr)
+            raise SystemExit(MACHINE_FAULT_EXIT) from None
     except TableError as err:
         fail(str(err))
     print(text)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from rlmm.disk import writing
 from rlmm.formatting import format_number
 from rlmm.table.base import Run
 from rlmm.table.frames import REPLICATE_AXES, steps_frame, varying_axes
@@ -156,19 +157,25 @@ def write_outputs(runs: list[Run], df: pd.DataFrame, metrics: list[str], out: Pa
                   interval: str = "t") -> tuple[str, list[Path]]:
     """Write table.md, table.csv, table.tex, bars.png and (runs with steps) curves.png into `out`, and with
     a `baseline` (KEY, VALUE) the paired differences from it: paired.md, paired.csv, paired.tex, paired.png;
-    return the Markdown text and the files written."""
+    return the Markdown text and the files written. A fault of the disk is an OSError naming the file
+    (rlmm/disk.py's `writing`)."""
     by = varying_axes(df)
     agg = aggregate(df, metrics, by=by, include_incomplete=include_incomplete)
     wide = wide_table(agg, by)
     text = markdown(wide, df, by, include_incomplete)
     out.mkdir(parents=True, exist_ok=True)
     written = [out / "table.md", out / "table.csv", out / "table.tex"]
-    written[0].write_text(text)
-    agg.to_csv(written[1], index=False)
-    written[2].write_text(latex(wide))
-    if plot_curves(df, steps_frame(runs), metrics, out / "curves.png", by, include_incomplete):
-        written.append(out / "curves.png")
-    plot_bars(agg, out / "bars.png", by)
+    with writing(written[0]):
+        written[0].write_text(text)
+    with writing(written[1]):
+        agg.to_csv(written[1], index=False)
+    with writing(written[2]):
+        written[2].write_text(latex(wide))
+    with writing(out / "curves.png"):
+        if plot_curves(df, steps_frame(runs), metrics, out / "curves.png", by, include_incomplete):
+            written.append(out / "curves.png")
+    with writing(out / "bars.png"):
+        plot_bars(agg, out / "bars.png", by)
     written.append(out / "bars.png")
     if baseline:
         key, value = baseline
@@ -176,9 +183,13 @@ def write_outputs(runs: list[Run], df: pd.DataFrame, metrics: list[str], out: Pa
         paired_text = paired_markdown(paired, unpaired, key, value)
         text += "\n" + paired_text
         files = [out / name for name in ("paired.md", "paired.csv", "paired.tex", "paired.png")]
-        files[0].write_text(paired_text)
-        paired.to_csv(files[1], index=False)
-        files[2].write_text(paired_latex(paired))
-        plot_paired(paired, files[3], key, value)
+        with writing(files[0]):
+            files[0].write_text(paired_text)
+        with writing(files[1]):
+            paired.to_csv(files[1], index=False)
+        with writing(files[2]):
+            files[2].write_text(paired_latex(paired))
+        with writing(files[3]):
+            plot_paired(paired, files[3], key, value)
         written += files
     return text, written
