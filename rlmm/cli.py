@@ -31,6 +31,61 @@ def overrides_of(args: list[str]) -> list[str]:
     return overrides
 
 
+# Characters that make an override's value more than one plain string in Hydra's grammar (quotes, an escape, a
+# list, a dict, a sweep function, an interpolation): such a value is left as it was written.
+GRAMMAR = set("'\"\\[]{}()$")
+
+
+def quoted_outside_ascii(args: list[str]) -> list[str]:
+    """The app's arguments with every override value that holds a character outside ASCII quoted for Hydra, whose
+    grammar takes such characters only in quotes (`hydra.run.dir=/tmp/rün` ended in Hydra's
+    LexerNoViableAltException); a comma-separated sweep (`task.path=/a/ü.jsonl,/b/ö.jsonl`) is quoted element by
+    element. A value holding one of GRAMMAR is left as written: Hydra reads it, or refuses it (check_overrides)."""
+    quoted, skip = [], False
+    for arg in args:
+        if skip or arg.startswith("-"):
+            skip = not skip and arg in HYDRA_FLAGS_WITH_A_VALUE
+            quoted.append(arg)
+            continue
+        key, equals, value = arg.partition("=")
+        if equals and not value.isascii() and not GRAMMAR & set(value):
+            value = ",".join(f"'{part.strip()}'" for part in value.split(","))
+        quoted.append(f"{key}{equals}{value}")
+    return quoted
+
+
+def named_run_dir(args: list[str]) -> tuple[str, str | None, object]:
+    """The key that places this command's run (hydra.sweep.dir under -m, else hydra.run.dir), its value as written
+    on the command line (None when not set), and that value as Hydra reads it (quotes removed; a sweep is a Sweep)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    key = "hydra.sweep.dir" if "-m" in args or "--multirun" in args else "hydra.run.dir"
+    named = [arg for arg in overrides_of(args) if arg.startswith(f"{key}=")]
+    if not named:
+        return key, None, None
+    try:
+        return key, named[-1].removeprefix(f"{key}="), OverridesParser.create().parse_override(named[-1]).value()
+    except HydraException as err:
+        fail(str(err).splitlines()[0])
+
+
+def bad_run_dir(command: str, args: list[str]) -> str | None:
+    """Why the run directory the command line names is no directory: empty (`hydra.run.dir=`, an unset variable in a
+    script), which Hydra takes for the working directory, null, or several (a sweep of them); None otherwise."""
+    key, written, value = named_run_dir(args)
+    root = "multirun" if key == "hydra.sweep.dir" else "outputs"
+    instead = f"give a directory, or leave {key} out for {root}/{APPS[command]}/<date>/<time>"
+    if written is None or isinstance(value, (int, float)) or (isinstance(value, str) and value.strip()):
+        return None
+    if isinstance(value, str):
+        return f"{key}: empty, which would put the run's files in the working directory ({instead})"
+    if value is None:
+        return f"{key}: null is not a directory ({instead})"
+    return (f"{key}: {written} is not one directory ({instead}; a sweep's jobs each get one below hydra.sweep.dir, "
+            "with -m)")
+
+
 def unwritable_run_dir(args: list[str]) -> str | None:
     """Why the run directory (an explicit hydra.run.dir / hydra.sweep.dir, else outputs/ or multirun/ here, the
     roots of Hydra's default ones) cannot be made, or None once it is there. Hydra makes it before rlmm's code
@@ -39,11 +94,10 @@ def unwritable_run_dir(args: list[str]) -> str | None:
     from pathlib import Path
 
     sweep = "-m" in args or "--multirun" in args
-    key = "hydra.sweep.dir=" if sweep else "hydra.run.dir="
-    named = [arg.removeprefix(key) for arg in overrides_of(args) if arg.startswith(key)]
-    if named and "$" in named[-1]:  # an interpolation (${now:...}): Hydra's to resolve
+    _, written, value = named_run_dir(args)  # one that is no directory was refused (bad_run_dir)
+    if written is not None and "${" in str(value):  # an interpolation (${now:...}): Hydra's to resolve
         return None
-    directory = Path(named[-1] if named else ("multirun" if sweep else "outputs"))
+    directory = Path(str(value) if written is not None else ("multirun" if sweep else "outputs"))
     try:
         directory.mkdir(parents=True, exist_ok=True)
     except OSError as err:
@@ -69,7 +123,7 @@ def main(argv: list[str] | None = None) -> None:
               "       rlmm table SWEEP_DIR [--metric NAME[:final|best|mean]]...   (rlmm table -h for more)\n"
               "       rlmm prefetch [train|probe] [hydra overrides]   (caches a run's hub model and dataset)")
         return
-    command, args = argv[0], argv[1:]
+    command, args = argv[0], quoted_outside_ascii(argv[1:])
     set_runtime_env()
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not any(a.startswith("hydra.run.dir=") for a in args):
         # Ranks start at slightly different times: give them one run directory, not one per second.
@@ -81,6 +135,9 @@ def main(argv: list[str] | None = None) -> None:
     from rlmm.overrides import check_overrides
 
     check_overrides(APPS[command], overrides_of(args))
+    no_directory = bad_run_dir(command, args)
+    if no_directory:
+        fail(no_directory)
     unwritable = unwritable_run_dir(args)  # after the overrides: a typo makes no directory
     if unwritable:
         print(f"rlmm: machine fault: {unwritable}", file=sys.stderr)

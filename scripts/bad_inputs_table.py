@@ -20,6 +20,8 @@ EXTRA = [  # bad input caught later than composition, or tested elsewhere (file 
     ("rlmm train +experiment=fp16_vs_bf16", "tests/test_config_groups.py"),
     ("rlmm train debug=train routing=r3", "tests/test_routing.py"),
     ("rlmm train hydra.run.dir=/proc/rlmm-run", "tests/test_faults.py"),
+    ("rlmm train hydra.run.dir=", "tests/test_validation.py"),
+    ("rlmm train hydra.run.dir=null", "tests/test_validation.py"),
     ("rlmm train sampler.quantization=fp8", "tests/test_quantized_rollouts.py"),
     ("rlmm train task=gsm8k task.path=/no/such.jsonl", "tests/test_tasks.py"),
     ("rlmm train task=gsm8k task.path=tests/data/gsm8k_latin1.jsonl", "tests/test_validation.py"),

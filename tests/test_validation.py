@@ -125,3 +125,56 @@ def test_a_task_file_not_in_utf8_is_one_line_naming_its_line_and_byte(tmp_path):
     result = rlmm(*FAST, "task=gsm8k", f"task.path={path}", f"hydra.run.dir={tmp_path / 'run'}")
     assert refused(result) == (f"rlmm: error: task.path: {path}:1: not UTF-8: byte 0xfb at offset 24 of the file (save "
                                "it as UTF-8: iconv -f <its encoding> -t utf-8)")
+
+
+@pytest.mark.parametrize("how", ["plain", "quoted", "sweep"])
+def test_a_run_directory_outside_ascii_just_runs(tmp_path, how):
+    """`hydra.run.dir=/tmp/rün`: Hydra's override grammar takes letters outside ASCII only in quotes, so it ended in
+    Hydra's LexerNoViableAltException (exit 1); quoted, rlmm made a directory named `'` in the working directory
+    before the run. rlmm now quotes such a value for Hydra, and reads a quoted one as Hydra does."""
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    if how == "sweep":
+        sweep_dir = tmp_path / "sweep-ü"
+        result = rlmm(FAST[0], "-m", *FAST[1:], f"hydra.sweep.dir={sweep_dir}", "seed=0", cwd=cwd)
+        run_dir = sweep_dir / "0"
+    else:
+        run_dir = tmp_path / "rün"
+        result = rlmm(*FAST, f"hydra.run.dir='{run_dir}'" if how == "quoted" else f"hydra.run.dir={run_dir}", cwd=cwd)
+    assert result.returncode == 0, (result.stdout[-2000:], result.stderr[-3000:])
+    assert (run_dir / "summary.json").exists() and (run_dir / "steps.jsonl").exists()
+    assert list(cwd.iterdir()) == []
+
+
+@pytest.mark.parametrize("args", [
+    ["task.path=/data/ü.jsonl"], ["task.path=/data/ü.jsonl,/data/ö.jsonl"], ["+x=ü"], ["hydra.run.dir=/tmp/rün"],
+    ["--cfg", "job", "task.path=/data/ü.jsonl"], ["task.path='/data/ü.jsonl'"], ["seed=1"], ["task.path=[ü]"],
+])
+def test_values_outside_ascii_are_quoted_for_hydra(args):
+    from rlmm.cli import quoted_outside_ascii
+
+    expected = {"task.path=/data/ü.jsonl": "task.path='/data/ü.jsonl'", "+x=ü": "+x='ü'",
+                "task.path=/data/ü.jsonl,/data/ö.jsonl": "task.path='/data/ü.jsonl','/data/ö.jsonl'",
+                "hydra.run.dir=/tmp/rün": "hydra.run.dir='/tmp/rün'"}
+    assert quoted_outside_ascii(args) == [expected.get(arg, arg) for arg in args]
+
+
+@pytest.mark.parametrize("args,says", [
+    (["hydra.run.dir="], "empty, which would put the run's files in the working directory"),
+    (["hydra.run.dir=''"], "empty, which would put the run's files in the working directory"),
+    (["hydra.run.dir= "], "empty, which would put the run's files in the working directory"),
+    (["hydra.sweep.dir=", "seed=0", "-m"], "empty, which would put the run's files in the working directory"),
+    (["hydra.run.dir=null"], "null is not a directory"),
+    (["hydra.run.dir=a,b"], "a,b is not one directory"),
+])
+def test_a_run_directory_that_is_none_is_one_line_before_anything_is_written(tmp_path, args, says):
+    """`hydra.run.dir=` (an unset variable in a script) wrote the run into the working directory; null or a sweep of
+    directories made a directory of that name in it (`null`, `a,b`), then ended in Hydra's error, exit 1."""
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    key, default = ("hydra.sweep.dir", "multirun") if "-m" in args else ("hydra.run.dir", "outputs")
+    sweep = ["-m"] if "-m" in args else []
+    after = "; a sweep's jobs each get one below hydra.sweep.dir, with -m" if "," in args[0] else ""
+    assert refused(rlmm(FAST[0], *sweep, *FAST[1:], *(a for a in args if a != "-m"), cwd=cwd)) == (
+        f"rlmm: error: {key}: {says} (give a directory, or leave {key} out for {default}/train/<date>/<time>{after})")
+    assert list(cwd.iterdir()) == []
