@@ -347,6 +347,15 @@ def test_cli_bad_input_is_one_line(sweep, tmp_path):
     assert "unrecognized arguments: --bogus" in one_line_error(rlmm("table", str(sweep), "--bogus"))
 
 
+def test_an_out_that_is_not_a_directory_is_one_line(sweep, tmp_path):
+    """--out naming a file (or SWEEP/table one): a FileExistsError traceback (issue 50, case 9's kind)."""
+    file = tmp_path / "file"
+    file.write_text("a file")
+    for out in (file, file / "below"):
+        line = one_line_error(rlmm("table", str(sweep), "--out", str(out)))
+        assert line == f"rlmm: error: --out: {out} is not a directory: {file} is a file (give --out a directory)", line
+
+
 def test_wandb_source_is_parsed():
     assert table.parse_wandb_source("wandb:me/rlmm") == ("me", "rlmm", None)
     assert table.parse_wandb_source("wandb:me/rlmm/multirun_2026") == ("me", "rlmm", "multirun_2026")

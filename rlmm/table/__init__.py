@@ -103,6 +103,9 @@ def main(argv: list[str] | None = None) -> None:
             text, written = write_outputs(runs, df, metrics, out, args.include_incomplete, baseline,
                                           args.interval or "t")
         except OSError as err:  # the disk's fault where the tables go: one line, exit 4 (another OSError: a bug's)
+            if isinstance(err, (FileExistsError, NotADirectoryError)):  # --out, or a parent of it, is a file
+                file = next((p for p in (out, *out.parents) if p.exists() and not p.is_dir()), err.filename)
+                fail(f"--out: {out} is not a directory: {file} is a file (give --out a directory)")
             if disk_fault(err) is None:
                 raise
             print(f"rlmm: machine fault: {disk_fault(err)}; the run records are as they were (rlmm table only "
