@@ -2,7 +2,7 @@
 so every module can raise and catch these without an import cycle.
 
 - `ConfigError`, and `ValueError` raised inside rlmm: bad input; the CLI prints the first line and
-  exits 2 (`rlmm.apps.user_error`).
+  exits 2 (`rlmm.apps.user_error`). Every such line (error, stopped, machine fault, interrupted) goes to stderr.
 - `RunStopped` and its kinds: the run stopped itself cleanly (exit 3): it is not a bug, and the
   message says where it can resume.
 - `MachineFault`: a fault of the machine, not of the input or of rlmm (a dead sampler process, a disk full,
