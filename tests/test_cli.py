@@ -40,6 +40,8 @@ CASES = [
     (["probe.num_prompts=many"], "Value 'many' of type 'str' could not be converted to Integer"),
     (["probe.trainer_micro_batch_sizes=[4,4]"], "probe.trainer_micro_batch_sizes: two different sizes >= 1, got [4, 4]"),
     (["probe.num_prompts=0"], "probe.num_prompts: must be >= 1, got 0"),
+    (["probe.position_buckets=0"], "probe.position_buckets: must be >= 1, got 0"),
+    (["probe.entropy_edges=[1,0.5]"], "probe.entropy_edges: increasing values > 0 (nats), got [1.0, 0.5]"),
     (["probe.early_vs_late.response_tokens=64"],
      "probe.early_vs_late.response_tokens=64: responses are at most sampling.max_new_tokens=16 tokens long"),
     (["probe.batch_invariance.num_prompts=16", "probe.batch_invariance.max_batch_size=8"],

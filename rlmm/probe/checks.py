@@ -27,7 +27,7 @@ def check_finite(logprobs: dict[str, torch.Tensor], precision_report: dict, clos
 def check_options(cfg: DictConfig) -> dict[str, MicroBatching]:
     """Every `probe.*` value that can be checked before an engine starts (rlmm/overrides.py checks each
     combination of a sweep with it); returns the trainer layouts to score."""
-    for key in ("num_prompts", "samples_per_prompt"):  # named here, not as the task's number of examples
+    for key in ("num_prompts", "samples_per_prompt", "position_buckets"):  # named here, not as the task's examples
         if cfg.probe[key] < 1:
             raise ValueError(f"probe.{key}: must be >= 1, got {cfg.probe[key]}")
     check_micro_batch_sizes(cfg.probe.trainer_micro_batch_sizes)
