@@ -126,7 +126,7 @@ def main(sweeps: list[str]) -> None:
     print("| --- |" + " --- |" * len(shown))
     for arm in arms:
         part = runs[runs.correction == arm]
-        print(f"| {arm} | " + " | ".join(f"{part[k].mean():.3g}" for k in shown) + " |")
+        print(f"| {arm} | " + " | ".join(f"{part[k].mean():.4g}" for k in shown) + " |")
     plot(runs, curves, arms, Path(sweeps[0]) / "off_policy_corrections.png")
 
 
