@@ -216,7 +216,7 @@ def rl_update(c: Components, batch: SampledBatch, ratio_cap: float, reuse_traini
                     view = old.micro_batch(micro, logprobs)  # π_θ in view: OPSM, tv_trust act here
                     fix = c.correction.in_update(view)
                     in_update.add(fix.counts)
-                    in_update.add(drop_split(view, response_mask[micro, :logprobs.size(1)], view.mask & fix.mask))
+                    in_update.add(drop_split(view, response_mask[micro, :logprobs.size(1)], fix.mask))
                     loss, metrics = algo.policy_loss(logprobs, view.old_logprobs, view.advantages, view.mask & fix.mask,
                                                      view.weights * fix.weights, entropy=entropy, max_length=max_length,
                                                      normalizer=normalizer, penalty=fix.penalty)

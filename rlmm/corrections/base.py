@@ -207,9 +207,10 @@ DROP_SPLIT_KEYS = (
 def drop_split(micro: MicroBatchView, response_mask: torch.Tensor, kept: torch.Tensor) -> dict[str, tuple[float, float]]:
     """prime-rl's split of the mismatch over the tokens a correction kept and those it dropped, for one micro-batch
     of the update, as `InUpdate.counts` pairs (summed over micro-batches and ranks, logged as their ratio).
+    `kept`: the in-update stage's mask (`InUpdate.mask`); what the batch stage kept is `micro.mask`.
 
     With delta_t = log pi_theta(y_t) - log mu(y_t) (the update's own forward against the sampler) and k3 = e^delta -
-    1 - delta per token, for each sample (row) i, D_i its dropped tokens (`response_mask` and not `kept`: the batch
+    1 - delta per token, for each sample (row) i, D_i its dropped tokens (`response_mask` and not kept: the batch
     stage's drops and the in-update ones together) and K_i its kept ones:
         kl_k3_dropped = mean_i mean_{t in D_i} k3_t,  kl_k3_kept = mean_i mean_{t in K_i} k3_t,
         dropped_advantage_positive / _negative = mean_i share of D_i with A_t > 0 / A_t < 0 (A_t = 0 is neither),
@@ -220,7 +221,7 @@ def drop_split(micro: MicroBatchView, response_mask: torch.Tensor, kept: torch.T
     Whether the tokens a trust region drops are the ones the sampler and trainer disagree on, and whether it drops
     reinforcement or punishment."""
     m = response_mask.to(micro.logprobs.device, torch.bool)
-    kept = kept & m
+    kept = kept & micro.mask & m
     dropped = m & ~kept
     delta = torch.where(m, micro.logprobs.detach().to(torch.float64) - micro.sampler_logprobs.to(torch.float64), 0.0)
     k3 = delta.exp() - 1 - delta
