@@ -51,7 +51,7 @@ def worker(job: dict) -> dict:
 
     from rlmm.config import from_yaml
     from rlmm.precision import SidePrecision
-    from rlmm.samplers.base import SamplingOptions
+    from rlmm.rollouts import SamplingOptions
 
     options = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, **truncation_options(job["truncation"])}
     sampling = SamplingOptions(**options, max_new_tokens=job["new_tokens"], logprobs="processed",

@@ -65,7 +65,7 @@ def main(argv=None) -> None:
     from rlmm.config import from_yaml
     from rlmm.models.tiny import default_cache_dir
     from rlmm.precision import SidePrecision
-    from rlmm.samplers.base import Rollouts, SamplingOptions
+    from rlmm.rollouts import Rollouts, SamplingOptions
     from rlmm.trainers.packing import MicroBatching, use_varlen_attention
     from rlmm.trainers.scoring import row_tokens
     from rlmm.trainers.update import minibatch_step

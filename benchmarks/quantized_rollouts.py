@@ -50,7 +50,7 @@ def worker(job: dict) -> dict:
 
     from rlmm.config import from_yaml
     from rlmm.precision import SidePrecision
-    from rlmm.samplers.base import SamplingOptions
+    from rlmm.rollouts import SamplingOptions
     from rlmm.samplers.perturb import checkpoint_tensors
 
     quantization, kv_cache = MODES[job["mode"]]

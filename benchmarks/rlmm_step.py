@@ -79,7 +79,7 @@ def force_lengths(sampler, lengths: list[int]) -> None:
     workload; instance attributes only). vLLM: each of a request's n samples becomes its own request with
     its own max_tokens (seed + j, as vLLM seeds a request's n samples), so the engine generates no token
     past a row's length; then every response is cut to its length (token ids and log-probs alike)."""
-    from rlmm.samplers.base import Rollouts
+    from rlmm.rollouts import Rollouts
 
     llm = getattr(sampler, "llm", None)
     if llm is not None:

@@ -95,7 +95,7 @@ def main(argv=None) -> None:
 
     from rlmm.config import from_yaml
     from rlmm.precision import SidePrecision
-    from rlmm.samplers.base import SamplingOptions
+    from rlmm.rollouts import SamplingOptions
 
     from hydra.utils import instantiate
 

@@ -29,7 +29,7 @@ import torch.distributed as dist  # noqa: E402
 from rlmm.config import from_yaml  # noqa: E402
 from rlmm.devices import init_process_group  # noqa: E402
 from rlmm.precision import SidePrecision  # noqa: E402
-from rlmm.samplers.base import SamplingOptions  # noqa: E402
+from rlmm.rollouts import SamplingOptions  # noqa: E402
 from rlmm.trainers.weight_sync import send_weights  # noqa: E402
 
 

@@ -19,7 +19,8 @@ from rlmm.devices import init_process_group, select_device
 from rlmm.interfaces import Algorithm, Correction, Critic, Sampler, Trainer
 from rlmm.precision import SidePrecision, check_precision
 from rlmm.routing import RoutingReplay
-from rlmm.samplers.base import SamplingOptions, checkpoint_vocab_size
+from rlmm.rollouts import SamplingOptions
+from rlmm.samplers.base import checkpoint_vocab_size
 from rlmm.timing import timed
 
 

@@ -24,7 +24,7 @@ import torch
 
 from rlmm.collectives import divisor_over_ranks
 from rlmm.interfaces import MinibatchUpdate, Trainer, ValueLoss
-from rlmm.samplers.base import Rollouts
+from rlmm.rollouts import Rollouts
 from rlmm.timing import timed
 from rlmm.loss_stats import ValueLossStats, combined_metrics
 

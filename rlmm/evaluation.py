@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 
 from rlmm.components import Components
 from rlmm.config import CONF_DIR
-from rlmm.samplers.base import Rollouts
+from rlmm.rollouts import Rollouts
 from rlmm.step import reward
 
 

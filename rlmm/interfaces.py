@@ -26,7 +26,8 @@ import torch
 
 from rlmm.corrections.base import Correction, CorrectionOutput
 from rlmm.precision import SidePrecision
-from rlmm.samplers.base import Rollouts, Sampler
+from rlmm.rollouts import Rollouts
+from rlmm.samplers.base import Sampler
 from rlmm.trainers.packing import MicroBatching
 
 __all__ = ["Algorithm", "Correction", "CorrectionOutput", "Critic", "CriticStep", "MinibatchUpdate", "Rollouts",

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from rlmm.samplers.base import SamplingOptions
+from rlmm.rollouts import SamplingOptions
 
 
 def tempered(logits: torch.Tensor, options: SamplingOptions) -> torch.Tensor:

@@ -15,7 +15,7 @@ def check_overrides(config_name: str, overrides: list[str]) -> None:
     from omegaconf.errors import OmegaConfBaseException
 
     from rlmm.errors import ConfigError
-    from rlmm.samplers.base import SamplingOptions
+    from rlmm.rollouts import SamplingOptions
 
     ours = [o for o in overrides if not o.lstrip("+~").startswith("hydra")]
     try:

@@ -43,7 +43,7 @@ from functools import partial
 from typing import Protocol
 
 from rlmm.components import Components
-from rlmm.samplers.base import KeptTokens, Rollouts
+from rlmm.rollouts import KeptTokens, Rollouts
 from rlmm.step import SampledBatch
 from rlmm.timing import timed
 

@@ -47,7 +47,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-from rlmm.samplers.base import NO_ROUTE
+from rlmm.rollouts import NO_ROUTE
 
 # The keyword argument that carries the experts to replay through the model call to its decoder layers.
 REPLAY_KWARG = "rlmm_routed_experts"

@@ -13,13 +13,13 @@ from typing import Any, Optional, get_type_hints
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
-from rlmm.samplers import base
+from rlmm import rollouts
 
-# The schema of the `sampling:` node: rlmm.samplers.base.SamplingOptions' fields but `support`, which the app builds
+# The schema of the `sampling:` node: rlmm.rollouts.SamplingOptions' fields but `support`, which the app builds
 # from the `support=` group. A class of this module (a config holding it is pickled to a sampler process).
-SamplingOptions = make_dataclass("SamplingOptions", [(f.name, get_type_hints(base.SamplingOptions)[f.name],
+SamplingOptions = make_dataclass("SamplingOptions", [(f.name, get_type_hints(rollouts.SamplingOptions)[f.name],
                                                       field(default=MISSING))
-                                                     for f in fields(base.SamplingOptions) if f.name != "support"])
+                                                     for f in fields(rollouts.SamplingOptions) if f.name != "support"])
 SamplingOptions.__module__ = __name__
 
 

@@ -42,7 +42,7 @@ from rlmm.corrections.base import BatchView, CorrectionOutput, MicroBatchView, d
 from rlmm.loss_stats import PolicyLossStats, combined_metrics
 from rlmm.metrics import mismatch_metrics, staleness_decomposition
 from rlmm.precision import nonfinite_cause
-from rlmm.samplers.base import Rollouts
+from rlmm.rollouts import Rollouts
 from rlmm.support import recorded as support_recorded
 from rlmm.support import support_metrics
 from rlmm.timing import timed

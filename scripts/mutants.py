@@ -196,7 +196,7 @@ MUTANTS = [
              "return z.masked_fill(~kept_by_truncation(z, options),")],
            tests=("tests/test_support.py", "tests/test_head.py")),
     Mutant("kept_sets_of_the_next_position", "a micro-batch's kept sets are laid out one position late",
-           [("rlmm/samplers/base.py", "sizes.append(torch.cat([row.sizes(), torch.zeros(pad, dtype=torch.int64)]))",
+           [("rlmm/rollouts.py", "sizes.append(torch.cat([row.sizes(), torch.zeros(pad, dtype=torch.int64)]))",
              "sizes.append(torch.cat([torch.zeros(1, dtype=torch.int64), row.sizes(), "
              "torch.zeros(pad - 1, dtype=torch.int64)]))")],
            tests=("tests/test_support.py",)),

@@ -26,7 +26,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from rlmm.algos import GRPO  # noqa: E402
 from rlmm.precision import SidePrecision  # noqa: E402
-from rlmm.samplers.base import SamplingOptions  # noqa: E402
+from rlmm.rollouts import SamplingOptions  # noqa: E402
 from rlmm.config import from_yaml  # noqa: E402
 from rlmm.trainers.scoring import response_logprobs  # noqa: E402
 

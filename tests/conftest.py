@@ -13,7 +13,7 @@ os.environ.setdefault("WANDB_MODE", "offline")
 import pytest  # noqa: E402
 
 from rlmm.config import from_yaml  # noqa: E402
-from rlmm.samplers.base import SamplingOptions  # noqa: E402
+from rlmm.rollouts import SamplingOptions  # noqa: E402
 
 
 def sampling(**overrides) -> SamplingOptions:

@@ -25,7 +25,7 @@ import torch  # noqa: E402
 
 from rlmm.config import from_yaml  # noqa: E402
 from rlmm.precision import SidePrecision  # noqa: E402
-from rlmm.samplers.base import Rollouts  # noqa: E402
+from rlmm.rollouts import Rollouts  # noqa: E402
 
 COLLECTIVES = ("all_reduce", "reduce", "reduce_scatter_tensor", "all_reduce_coalesced")
 # name -> ZeRO stage and other trainer values
@@ -136,7 +136,7 @@ def zero3_weights(model_path: str) -> dict:
 
 
 def _options():
-    from rlmm.samplers.base import SamplingOptions
+    from rlmm.rollouts import SamplingOptions
 
     return SamplingOptions(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=4, logprobs="processed",
                            support=from_yaml("support", "sampler"))

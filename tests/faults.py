@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from rlmm.precision import SidePrecision
-from rlmm.samplers.base import SamplingOptions
+from rlmm.rollouts import SamplingOptions
 from rlmm.trainers.deepspeed_backend import DeepSpeedTrainer
 from rlmm.trainers.torch_backend import TorchTrainer
 

@@ -22,7 +22,7 @@ set_runtime_env()
 
 import torch  # noqa: E402
 
-from rlmm.samplers.base import Rollouts  # noqa: E402
+from rlmm.rollouts import Rollouts  # noqa: E402
 
 BACKENDS = ("torch", "deepspeed", "fsdp")
 # (name, correction, algo) beyond BACKENDS' TIS + GRPO, on the torch backend: each would differ on 2 ranks if it

@@ -5,7 +5,7 @@ import torch
 from rlmm import checkpoint
 from rlmm.config import from_yaml
 from rlmm.precision import SidePrecision
-from rlmm.samplers.base import Rollouts
+from rlmm.rollouts import Rollouts
 from rlmm.trainers.update import minibatch_step
 from tests.conftest import sampling
 

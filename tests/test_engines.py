@@ -8,7 +8,7 @@ import torch
 
 from rlmm.config import from_yaml
 from rlmm.precision import SidePrecision
-from rlmm.samplers.base import pad_right
+from rlmm.rollouts import pad_right
 from tests.conftest import build_sampler, build_trainer, sampling
 
 FP32 = SidePrecision("fp32", False)

@@ -13,7 +13,7 @@ import torch
 
 from rlmm.config import from_yaml
 from rlmm.precision import SidePrecision
-from rlmm.samplers.base import Rollouts
+from rlmm.rollouts import Rollouts
 from rlmm.trainers.update import minibatch_step
 from tests.conftest import sampling
 

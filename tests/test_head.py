@@ -14,7 +14,7 @@ import torch
 from rlmm.config import from_yaml
 from rlmm.logprobs import mask_logits
 from rlmm.models.head import OutputHead
-from rlmm.samplers.base import KeptTokens
+from rlmm.rollouts import KeptTokens
 from tests.conftest import build_trainer, sampling, subprocess_env
 
 SHARP = dict(temperature=0.7, top_k=20, top_p=0.9, logprobs="processed")
@@ -153,7 +153,7 @@ import json, sys, torch
 from rlmm.cli import set_runtime_env
 set_runtime_env()
 from rlmm.precision import SidePrecision
-from rlmm.samplers.base import Rollouts, SamplingOptions
+from rlmm.rollouts import Rollouts, SamplingOptions
 from rlmm.trainers.update import minibatch_step
 from rlmm.config import from_yaml
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from rlmm.precision import SidePrecision
-from rlmm.samplers.base import Rollouts
+from rlmm.rollouts import Rollouts
 from rlmm.trainers.packing import MicroBatching, packed_batch, resized_groups, token_budget_groups
 from rlmm.trainers.scoring import padded_rows
 from rlmm.trainers.update import minibatch_step

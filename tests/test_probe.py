@@ -125,7 +125,7 @@ def test_trainer_entropy_is_that_of_the_scoring_forward(backend, small_model_pat
 
     from rlmm.algos.entropy import per_token_entropy
     from rlmm.precision import SidePrecision
-    from rlmm.samplers.base import Rollouts
+    from rlmm.rollouts import Rollouts
     from tests.conftest import build_trainer, sampling
 
     responses = [[5, 9, 12, 7], [3], [20, 21, 22, 23, 24, 25], [8, 8]]  # ragged rows: a padded micro-batch of 3, then 1
@@ -242,7 +242,7 @@ class BatchDependentSampler:
     def generate(self, prompt_ids, *, n=1, greedy=False):
         import torch
 
-        from rlmm.samplers.base import Rollouts
+        from rlmm.rollouts import Rollouts
 
         size = len(prompt_ids)
         tokens = [5, 6, 7, 8] if size <= 4 else [5, 6, 9, 8]

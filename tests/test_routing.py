@@ -13,7 +13,7 @@ from rlmm.precision import SidePrecision
 from rlmm.config import from_yaml
 from rlmm.routing import (REPLAY_KWARG, differing_decisions, hooks_of, moe_shape, recorded_routing,
                           routers, routing_disagreement)
-from rlmm.samplers.base import NO_ROUTE, Rollouts
+from rlmm.rollouts import NO_ROUTE, Rollouts
 from rlmm.trainers.update import minibatch_step
 from tests.conftest import build_trainer, sampling, torchrun
 

@@ -17,7 +17,7 @@ from rlmm.config import from_yaml
 from rlmm.precision import SidePrecision
 from rlmm.records import read_steps
 from rlmm.rollout_source import DelayLine, InFlight
-from rlmm.samplers.base import Rollouts
+from rlmm.rollouts import Rollouts
 from rlmm.step import SampledBatch, rl_step, rl_update
 from rlmm.rollout_source import prompt_stream
 from tests.conftest import build_trainer, sampling, subprocess_env, torchrun

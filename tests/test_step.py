@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import torch
 
 from rlmm.config import from_yaml
-from rlmm.samplers.base import Rollouts
+from rlmm.rollouts import Rollouts
 from rlmm.step import sample_groups
 from rlmm.tasks import Example
 

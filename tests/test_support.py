@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from rlmm.config import from_yaml
-from rlmm.samplers.base import KeptTokens, Rollouts
+from rlmm.rollouts import KeptTokens, Rollouts
 from rlmm.support import STATISTICS, statistics, statistics_means
 from tests.conftest import build_sampler, build_trainer, sampling, subprocess_env
 

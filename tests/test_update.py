@@ -27,7 +27,7 @@ from rlmm.config import CONF_DIR, from_yaml
 from rlmm.corrections.base import Correction
 from rlmm.metrics import mismatch_metrics
 from rlmm.precision import SidePrecision
-from rlmm.samplers.base import Rollouts
+from rlmm.rollouts import Rollouts
 from rlmm.components import Components
 from rlmm.step import rl_step
 from tests.conftest import sampling, torchrun

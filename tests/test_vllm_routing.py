@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from rlmm.precision import SidePrecision
-from rlmm.samplers.base import NO_ROUTE
+from rlmm.rollouts import NO_ROUTE
 from rlmm.samplers.vllm_internals import engine_model
 from tests.conftest import build_sampler, sampling
 

@@ -31,7 +31,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from rlmm.logprobs import tempered
-from rlmm.samplers.base import KeptTokens
+from rlmm.rollouts import KeptTokens
 from rlmm.support import STATISTICS, SupportRecord, statistics
 
 

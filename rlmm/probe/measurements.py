@@ -13,7 +13,7 @@ import torch
 from rlmm.metrics import mismatch_metrics, position_profile
 from rlmm.probe.checks import check_micro_batch_sizes
 from rlmm.routing import differing_decisions, routing_disagreement, scored_both_ways
-from rlmm.samplers.base import Rollouts, pad_right
+from rlmm.rollouts import Rollouts, pad_right
 from rlmm.trainers.packing import MicroBatching
 from rlmm.trainers.scoring import row_tokens
 

@@ -12,8 +12,8 @@ from rlmm.logprobs import kept_by_truncation, tempered, token_logprobs
 from rlmm.models.loading import load_causal_lm, model_precision, padding_id
 from rlmm.precision import SidePrecision
 from rlmm.routing import hooks_of, routers
-from rlmm.samplers.base import (NO_ROUTE, KeptTokens, Rollouts, SamplingOptions, refuse_dropped_ties, request_seed,
-                                tied_aliases, truncate_at_eos)
+from rlmm.rollouts import NO_ROUTE, KeptTokens, Rollouts, SamplingOptions
+from rlmm.samplers.base import refuse_dropped_ties, request_seed, tied_aliases, truncate_at_eos
 from rlmm.samplers.perturb import WeightNoise
 from rlmm.samplers.quantize import Emulation, Quantization, quantized_modules, weights_refusal
 

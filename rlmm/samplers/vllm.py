@@ -20,8 +20,9 @@ import torch
 from rlmm.devices import global_rank, select_device, vllm_executor_backend, world_size
 from rlmm.models.checkpoint_names import CheckpointNames
 from rlmm.precision import SidePrecision, dtype_name
-from rlmm.samplers.base import (KeptTokens, Rollouts, SamplingOptions, checkpoint_ties_head, checkpoint_vocab_size,
-                                engine_seed, refuse_dropped_ties, request_seed, tied_aliases, truncate_at_eos)
+from rlmm.rollouts import KeptTokens, Rollouts, SamplingOptions
+from rlmm.samplers.base import (checkpoint_ties_head, checkpoint_vocab_size, engine_seed, refuse_dropped_ties,
+                                request_seed, tied_aliases, truncate_at_eos)
 from rlmm.samplers.perturb import WeightNoise, checkpoint_tensors
 from rlmm.samplers.quantize import (Quantization, WeightQuantizer, engine_quantization_config, kv_cache_refusal,
                                     machine_refusal, quantized_modules, weights_refusal)

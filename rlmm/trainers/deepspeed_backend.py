@@ -18,7 +18,7 @@ from rlmm.devices import init_process_group, select_device
 from rlmm.models.head import install_output_head
 from rlmm.models.loading import load_value_model, model_precision, padding_id
 from rlmm.precision import SidePrecision, dtype_name
-from rlmm.samplers.base import Rollouts, SamplingOptions
+from rlmm.rollouts import Rollouts, SamplingOptions
 from rlmm.trainers import deepspeed_checkpoint
 from rlmm.trainers.deepspeed_config import check_dtypes, engine_config, merge_user_config
 from rlmm.trainers.deepspeed_groups import forget_stale_groups, release_groups

@@ -30,7 +30,7 @@ from rlmm.devices import init_process_group, select_device
 from rlmm.models.head import install_output_head
 from rlmm.models.loading import load_value_model, padding_id
 from rlmm.precision import SidePrecision, dtype_name
-from rlmm.samplers.base import Rollouts, SamplingOptions
+from rlmm.rollouts import Rollouts, SamplingOptions
 from rlmm.trainers.loss_scale import MIN_LOSS_SCALE, grad_scaler, skip_metrics
 from rlmm.trainers.memory import ActivationBudget, optimizer_state_bytes, prepare_for_training
 from rlmm.trainers.optim import linear_warmup, scaled_lr

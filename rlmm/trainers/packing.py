@@ -44,7 +44,7 @@ from typing import NamedTuple
 import torch
 
 from rlmm.collectives import all_reduce_max
-from rlmm.samplers.base import NO_ROUTE, KeptTokens
+from rlmm.rollouts import NO_ROUTE, KeptTokens
 
 log = logging.getLogger(__name__)
 _warned: set[str] = set()  # warnings already given in this process

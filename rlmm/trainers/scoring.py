@@ -19,7 +19,7 @@ from rlmm.layer_attribution import layer_states_of
 from rlmm.models.head import OutputHead
 from rlmm.routing import routed_forward
 from rlmm.trainers.packing import Batch, MicroBatching
-from rlmm.samplers.base import KeptTokens, Rollouts, SamplingOptions, pad_right
+from rlmm.rollouts import KeptTokens, Rollouts, SamplingOptions, pad_right
 
 # forward(batch) -> the model output's `logits` field on the batch's kept positions: [rows, kept, 2]
 # (log π, entropy) while the head is aimed (see response_logprobs), or a value model's [rows, kept] values

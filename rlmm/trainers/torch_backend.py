@@ -26,7 +26,7 @@ from rlmm.collectives import average_over_ranks
 from rlmm.devices import select_device
 from rlmm.models.loading import load_causal_lm, load_value_model, model_precision, padding_id
 from rlmm.precision import SidePrecision
-from rlmm.samplers.base import Rollouts, SamplingOptions
+from rlmm.rollouts import Rollouts, SamplingOptions
 from rlmm.trainers.loss_scale import MIN_LOSS_SCALE, grad_scaler, skip_metrics
 from rlmm.trainers.optim import linear_warmup, scaled_lr
 from rlmm.trainers.memory import ActivationBudget, optimizer_state_bytes, prepare_for_training

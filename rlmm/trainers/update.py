@@ -14,7 +14,7 @@ import torch
 
 from rlmm.collectives import any_rank
 from rlmm.models.head import OutputHead
-from rlmm.samplers.base import Rollouts, SamplingOptions
+from rlmm.rollouts import Rollouts, SamplingOptions
 from rlmm.trainers.memory import ActivationBudget
 from rlmm.trainers.packing import MicroBatching
 from rlmm.trainers.scoring import ForwardFn, batch_of, response_logprobs, row_tokens
