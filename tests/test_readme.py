@@ -1,6 +1,7 @@
 """The README's config table names every option of every group it lists (its `algo` row once listed two of
-five algorithms): a new option YAML fails here until the table shows it; the corrections, listed by a table
-generated from their classes (docs/corrections.md), fail here until it is written again."""
+five algorithms): a new option YAML fails here until the table shows it; the corrections and the algorithms, listed
+by tables generated from their classes and YAMLs (docs/corrections.md, docs/algorithms.md), fail here until their
+table is written again."""
 from __future__ import annotations
 
 import re
@@ -25,7 +26,7 @@ def table_rows() -> dict[str, str]:
 
 # Groups whose options the README does not list one by one: a generated table elsewhere lists them (a new option is
 # its class and its YAML, nothing else to edit by hand).
-GENERATED_ELSEWHERE = {"correction": "docs/corrections.md"}
+GENERATED_ELSEWHERE = {"correction": "docs/corrections.md", "algo": "docs/algorithms.md"}
 
 
 @pytest.mark.parametrize("group", sorted(p.name for p in CONF_DIR.iterdir() if p.is_dir()
@@ -41,13 +42,16 @@ def test_the_readme_table_lists_every_option_of_every_group(group):
     assert not missing, f"README's `{group}` row lacks {missing}"
 
 
-def test_the_corrections_table_is_what_the_classes_and_yamls_say():
-    """docs/corrections.md's methods table and reference entries are written by scripts/corrections_table.py
-    from every option's YAML and class docstring: stale (a new option, a changed docstring or value), this
-    fails until it is written again."""
+@pytest.mark.parametrize("script,doc", [("corrections_table", "docs/corrections.md"),
+                                        ("algorithms_table", "docs/algorithms.md")])
+def test_each_generated_table_is_what_the_classes_and_yamls_say(script, doc):
+    """docs/corrections.md's methods table and reference entries, and docs/algorithms.md's table of algorithms, are
+    written by their scripts from every option's YAML (and a correction's class docstring): stale (a new option, a
+    changed docstring or value), this fails until it is written again."""
+    import importlib
     import sys
 
     sys.path.insert(0, str(README.parent / "scripts"))
-    from corrections_table import generated, written
-
-    assert written() == generated(), "docs/corrections.md is stale: run .venv/bin/python scripts/corrections_table.py --write"
+    module = importlib.import_module(script)
+    assert module.written() == module.generated(), \
+        f"{doc} is stale: run .venv/bin/python scripts/{script}.py --write"

@@ -1,0 +1,60 @@
+"""The generated part of docs/algorithms.md: every option of conf/algo/ as its YAML says it.
+
+    .venv/bin/python scripts/algorithms_table.py           # print it
+    .venv/bin/python scripts/algorithms_table.py --write   # replace it in docs/algorithms.md
+
+A row per option: the first sentence of its YAML's opening comment, its class, and the values that tell the
+algorithms apart. A new algorithm is its class and its YAML; this script writes its row, the README's `algo` row
+points here, and tests/test_readme.py fails until docs/algorithms.md holds what this script writes.
+"""
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from omegaconf import OmegaConf  # noqa: E402
+
+from rlmm.config import CONF_DIR, group_options  # noqa: E402
+from scripts import generated_part  # noqa: E402
+
+DOC = ROOT / "docs" / "algorithms.md"
+BEGIN, END = generated_part.markers("algorithms_table.py")
+# The values that tell the algorithms apart, in the table's column order (a YAML without one shows –).
+COLUMNS = ("normalize_std", "clip_low", "clip_high", "loss_aggregation", "objective", "minibatches", "kl_coef")
+
+
+def summary(option: str) -> str:
+    """The first sentence of the YAML's opening comment (the lines before its first key)."""
+    comment = []
+    for line in (CONF_DIR / "algo" / f"{option}.yaml").read_text().splitlines():
+        if not line.startswith("#"):
+            break
+        comment.append(line.lstrip("#").strip())
+    text = " ".join(comment)
+    end = re.search(r"(?<!\bal)(?<!e\.g)(?<!i\.e)\.(\s|$)", text)  # "et al." ends no sentence
+    return (text if end is None else text[:end.start() + 1]).replace("|", "\\|")
+
+
+def generated() -> str:
+    lines = [BEGIN, "", "| `algo=` | what it is | class | " + " | ".join(f"`{c}`" for c in COLUMNS) + " |",
+             "|---|---|---|" + "---|" * len(COLUMNS)]
+    for option in group_options("algo"):
+        node = OmegaConf.to_container(OmegaConf.load(CONF_DIR / "algo" / f"{option}.yaml"))
+        cls = node["_target_"].rsplit(".", 1)[1]
+        values = " | ".join(str(node[c]).lower() if isinstance(node.get(c), bool) else str(node.get(c, "–"))
+                            for c in COLUMNS)
+        lines.append(f"| `{option}` | {summary(option)} | `{cls}` | {values} |")
+    return "\n".join([*lines, "", END])
+
+
+def written() -> str:
+    """The generated part as docs/algorithms.md holds it now ('' if it has none)."""
+    return generated_part.written(DOC, "algorithms_table.py")
+
+
+if __name__ == "__main__":
+    generated_part.main(DOC, "algorithms_table.py", generated, __doc__.splitlines()[0])
