@@ -34,7 +34,6 @@ Were the ops' errors independent and small, each direction's shares would sum to
 """
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
@@ -43,6 +42,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from rlmm.models.transformers_internals import (attention_replaced, has_rotary_function, modeling_module,
+                                                rotary_replaced)
 from rlmm.precision import dtype_name, to_dtype
 from rlmm.routing import ROUTERS, unwrap
 
@@ -106,8 +107,8 @@ class OpPrecisions:
                              f"fp32 trainer (precision.trainer_dtype=fp32)")
         self.sites = self._sites()
         self.parameter_ops = self._parameter_ops()
-        self.modeling = sys.modules[type(self._decoder_layers()[0]).__module__]
-        self.has_rope = hasattr(self.modeling, "apply_rotary_pos_emb")
+        self.modeling = modeling_module(self._decoder_layers()[0])
+        self.has_rope = has_rotary_function(self.modeling)
         self.classes = tuple(op for op in OP_CLASSES
                              if (op != "router" or any(s.op == "router" for s in self.sites))
                              and (op != "rope" or self.has_rope))
@@ -199,47 +200,27 @@ def _cast_around(module: nn.Module, dtype: torch.dtype, out: torch.dtype | None)
             handle.remove()
 
 
-@contextmanager
 def _patched_rope(modeling, dtype: torch.dtype, base: torch.dtype):
     """The modeling module's `apply_rotary_pos_emb` computing in `dtype`, its q and k handed on in `base`."""
-    original = modeling.apply_rotary_pos_emb
+    def wrap(original):
+        def apply(q, k, cos, sin, *args, **kwargs):
+            q, k = original(*_cast((q, k, cos, sin), dtype), *args, **kwargs)
+            return _cast(q, base), _cast(k, base)
+        return apply
 
-    def apply(q, k, cos, sin, *args, **kwargs):
-        q, k = original(*_cast((q, k, cos, sin), dtype), *args, **kwargs)
-        return _cast(q, base), _cast(k, base)
-
-    modeling.apply_rotary_pos_emb = apply
-    try:
-        yield
-    finally:
-        modeling.apply_rotary_pos_emb = original
+    return rotary_replaced(modeling, wrap)
 
 
-@contextmanager
 def _attention_in(model: nn.Module, dtype: torch.dtype, base: torch.dtype):
-    """The model's attention function (its `_attn_implementation`: sdpa, eager, ...) computing in `dtype`: q, k,
-    v (and a float mask) cast to it, the output handed on in `base`."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    """The model's attention function (its own: sdpa, eager, ...) computing in `dtype`: q, k, v (and a float mask)
+    cast to it, the output handed on in `base`."""
+    def wrap(function):
+        def attention(module, query, key, value, attention_mask, *args, **kwargs):
+            output, weights = function(module, *_cast((query, key, value, attention_mask), dtype), *args, **kwargs)
+            return _cast(output, base), weights
+        return attention
 
-    config = model.config
-    own = config._attn_implementation
-    modeling = sys.modules[type(model).__module__]
-    function = (ALL_ATTENTION_FUNCTIONS[own] if own in ALL_ATTENTION_FUNCTIONS
-                else getattr(modeling, "eager_attention_forward"))
-
-    def attention(module, query, key, value, attention_mask, *args, **kwargs):
-        output, weights = function(module, *_cast((query, key, value, attention_mask), dtype), *args, **kwargs)
-        return _cast(output, base), weights
-
-    AttentionInterface.register(ATTENTION_NAME, attention)
-    AttentionMaskInterface.register(ATTENTION_NAME, ALL_MASK_ATTENTION_FUNCTIONS[own])  # the masks of its own
-    config._attn_implementation = ATTENTION_NAME
-    try:
-        yield
-    finally:
-        config._attn_implementation = own
+    return attention_replaced(model, ATTENTION_NAME, wrap)
 
 
 WHOLE_WEIGHTS = ("the trainer's module must hold the full weights: one rank of trainer=deepspeed (ZeRO-0/1/2) or "
@@ -416,33 +397,17 @@ def model_statistics(model: nn.Module, rollouts) -> dict[str, float]:
     return stats
 
 
-@contextmanager
 def _attention_scores(model: nn.Module, largest: list[float]):
     """The model's attention function as it is, after noting in `largest[0]` the largest causal pre-softmax score
     q·k × scaling of each call (one unpadded row a call: every key at or before a query is allowed)."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    def wrap(function):
+        def attention(module, query, key, value, attention_mask, *args, scaling=None, **kwargs):
+            q, k = query.float(), key.float()
+            k = k.repeat_interleave(q.size(1) // k.size(1), dim=1)  # grouped-query attention: each q head's k
+            scores = q @ k.transpose(-1, -2) * (scaling if scaling is not None else q.size(-1) ** -0.5)
+            allowed = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).tril()
+            largest[0] = max(largest[0], scores.masked_fill(~allowed, float("-inf")).max().item())
+            return function(module, query, key, value, attention_mask, *args, scaling=scaling, **kwargs)
+        return attention
 
-    config = model.config
-    own = config._attn_implementation
-    modeling = sys.modules[type(model).__module__]
-    function = (ALL_ATTENTION_FUNCTIONS[own] if own in ALL_ATTENTION_FUNCTIONS
-                else getattr(modeling, "eager_attention_forward"))
-
-    def attention(module, query, key, value, attention_mask, *args, scaling=None, **kwargs):
-        q, k = query.float(), key.float()
-        k = k.repeat_interleave(q.size(1) // k.size(1), dim=1)  # grouped-query attention: each q head's k
-        scores = q @ k.transpose(-1, -2) * (scaling if scaling is not None else q.size(-1) ** -0.5)
-        allowed = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).tril()
-        largest[0] = max(largest[0], scores.masked_fill(~allowed, float("-inf")).max().item())
-        return function(module, query, key, value, attention_mask, *args, scaling=scaling, **kwargs)
-
-    name = ATTENTION_NAME + "_scores"
-    AttentionInterface.register(name, attention)
-    AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[own])
-    config._attn_implementation = name
-    try:
-        yield
-    finally:
-        config._attn_implementation = own
+    return attention_replaced(model, ATTENTION_NAME + "_scores", wrap)

@@ -4,6 +4,7 @@ shares add up as defined; the probe's checks refuse what cannot be attributed be
 from __future__ import annotations
 
 import re
+import sys
 
 import pytest
 import torch
@@ -101,6 +102,23 @@ def test_each_plan_casts_exactly_its_op_class(model_and_rollouts):
         finally:
             for handle in handles:
                 handle.remove()
+        # the rotary embedding computes in its op class's dtype: what the modeling module's function receives
+        modeling = sys.modules[type(layer).__module__]
+        own_rope, rope_dtypes = modeling.apply_rotary_pos_emb, []
+
+        def recording_rope(q, k, *args, **kwargs):
+            rope_dtypes.append(q.dtype)
+            return own_rope(q, k, *args, **kwargs)
+
+        modeling.apply_rotary_pos_emb = recording_rope
+        try:
+            for plan, want in ((Plan(BF16), BF16), (Plan(BF16, {"rope": FP32}), FP32)):
+                rope_dtypes.clear()
+                with ops.precisions(plan):
+                    trainer.logprobs(rollouts)
+                assert rope_dtypes and set(rope_dtypes) == {want}, (plan, rope_dtypes)
+        finally:
+            modeling.apply_rotary_pos_emb = own_rope
         with ops.precisions(Plan(BF16)):
             low = trainer.logprobs(rollouts)
         with ops.precisions(Plan(BF16, {"embeddings": FP32})):

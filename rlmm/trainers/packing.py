@@ -44,6 +44,7 @@ from typing import NamedTuple
 import torch
 
 from rlmm.collectives import all_reduce_max
+from rlmm.models.transformers_internals import attention_implementation
 from rlmm.rollouts import NO_ROUTE, KeptTokens
 
 log = logging.getLogger(__name__)
@@ -201,7 +202,7 @@ def use_varlen_attention(model: torch.nn.Module, device: torch.device, dtype: to
 
     if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and is_flash_attn_2_available():
         model.set_attn_implementation("flash_attention_2")
-    return model.config._attn_implementation
+    return attention_implementation(model)
 
 
 @dataclass(frozen=True)
