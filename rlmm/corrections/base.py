@@ -47,6 +47,8 @@ from typing import ClassVar, Literal
 
 import torch
 
+from rlmm.kl import k3
+
 __all__ = ["BatchView", "Correction", "CorrectionOutput", "InUpdate", "METRIC_KEYS", "MicroBatchView",
            "OldPolicyChoice", "StepSize", "DROP_SPLIT_KEYS", "drop_split", "log_ratios", "finish", "masked_mean",
            "masked_max", "masked_min"]
@@ -223,17 +225,14 @@ def drop_split(micro: MicroBatchView, response_mask: torch.Tensor, kept: torch.T
     m = response_mask.to(micro.logprobs.device, torch.bool)
     kept = kept & micro.mask & m
     dropped = m & ~kept
-    delta = torch.where(m, micro.logprobs.detach().to(torch.float64) - micro.sampler_logprobs.to(torch.float64), 0.0)
-    k3 = delta.exp() - 1 - delta
-
-    def per_sample_mean(x: torch.Tensor, sel: torch.Tensor) -> float:
-        return float((torch.where(sel, x, 0.0).sum(1) / sel.sum(1).clamp_min(1)).sum())
-
-    rows = float(m.size(0))
+    mismatch = k3(torch.where(m, micro.logprobs.detach().to(torch.float64) - micro.sampler_logprobs.to(torch.float64),
+                              0.0))
     adv = micro.advantages.to(m.device)
-    return {"kl_k3_dropped": (per_sample_mean(k3, dropped), rows), "kl_k3_kept": (per_sample_mean(k3, kept), rows),
-            "dropped_advantage_positive": (per_sample_mean((adv > 0).to(torch.float64), dropped), rows),
-            "dropped_advantage_negative": (per_sample_mean((adv < 0).to(torch.float64), dropped), rows)}
+    values = torch.stack([mismatch, mismatch, (adv > 0).to(torch.float64), (adv < 0).to(torch.float64)])
+    sets = torch.stack([dropped, kept, dropped, dropped])
+    sums = torch.where(sets, values, 0.0).sum(2) / sets.sum(2).clamp_min(1)  # [key, row]: each sample's mean
+    rows = float(m.size(0))
+    return {key: (total, rows) for key, total in zip(DROP_SPLIT_KEYS, sums.sum(1).tolist())}  # one host copy
 
 
 def check_cap(cap: float) -> float:

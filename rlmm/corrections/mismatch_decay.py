@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 
 from rlmm.corrections.base import BatchView, Correction, StepSize, log_ratios, masked_mean
+from rlmm.kl import k3
 
 
 class MismatchTriggeredDecay(Correction):
@@ -98,4 +99,4 @@ class MismatchTriggeredDecay(Correction):
 def batch_kl_k3(batch: BatchView) -> float:
     """mean (r - 1 - delta) over the batch's response tokens (`response_mask`), in float64; NaN with no token."""
     delta, m = log_ratios(batch.trainer_logprobs, batch.sampler_logprobs, batch.response_mask)
-    return masked_mean(delta.exp() - 1.0 - delta, m).item()
+    return masked_mean(k3(delta), m).item()
