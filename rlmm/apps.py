@@ -54,8 +54,8 @@ def machine_fault(err: BaseException) -> str | None:
         text = str(err).splitlines()[0] if str(err) else type(err).__name__
         if isinstance(err, MachineFault):
             return text
-        if disk_fault(err) is not None:
-            return disk_fault(err)
+        if (fault := disk_fault(err)) is not None:
+            return fault
         # torch.distributed's own errors (torch not imported here), and gloo's, a RuntimeError naming its source:
         # "[.../gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:2478: Connection reset by peer"
         if (any(kind.__name__ == "DistError" for kind in type(err).__mro__)

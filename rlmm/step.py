@@ -87,9 +87,10 @@ class OldPolicy:
         # rank's own self-normalisation or second-moment cut (rlmm/collectives.py::rows_of_every_rank). Each rank
         # trains on its own rows of the result.
         every = rows_of_every_rank(trainer_logprobs, sampler_logprobs, mask, advantages)
-        corrected: CorrectionOutput = correction.before_update(BatchView(*every))
+        batch = BatchView(*every)
+        corrected: CorrectionOutput = correction.before_update(batch)
         # Its factor on this step's learning rate, from the same batch; the ranks step with their smallest (one).
-        size = correction.step_size(BatchView(*every))
+        size = correction.step_size(batch)
         lr_scale = all_reduce_min(torch.tensor([size.scale], dtype=torch.float64)).item()
         mine = own_rows(*mask.shape)
         nonfinite = {side: 1 - torch.isfinite(lp[every[2]]).float().mean().item()

@@ -106,9 +106,10 @@ def main(argv: list[str] | None = None) -> None:
             if isinstance(err, (FileExistsError, NotADirectoryError)):  # --out, or a parent of it, is a file
                 file = next((p for p in (out, *out.parents) if p.exists() and not p.is_dir()), err.filename)
                 fail(f"--out: {out} is not a directory: {file} is a file (give --out a directory)")
-            if disk_fault(err) is None:
+            fault = disk_fault(err)
+            if fault is None:
                 raise
-            print(f"rlmm: machine fault: {disk_fault(err)}; the run records are as they were (rlmm table only "
+            print(f"rlmm: machine fault: {fault}; the run records are as they were (rlmm table only "
                   "reads them): run it again once it is fixed, or give --out another directory", file=sys.stderr)
             raise SystemExit(MACHINE_FAULT_EXIT) from None
     except TableError as err:
