@@ -89,7 +89,7 @@ WORKLOADS: dict[str, Workload] = {
 def set_runtime_env(device: str = "cpu") -> None:
     """The environment `rlmm` sets before torch/vLLM are imported (threads, in-process vLLM, quiet logs)."""
     sys.path.insert(0, str(ROOT))
-    from rlmm.runtime_env import set_runtime_env as rlmm_env
+    from rlmm.runtime.runtime_env import set_runtime_env as rlmm_env
 
     rlmm_env()
     os.environ.setdefault("WANDB_MODE", "offline")

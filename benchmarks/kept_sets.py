@@ -49,9 +49,9 @@ def worker(job: dict) -> dict:
     set_runtime_env("cpu")
     import torch
 
-    from rlmm.config import from_yaml
-    from rlmm.precision import SidePrecision
-    from rlmm.rollouts import SamplingOptions
+    from rlmm.config.options import from_yaml
+    from rlmm.policy.precision import SidePrecision
+    from rlmm.policy.rollouts import SamplingOptions
 
     options = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, **truncation_options(job["truncation"])}
     sampling = SamplingOptions(**options, max_new_tokens=job["new_tokens"], logprobs="processed",

@@ -9,7 +9,7 @@ the load changes between them; here every layout trains on the same minibatches 
 rotating order, so a change of load falls on all of them alike. What is timed: one optimizer step on a
 minibatch of the workload's rows (its model, its prompts, its forced response lengths; response tokens
 drawn at random, which costs the same as sampled ones), `rlmm.trainers.update.minibatch_step` with a
-policy-gradient loss normalised by the minibatch's tokens (rlmm/step.py's normalisation): every
+policy-gradient loss normalised by the minibatch's tokens (rlmm/run/step.py's normalisation): every
 micro-batch's forward, backward, and the optimizer step. The layout is swapped on the one trainer
 (`trainer.batching`), so every layout runs the same weights, engine and threads. Layouts: padded (the
 workload's micro-batch size), padding-free, and for each `--budget` a token budget with and without
@@ -62,10 +62,10 @@ def main(argv=None) -> None:
     from transformers import AutoTokenizer
 
     from benchmarks.models import SIZES, build_bench_model
-    from rlmm.config import from_yaml
+    from rlmm.config.options import from_yaml
     from rlmm.models.tiny import default_cache_dir
-    from rlmm.precision import SidePrecision
-    from rlmm.rollouts import Rollouts, SamplingOptions
+    from rlmm.policy.precision import SidePrecision
+    from rlmm.policy.rollouts import Rollouts, SamplingOptions
     from rlmm.trainers.packing import MicroBatching, use_varlen_attention
     from rlmm.trainers.scoring import row_tokens
     from rlmm.trainers.update import minibatch_step

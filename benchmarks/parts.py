@@ -30,7 +30,7 @@ def main() -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from rlmm.config import from_yaml
+    from rlmm.config.options import from_yaml
 
     w = workload_from(job)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[job["precision"]]

@@ -23,7 +23,7 @@ def main() -> None:
     from hydra.utils import instantiate
 
     from benchmarks.models import SIZES, build_bench_model, with_dtype
-    from rlmm.config import to_container
+    from rlmm.config.options import to_container
     from rlmm.models.tiny import default_cache_dir
 
     work = default_cache_dir() / "benchmarks"

@@ -48,9 +48,9 @@ def worker(job: dict) -> dict:
     set_runtime_env("cpu")
     import torch
 
-    from rlmm.config import from_yaml
-    from rlmm.precision import SidePrecision
-    from rlmm.rollouts import SamplingOptions
+    from rlmm.config.options import from_yaml
+    from rlmm.policy.precision import SidePrecision
+    from rlmm.policy.rollouts import SamplingOptions
     from rlmm.samplers.perturb import checkpoint_tensors
 
     quantization, kv_cache = MODES[job["mode"]]

@@ -1,4 +1,4 @@
-"""Worker: rlmm's real RL step (`rlmm.components.build_components` + `rlmm.step.rl_step`), stage by stage.
+"""Worker: rlmm's real RL step (`rlmm.run.components.build_components` + `rlmm.run.step.rl_step`), stage by stage.
 
 The config is composed from conf/train.yaml exactly as `rlmm train` composes it (Hydra, the same
 overrides, validated by rlmm's schema); the loop below is `run_train`'s loop minus evaluation:
@@ -39,8 +39,8 @@ def compose_train_config(overrides: list[str]):
     from hydra.core.global_hydra import GlobalHydra
     from omegaconf import open_dict
 
-    import rlmm.schema  # noqa: F401  (registers the schemas)
-    from rlmm.config import CONF_DIR, validate
+    import rlmm.config.schema  # noqa: F401  (registers the schemas)
+    from rlmm.config.options import CONF_DIR, validate
 
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
@@ -79,7 +79,7 @@ def force_lengths(sampler, lengths: list[int]) -> None:
     workload; instance attributes only). vLLM: each of a request's n samples becomes its own request with
     its own max_tokens (seed + j, as vLLM seeds a request's n samples), so the engine generates no token
     past a row's length; then every response is cut to its length (token ids and log-probs alike)."""
-    from rlmm.rollouts import Rollouts
+    from rlmm.policy.rollouts import Rollouts
 
     llm = getattr(sampler, "llm", None)
     if llm is not None:
@@ -122,10 +122,10 @@ def main() -> None:
     set_runtime_env(job.get("device", "cpu"))
     import torch
 
-    from rlmm.config import build, to_container
-    from rlmm.records import RunRecord
-    from rlmm.components import build_components
-    from rlmm.step import rl_step
+    from rlmm.config.options import build, to_container
+    from rlmm.run.components import build_components
+    from rlmm.run.records import RunRecord
+    from rlmm.run.step import rl_step
 
     w = workload_from(job)
     overrides = [f"precision={job['precision']}", f"train.prompts_per_step={w.prompts}",
@@ -153,7 +153,7 @@ def main() -> None:
         logger = build(cfg.logger, run_config={"choices": choices, **to_container(cfg)}, run_dir=str(run_dir),
                        sweep=None)
     except Exception as err:  # a broken logger should not sink the timing; say so in the result
-        from rlmm.logging import NoOpLogger
+        from rlmm.run.logging import NoOpLogger
 
         logger_error = f"logger={choices.get('logger')} failed ({type(err).__name__}: {err}); timed with no logger"
         print(f"warning: {logger_error}", flush=True)
@@ -195,7 +195,7 @@ def main() -> None:
 
     eval_seconds = None
     if job.get("eval_prompts"):
-        from rlmm.evaluation import accuracy
+        from rlmm.run.evaluation import accuracy
 
         start = time.perf_counter()
         accuracy(c, c.sampler, c.task.examples("test", job["eval_prompts"]))  # the sampler's greedy eval

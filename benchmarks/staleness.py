@@ -4,7 +4,7 @@ in one process, on the built-in default.
     .venv/bin/python -m benchmarks.staleness [--steps 8] [--repeats 2] [--override KEY=VALUE ...] [--device cuda]
         [--out FILE.json]
 
-Each arm is a real `rlmm train` run (`rlmm.train.run_train` on conf/train.yaml as `rlmm train` composes it, the
+Each arm is a real `rlmm train` run (`rlmm.run.train.run_train` on conf/train.yaml as `rlmm train` composes it, the
 arm's key set, `logger=none`, `train.eval_every=0`, `train.eval_prompts=16`), one after another in this process
 (each builds and closes its own engines), in ABBA order over the repeats (0, 1, 1, 0, ...) so that a drift of
 the machine's load falls on both arms alike (its figures moved 4x with the load on a shared machine: read the
@@ -34,7 +34,7 @@ ARMS = {"staleness=0": ["train.staleness=0"], "staleness=1": ["train.staleness=1
 
 
 class StepClock:
-    """A logger (rlmm.logging's interface) that notes when each step's metrics arrive."""
+    """A logger (rlmm.run.logging's interface) that notes when each step's metrics arrive."""
 
     def __init__(self):
         self.arrivals: dict[int, float] = {}
@@ -73,8 +73,8 @@ def main(argv=None) -> None:
     from omegaconf import OmegaConf
 
     from benchmarks.rlmm_step import compose_train_config
-    from rlmm.devices import init_process_group
-    from rlmm.train import run_train
+    from rlmm.run.train import run_train
+    from rlmm.runtime.devices import init_process_group
 
     init_process_group()
     common = ["logger=none", f"train.steps={args.steps}", "train.eval_every=0", "train.eval_prompts=16",

@@ -60,7 +60,7 @@ def main() -> None:
     from transformers import AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from rlmm.config import from_yaml
+    from rlmm.config.options import from_yaml
     from rlmm.tasks import Example
 
     w = workload_from(job)

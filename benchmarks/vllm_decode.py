@@ -93,14 +93,14 @@ def main(argv=None) -> None:
     import yaml
     from transformers import AutoTokenizer
 
-    from rlmm.config import from_yaml
-    from rlmm.precision import SidePrecision
-    from rlmm.rollouts import SamplingOptions
+    from rlmm.config.options import from_yaml
+    from rlmm.policy.precision import SidePrecision
+    from rlmm.policy.rollouts import SamplingOptions
 
     from hydra.utils import instantiate
 
     from benchmarks.rlmm_step import compose_train_config
-    from rlmm.config import to_container
+    from rlmm.config.options import to_container
 
     cfg, _ = compose_train_config([])  # conf/train.yaml as `rlmm train` composes it: its task and model
     task = instantiate(cfg.task)

@@ -18,7 +18,7 @@ import threading
 import time
 from pathlib import Path
 
-from rlmm.runtime_env import set_runtime_env
+from rlmm.runtime.runtime_env import set_runtime_env
 
 set_runtime_env()
 
@@ -26,10 +26,10 @@ import psutil  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from rlmm.config import from_yaml  # noqa: E402
-from rlmm.devices import init_process_group  # noqa: E402
-from rlmm.precision import SidePrecision  # noqa: E402
-from rlmm.rollouts import SamplingOptions  # noqa: E402
+from rlmm.config.options import from_yaml  # noqa: E402
+from rlmm.policy.precision import SidePrecision  # noqa: E402
+from rlmm.policy.rollouts import SamplingOptions  # noqa: E402
+from rlmm.runtime.devices import init_process_group  # noqa: E402
 from rlmm.trainers.weight_sync import send_weights  # noqa: E402
 
 

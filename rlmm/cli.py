@@ -9,8 +9,8 @@ from __future__ import annotations
 import os
 import sys
 
-from rlmm.errors import MACHINE_FAULT_EXIT, fail
-from rlmm.runtime_env import set_runtime_env
+from rlmm.runtime.errors import MACHINE_FAULT_EXIT, fail
+from rlmm.runtime.runtime_env import set_runtime_env
 
 APPS = {"train": "train", "probe": "probe"}  # subcommand -> config name under conf/
 # Hydra's command-line flags that take a value (`--cfg job`, `-p PACKAGE`...): the value is not an override.
@@ -90,7 +90,7 @@ def unwritable_run_dir(args: list[str]) -> str | None:
     """Why the run directory (an explicit hydra.run.dir / hydra.sweep.dir, else outputs/ or multirun/ here, the
     roots of Hydra's default ones) cannot be made, or None once it is there. Hydra makes it before rlmm's code
     runs, and its failure there would be Hydra's traceback; writing into one that exists is rlmm's, and its
-    faults are rlmm's one line (rlmm/apps.py::machine_fault)."""
+    faults are rlmm's one line (rlmm/launch/apps.py::machine_fault)."""
     from pathlib import Path
 
     sweep = "-m" in args or "--multirun" in args
@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> None:
 
         return table_main(argv[1:])
     if argv and argv[0] == "prefetch":  # not a Hydra app: caches a run's model and dataset for offline nodes
-        from rlmm.prefetch import main as prefetch_main
+        from rlmm.launch.prefetch import main as prefetch_main
 
         return prefetch_main(argv[1:])
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in APPS:
@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> None:
         run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
         run_id = run_id if run_id != "none" else os.environ.get("MASTER_PORT", "0")
         args.append(f"hydra.run.dir=outputs/{command}/{time.strftime('%Y-%m-%d')}/ranks-{run_id}")
-    from rlmm.overrides import check_overrides
+    from rlmm.launch.overrides import check_overrides
 
     check_overrides(APPS[command], overrides_of(args))
     no_directory = bad_run_dir(command, args)
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"rlmm: machine fault: {unwritable}", file=sys.stderr)
         raise SystemExit(MACHINE_FAULT_EXIT)
     if "-m" in args or "--multirun" in args:
-        from rlmm.launcher import launcher_target, sweep_launcher_warning
+        from rlmm.launch.launcher import launcher_target, sweep_launcher_warning
 
         overrides = overrides_of(args)
         warning = sweep_launcher_warning(launcher_target(APPS[command], overrides),
@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> None:
         if warning:
             print(warning, file=sys.stderr)
     sys.argv = [f"rlmm {command}"] + args
-    from rlmm.apps import run_app
+    from rlmm.launch.apps import run_app
 
     run_app(command, APPS[command])
 

@@ -18,7 +18,7 @@ sys.path.insert(0, str(ROOT))
 
 from omegaconf import OmegaConf  # noqa: E402
 
-from rlmm.config import CONF_DIR, group_options  # noqa: E402
+from rlmm.config.options import CONF_DIR, group_options  # noqa: E402
 from scripts import generated_part  # noqa: E402
 
 DOC = ROOT / "docs" / "algorithms.md"

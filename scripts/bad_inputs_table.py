@@ -58,7 +58,7 @@ def main() -> None:
           "a tokenizer with neither pad nor end-of-sequence token names the model path; too many NaN steps in a row "
           "stop the run (`rlmm: stopped: 3 bad steps in a row (train.max_bad_steps=3) at step N; last good state in "
           "<run dir>/checkpoints/step-N`, exit 3).")
-    print("\nWhere a run directory already holds a record (`rlmm/resume.py`, docs/training.md; tests/test_run_dir.py), "
+    print("\nWhere a run directory already holds a record (`rlmm/run/resume.py`, docs/training.md; tests/test_run_dir.py), "
           "before anything in it is touched: other settings are refused naming up to three keys (`rlmm: error: "
           "train.resume: <dir> holds a run with other settings (train.staleness=1 there, 2 here): resume it with its "
           "own settings, or give this run another hydra.run.dir`, exit 2), and so are `train.resume=false` over a "

@@ -19,7 +19,7 @@ sys.path.insert(0, str(ROOT))
 
 from omegaconf import OmegaConf  # noqa: E402
 
-from rlmm.config import CONF_DIR, from_yaml, group_options  # noqa: E402
+from rlmm.config.options import CONF_DIR, from_yaml, group_options  # noqa: E402
 from rlmm.corrections.base import Correction  # noqa: E402
 from scripts import generated_part  # noqa: E402
 

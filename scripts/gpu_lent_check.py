@@ -222,10 +222,10 @@ report["deepspeed"] = {"version": deepspeed.__version__, "accelerator_detected":
                        "ops_compiled_in_wheel": sorted(k for k, v in installed_ops.items() if v),
                        "wheel_torch_info": torch_info}
 sys.path.insert(0, root)
-from rlmm.runtime_env import set_runtime_env
+from rlmm.runtime.runtime_env import set_runtime_env
 set_runtime_env()
 report["deepspeed"]["accelerator_rlmm_sets"] = os.environ["DS_ACCELERATOR"]  # what every rlmm run uses
-from rlmm.devices import init_process_group, select_device
+from rlmm.runtime.devices import init_process_group, select_device
 select_device()
 init_process_group()
 deepspeed.init_distributed(verbose=False)

@@ -17,7 +17,7 @@ Seen on the 1500-step tiny model (issue 3), 64 prompts x 8, 100 held-out prompts
 """
 import argparse
 
-from rlmm.runtime_env import set_runtime_env
+from rlmm.runtime.runtime_env import set_runtime_env
 
 set_runtime_env()
 
@@ -25,9 +25,9 @@ import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from rlmm.algos import GRPO  # noqa: E402
-from rlmm.precision import SidePrecision  # noqa: E402
-from rlmm.rollouts import SamplingOptions  # noqa: E402
-from rlmm.config import from_yaml  # noqa: E402
+from rlmm.config.options import from_yaml  # noqa: E402
+from rlmm.policy.precision import SidePrecision  # noqa: E402
+from rlmm.policy.rollouts import SamplingOptions  # noqa: E402
 from rlmm.trainers.scoring import response_logprobs  # noqa: E402
 
 parser = argparse.ArgumentParser()

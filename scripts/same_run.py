@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from rlmm.records import read_steps  # noqa: E402
+from rlmm.run.records import read_steps  # noqa: E402
 
 
 def is_timing(key: str) -> bool:

@@ -150,14 +150,14 @@ def train_figures(run_dir: Path, rows_per_step: int) -> dict:
 
 STANDALONE_VLLM = r"""
 import json, os, sys, time
-from rlmm.runtime_env import set_runtime_env
+from rlmm.runtime.runtime_env import set_runtime_env
 set_runtime_env()
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # 1 GiB: what rlmm's KV sizing gives these rows on CPU (its minimum)
 import torch
 from transformers import AutoTokenizer
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
-from rlmm.config import from_yaml
+from rlmm.config.options import from_yaml
 path, prompts, n, tokens, dtype = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
 tokenizer = AutoTokenizer.from_pretrained(path)
 ids = [tokenizer(e.prompt).input_ids for e in from_yaml("task", "arithmetic", seed=0).examples("train", prompts)]

@@ -7,7 +7,7 @@ import io
 import json
 import sys
 
-from rlmm.runtime_env import set_runtime_env
+from rlmm.runtime.runtime_env import set_runtime_env
 
 
 def run_cases(cases: list) -> list[dict]:

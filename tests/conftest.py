@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from rlmm.runtime_env import set_runtime_env  # imports neither torch nor vLLM
+from rlmm.runtime.runtime_env import set_runtime_env  # imports neither torch nor vLLM
 
 # Before torch/vLLM are imported anywhere: the same environment the `rlmm` command sets.
 set_runtime_env()
@@ -12,8 +12,8 @@ os.environ.setdefault("WANDB_MODE", "offline")
 
 import pytest  # noqa: E402
 
-from rlmm.config import from_yaml  # noqa: E402
-from rlmm.rollouts import SamplingOptions  # noqa: E402
+from rlmm.config.options import from_yaml  # noqa: E402
+from rlmm.policy.rollouts import SamplingOptions  # noqa: E402
 
 
 def sampling(**overrides) -> SamplingOptions:
@@ -66,7 +66,7 @@ def subprocess_env(**extra: str) -> dict[str, str]:
     return {**{k: v for k, v in os.environ.items() if k not in drop}, **extra}
 
 
-# The lines a run that did not finish ends with (rlmm/apps.py::end, rlmm/errors.py::fail, rlmm/cli.py): each alone,
+# The lines a run that did not finish ends with (rlmm/launch/apps.py::end, rlmm/runtime/errors.py::fail, rlmm/cli.py): each alone,
 # on stderr, never on stdout.
 ENDINGS = ("rlmm: error: ", "rlmm: machine fault: ", "rlmm: stopped: ", "rlmm: interrupted")
 

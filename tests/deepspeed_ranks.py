@@ -17,15 +17,15 @@ import json
 import sys
 from pathlib import Path
 
-from rlmm.runtime_env import set_runtime_env
+from rlmm.runtime.runtime_env import set_runtime_env
 
 set_runtime_env()
 
 import torch  # noqa: E402
 
-from rlmm.config import from_yaml  # noqa: E402
-from rlmm.precision import SidePrecision  # noqa: E402
-from rlmm.rollouts import Rollouts  # noqa: E402
+from rlmm.config.options import from_yaml  # noqa: E402
+from rlmm.policy.precision import SidePrecision  # noqa: E402
+from rlmm.policy.rollouts import Rollouts  # noqa: E402
 
 COLLECTIVES = ("all_reduce", "reduce", "reduce_scatter_tensor", "all_reduce_coalesced")
 # name -> ZeRO stage and other trainer values
@@ -136,14 +136,14 @@ def zero3_weights(model_path: str) -> dict:
 
 
 def _options():
-    from rlmm.rollouts import SamplingOptions
+    from rlmm.policy.rollouts import SamplingOptions
 
     return SamplingOptions(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=4, logprobs="processed",
                            support=from_yaml("support", "sampler"))
 
 
 def main() -> None:
-    from rlmm.devices import init_process_group
+    from rlmm.runtime.devices import init_process_group
 
     model_path, out = sys.argv[1], Path(sys.argv[2])
     init_process_group()

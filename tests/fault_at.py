@@ -8,9 +8,9 @@ At the N-th time (1-based) the run reaches POINT, ACTION happens:
     sigint  send this process SIGINT (Ctrl-C in its terminal), then go on
 
 POINT (the function whose N-th call it is):
-    sampling        entering rlmm.step.sample_groups (the sampler generating a step's rollouts)
-    update          entering rlmm.step.OldPolicy.score (the update, between the scoring forward and the optimizer)
-    weight_sync     entering rlmm.step.send_weights (the trainer has stepped, the sampler has the old weights)
+    sampling        entering rlmm.run.step.sample_groups (the sampler generating a step's rollouts)
+    update          entering rlmm.run.step.OldPolicy.score (the update, between the scoring forward and the optimizer)
+    weight_sync     entering rlmm.run.step.send_weights (the trainer has stepped, the sampler has the old weights)
     record          RunRecord.log (a kill writes half of the row first: a torn last line)
     record_written  after RunRecord.log returned (the row on disk)
     checkpoint      inside checkpoint.save, after rank 0 wrote model.safetensors, before the ranks' states
@@ -109,25 +109,25 @@ def kill_the_sampler_process(process, index, **_) -> None:
 def main() -> None:
     """Install the fault at its point, then run `rlmm` (only in the main process: a spawned sampler process
     imports this file as its main module and must not)."""
-    import rlmm.checkpoint
-    import rlmm.step
-    from rlmm.records import RunRecord
-    from rlmm.sampler_process import SamplerProcess
+    import rlmm.run.checkpoint
+    import rlmm.run.step
+    from rlmm.run.records import RunRecord
+    from rlmm.run.sampler_process import SamplerProcess
 
     if POINT == "sampling":
-        before(rlmm.step, "sample_groups")
+        before(rlmm.run.step, "sample_groups")
     elif POINT == "update":
-        before(rlmm.step.OldPolicy, "score")
+        before(rlmm.run.step.OldPolicy, "score")
     elif POINT == "weight_sync":
-        before(rlmm.step, "send_weights")
+        before(rlmm.run.step, "send_weights")
     elif POINT == "record":
         before(RunRecord, "log", act=torn_row if ACTION == "kill" else fault)
     elif POINT == "record_written":
         after(RunRecord, "log")
     elif POINT == "checkpoint":
-        before(rlmm.checkpoint, "critic_entry")  # once a save (split_sharded recurses)
+        before(rlmm.run.checkpoint, "critic_entry")  # once a save (split_sharded recurses)
     elif POINT == "checkpointed":
-        after(rlmm.checkpoint, "save")
+        after(rlmm.run.checkpoint, "save")
     elif POINT == "summary":
         after(RunRecord, "summary")
     elif POINT == "sampler_process":

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from rlmm.precision import SidePrecision
-from rlmm.rollouts import SamplingOptions
+from rlmm.policy.precision import SidePrecision
+from rlmm.policy.rollouts import SamplingOptions
 from rlmm.trainers.deepspeed_backend import DeepSpeedTrainer
 from rlmm.trainers.torch_backend import TorchTrainer
 

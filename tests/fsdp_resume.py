@@ -10,18 +10,18 @@ import json
 import sys
 from pathlib import Path
 
-from rlmm.runtime_env import set_runtime_env
+from rlmm.runtime.runtime_env import set_runtime_env
 
 set_runtime_env()
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from rlmm import checkpoint  # noqa: E402
-from rlmm.config import from_yaml  # noqa: E402
-from rlmm.devices import init_process_group  # noqa: E402
-from rlmm.precision import SidePrecision  # noqa: E402
-from rlmm.step import rank_share  # noqa: E402
+from rlmm.config.options import from_yaml  # noqa: E402
+from rlmm.policy.precision import SidePrecision  # noqa: E402
+from rlmm.run import checkpoint  # noqa: E402
+from rlmm.run.step import rank_share  # noqa: E402
+from rlmm.runtime.devices import init_process_group  # noqa: E402
 from rlmm.trainers.update import minibatch_step  # noqa: E402
 from tests.conftest import sampling  # noqa: E402
 from tests.test_checkpoint import RecordingSampler, fixed_rollouts, loss_fn  # noqa: E402

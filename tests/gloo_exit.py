@@ -7,7 +7,7 @@ tests/test_devices.py:
 import torch
 import torch.distributed as dist
 
-from rlmm.devices import init_process_group
+from rlmm.runtime.devices import init_process_group
 
 init_process_group()
 gathered = [torch.empty(1) for _ in range(dist.get_world_size())]

@@ -6,7 +6,7 @@ metrics.
 
     torchrun --nproc_per_node 2 tests/ranks_step.py MODEL_PATH ROLLOUTS_JSON OUT_DIR [TRAINER_VALUES_JSON [ROUTING]]
 
-ROUTING (none, r2, r3): an MoE model's routing replay (rlmm/routing.py), the recorded rollouts carrying the
+ROUTING (none, r2, r3): an MoE model's routing replay (rlmm/mismatch/routing.py), the recorded rollouts carrying the
 sampler's experts; r2 takes two epochs, so that its second update replays π_old's routing.
 """
 from __future__ import annotations
@@ -15,14 +15,14 @@ import json
 import sys
 from pathlib import Path
 
-from rlmm.config import from_yaml
-from rlmm.runtime_env import set_runtime_env
+from rlmm.config.options import from_yaml
+from rlmm.runtime.runtime_env import set_runtime_env
 
 set_runtime_env()
 
 import torch  # noqa: E402
 
-from rlmm.rollouts import Rollouts  # noqa: E402
+from rlmm.policy.rollouts import Rollouts  # noqa: E402
 
 BACKENDS = ("torch", "deepspeed", "fsdp")
 # (name, correction, algo) beyond BACKENDS' TIS + GRPO, on the torch backend: each would differ on 2 ranks if it
@@ -82,10 +82,10 @@ def step_on_share(model_path: str, recorded: dict, backend: str, scratch: Path, 
     import torch.distributed as dist
     from transformers import AutoTokenizer
 
-    from rlmm.collectives import mean_over_ranks
-    from rlmm.components import Components
-    from rlmm.critic import NoCritic, ValueCritic
-    from rlmm.step import rl_step
+    from rlmm.run.components import Components
+    from rlmm.run.critic import NoCritic, ValueCritic
+    from rlmm.run.step import rl_step
+    from rlmm.runtime.collectives import mean_over_ranks
     from tests.test_update import GROUP, OPTIONS, OddLengthReward, algo, sgd_trainer, stacked_correction
 
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
@@ -104,7 +104,7 @@ def step_on_share(model_path: str, recorded: dict, backend: str, scratch: Path, 
                    sampler=ReplaySampler(recorded), trainer=trainer, correction=stacked_correction(correction),
                    algo=rl, sampling=OPTIONS, routing=replay, critic=critic)
     try:
-        logged = mean_over_ranks(rl_step(c, prompts, ratio_cap=2.0, reuse_training_forward=True))  # as rlmm.train
+        logged = mean_over_ranks(rl_step(c, prompts, ratio_cap=2.0, reuse_training_forward=True))  # as rlmm.run.train
         assert logged["train/skipped"] == 0
         if metrics is not None:
             metrics.update(logged)
@@ -118,7 +118,7 @@ def main() -> None:
     import torch.distributed as dist
     from safetensors.torch import save_file
 
-    from rlmm.devices import init_process_group
+    from rlmm.runtime.devices import init_process_group
 
     model_path, replay, out_dir = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
     init_process_group()

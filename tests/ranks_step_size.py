@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from rlmm.corrections.base import Correction, StepSize
 from rlmm.corrections.vcpo import EffectiveSampleSizeStep, ess_ratio
-from rlmm.step import OldPolicy
+from rlmm.run.step import OldPolicy
 
 
 class RankDependent(Correction):

@@ -8,8 +8,8 @@ from omegaconf import OmegaConf
 
 from rlmm.algos import GRPO, per_token_entropy
 from rlmm.algos.surrogate import METRIC_KEYS
-from rlmm.interfaces import Algorithm
-from rlmm.config import CONF_DIR, ConfigError, validate_node
+from rlmm.config.options import CONF_DIR, ConfigError, validate_node
+from rlmm.run.interfaces import Algorithm
 
 LN2 = math.log(2.0)
 INF, NAN = math.inf, math.nan
@@ -435,7 +435,7 @@ def test_token_level_advantages_broadcast_like_sequence_ones():
 # ---------------------------------------------------------------------------------------------
 
 def make_dapo(**overrides):
-    from rlmm.config import from_yaml
+    from rlmm.config.options import from_yaml
 
     return from_yaml("algo", "dapo", **({"group_size": 4} | overrides))
 

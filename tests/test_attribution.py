@@ -1,4 +1,4 @@
-"""The op-class attribution (rlmm/attribution.py): a plan with every class in one dtype is the trainer loaded
+"""The op-class attribution (rlmm/mismatch/attribution.py): a plan with every class in one dtype is the trainer loaded
 in that dtype, bit for bit; each plan casts exactly its op class; the model is as it was afterwards; the
 shares add up as defined; the probe's checks refuse what cannot be attributed before any engine starts."""
 from __future__ import annotations
@@ -9,8 +9,8 @@ import sys
 import pytest
 import torch
 
-from rlmm.attribution import OP_CLASSES, OpPrecisions, Plan, attribute, check_attribution
-from rlmm.precision import SidePrecision
+from rlmm.mismatch.attribution import OP_CLASSES, OpPrecisions, Plan, attribute, check_attribution
+from rlmm.policy.precision import SidePrecision
 from tests.conftest import build_sampler, build_trainer, sampling
 
 OPTIONS = sampling(max_new_tokens=8)
@@ -183,7 +183,7 @@ def test_rlmm_train_logs_the_attribution_every_n_steps_and_changes_nothing_else(
     import subprocess
     import sys
 
-    from rlmm.records import read_steps
+    from rlmm.run.records import read_steps
     from scripts.same_run import is_timing
     from tests.conftest import subprocess_env
 

@@ -54,7 +54,7 @@ def test_staleness_benchmark_times_both_arms_in_one_process(tmp_path):
     only where the config has the key (else skipped with a line saying so)."""
     from omegaconf import OmegaConf
 
-    from rlmm.config import CONF_DIR
+    from rlmm.config.options import CONF_DIR
 
     out = tmp_path / "staleness.json"
     result = subprocess.run([sys.executable, "-m", "benchmarks.staleness", "--steps", "4", "--repeats", "1",

@@ -2,10 +2,10 @@
 import pytest
 import torch
 
-from rlmm import checkpoint
-from rlmm.config import from_yaml
-from rlmm.precision import SidePrecision
-from rlmm.rollouts import Rollouts
+from rlmm.config.options import from_yaml
+from rlmm.policy.precision import SidePrecision
+from rlmm.policy.rollouts import Rollouts
+from rlmm.run import checkpoint
 from rlmm.trainers.update import minibatch_step
 from tests.conftest import sampling
 

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from rlmm.config import group_options
+from rlmm.config.options import group_options
 from tests.conftest import subprocess_env
 
 CASES = [
@@ -157,7 +157,7 @@ def test_tokenizer_without_pad_or_eos_is_named():
 def test_a_raising_reward_function_names_the_prompt():
     from types import SimpleNamespace
 
-    from rlmm.step import reward
+    from rlmm.run.step import reward
 
     class Broken:
         def reward(self, example, completion):
@@ -193,7 +193,7 @@ def test_hardware_checks_of_a_slurm_sweep_wait_for_the_job(monkeypatch):
     """A login node without the hardware does not refuse what a SLURM job's node may run: with the slurm
     launcher the check is left to the job (its trainer refuses with the same line when it starts there).
     The trainer here is told fp16 is unsupported, as it is on CPUs without AVX512-FP16."""
-    from rlmm.overrides import check_overrides
+    from rlmm.launch.overrides import check_overrides
     from rlmm.trainers.deepspeed_backend import DeepSpeedTrainer
 
     def no_fp16(precision):
@@ -207,9 +207,9 @@ def test_hardware_checks_of_a_slurm_sweep_wait_for_the_job(monkeypatch):
 
 def test_the_check_builds_each_combinations_precision_policy_once(monkeypatch):
     """One PrecisionPolicy per combination checked: the constructor's own checks and the engines' support
-    read the same object (the run builds its own, rlmm/components.py)."""
-    from rlmm.overrides import check_overrides
-    from rlmm.precision import PrecisionPolicy
+    read the same object (the run builds its own, rlmm/run/components.py)."""
+    from rlmm.launch.overrides import check_overrides
+    from rlmm.policy.precision import PrecisionPolicy
 
     built, original = [], PrecisionPolicy.__init__
 

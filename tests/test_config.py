@@ -7,8 +7,8 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.utils import instantiate
 from omegaconf import OmegaConf, open_dict
 
-import rlmm.schema  # noqa: F401
-from rlmm.config import BUILD_TIME_ARGS, CONF_DIR, ConfigError, group_options, schema_of, validate, validate_node
+import rlmm.config.schema  # noqa: F401
+from rlmm.config.options import BUILD_TIME_ARGS, CONF_DIR, ConfigError, group_options, schema_of, validate, validate_node
 
 APPS = sorted(p.stem for p in CONF_DIR.glob("*.yaml"))
 # Not axes: conf/hydra holds Hydra's own settings and groups (the launchers), conf/experiment whole sweeps
@@ -110,8 +110,8 @@ def test_top_level_typo_fails_at_composition():
 def test_the_keys_every_trainer_shares_have_one_home(capsys):
     """conf/trainer/_base.yaml holds lr, its schedule, the micro-batching and the loss scaling; each trainer's
     file extends it (`defaults: [_base, _self_]`) with its own keys only, and `_base` is not an option."""
-    from rlmm.config import option_node
-    from rlmm.overrides import check_overrides
+    from rlmm.config.options import option_node
+    from rlmm.launch.overrides import check_overrides
 
     shared = OmegaConf.load(CONF_DIR / "trainer" / "_base.yaml")
     assert {"lr", "weight_decay", "warmup_steps", "grad_clip", "micro_batch_size"} <= set(shared)
@@ -133,7 +133,7 @@ def test_a_sweeps_combinations_composed_once_per_group_choice_equal_their_own_co
     overrides to a copy: the configs are those of composing every combination on its own."""
     from omegaconf import OmegaConf
 
-    from rlmm.overrides import composed_and_validated
+    from rlmm.launch.overrides import composed_and_validated
 
     combinations = [[f"correction={c}", f"seed={s}", "train.steps=3", "++algo.count_rejected=true",
                      "correction.stages.tis.cap=3" if "+" in c else "sampling.temperature=0.7"]
@@ -147,7 +147,7 @@ def test_a_sweeps_combinations_composed_once_per_group_choice_equal_their_own_co
 
 
 def test_a_bad_value_in_a_sweep_fails_as_it_does_alone(capsys):
-    from rlmm.overrides import check_overrides
+    from rlmm.launch.overrides import check_overrides
 
     def message(overrides):
         with pytest.raises(SystemExit) as exit:

@@ -9,9 +9,9 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import OmegaConf, open_dict
 
-import rlmm.schema  # noqa: F401
-from rlmm.config import CONF_DIR, validate
-from rlmm.overrides import check_overrides
+import rlmm.config.schema  # noqa: F401
+from rlmm.config.options import CONF_DIR, validate
+from rlmm.launch.overrides import check_overrides
 
 APPS = sorted(p.stem for p in CONF_DIR.glob("*.yaml"))
 EXPERIMENTS = sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml"))

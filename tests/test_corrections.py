@@ -9,7 +9,7 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from rlmm.config import CONF_DIR, ConfigError, validate_node
+from rlmm.config.options import CONF_DIR, ConfigError, validate_node
 from rlmm.corrections import (METRIC_KEYS, Bypass, Correction, CorrectionOutput, GeometricRejection, KLRejection,
                               NoCorrection, SequenceMask, SequenceTIS, TokenMask, TokenTIS)
 

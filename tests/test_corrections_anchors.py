@@ -35,7 +35,7 @@ def algo(objective="clip", clip_low=0.2, clip_high=0.2, dual_clip=None, aggregat
 def step_loss(correction, algorithm, old=None, mu=None, theta=None, advantages=None, mask=None):
     """The loss, d loss / d log pi_theta on the response tokens, the loss's metrics and the correction's (both
     places) of one micro-batch holding the whole batch, as `rl_update` builds them."""
-    from rlmm.step import InUpdateCounts, OldPolicy, loss_normalizer_over_ranks
+    from rlmm.run.step import InUpdateCounts, OldPolicy, loss_normalizer_over_ranks
 
     b_old, b_mu, b_theta, b_adv, b_mask = batch()
     old = b_old if old is None else old
@@ -179,7 +179,7 @@ def test_bypass_is_with_reinforce_is_verls_bypass_mode(preset):
 
 
 def test_bypass_is_yaml_is_verls_bypass_pg_is_preset():
-    from rlmm.config import from_yaml
+    from rlmm.config.options import from_yaml
 
     loss, grad, _, _ = step_loss(from_yaml("correction", "bypass_is"), REINFORCE())
     assert loss == pytest.approx(VERL_BYPASS["bypass_pg_is"][0], rel=1e-6)
@@ -382,7 +382,7 @@ def test_mismatch_metrics_hold_nemo_rls_errors_and_verls_probability_correlation
     js_divergence_error = mean (k3(log p_train - log m) + k3(log p_sampler - log m)) / 2 with m the two probabilities'
     mean, and token_mult_prob_error = mean exp|delta|; verl rollout_actor_probs_pearson_corr (rlmm's prob_pearson).
     Figures: NeMo-RL at 7ea279abfbeb698b092856d0dab61e7cf39bc909, verl at 1dda039b9c6311889a9c9a26040677e1254814f9."""
-    from rlmm.metrics import mismatch_metrics
+    from rlmm.mismatch.metrics import mismatch_metrics
 
     old, mu, _, _, mask = batch()
     metrics = mismatch_metrics(old, mu, mask)

@@ -11,7 +11,7 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from rlmm.config import CONF_DIR, from_yaml
+from rlmm.config.options import CONF_DIR, from_yaml
 from rlmm.corrections.base import METRIC_KEYS, Correction, MicroBatchView
 from rlmm.corrections.m2po import SecondMomentMask
 from rlmm.corrections.normalize import SelfNormalize
@@ -129,7 +129,7 @@ def test_tv_trust_penalty_reaches_the_tokens_it_drops_in_the_loss_the_step_build
     d loss / d log pi_theta = [0.002197224577336219, -0.5] (= (-1 + 1e-3 ln(9)^2) / 2 and [2e-3 ln 9 / 2, -1 / 2]).
     Masking the penalty with the kept tokens gives -0.5 and [0, -0.5]. The ratio clip plays no part here (the
     kept token's ratio is 1)."""
-    from rlmm.step import OldPolicy, loss_normalizer_over_ranks
+    from rlmm.run.step import OldPolicy, loss_normalizer_over_ranks
 
     theta, mu = torch.tensor([[0.9, 0.5]]).log(), torch.tensor([[0.1, 0.5]]).log()
     mask, advantages = torch.ones(1, 2, dtype=torch.bool), torch.ones(1, 2)
@@ -322,7 +322,7 @@ def test_a_stack_refuses_stages_that_disagree():
 def test_stacked_spelling_composes_every_stage_with_its_own_parameters():
     from hydra import compose, initialize_config_dir
 
-    import rlmm.schema  # noqa: F401
+    import rlmm.config.schema  # noqa: F401
 
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose("train", overrides=["correction=seq_veto+token_rs+tis", "correction.stages.tis.cap=3"],
@@ -413,7 +413,7 @@ def test_the_kept_and_dropped_split_is_prime_rls_whatever_the_micro_batching(mic
     the kept tokens and the advantage sign of the dropped ones are prime-rl's (the mean over samples of each sample's
     mean, 0 where a sample has none: row 2's dropped tokens have A = 0, neither sign), however the rows are cut."""
     from rlmm.corrections.base import drop_split
-    from rlmm.step import InUpdateCounts, OldPolicy
+    from rlmm.run.step import InUpdateCounts, OldPolicy
 
     theta = torch.tensor(PRIME_THETA, dtype=torch.float64)
     mu = torch.tensor(PRIME_MU, dtype=torch.float64)

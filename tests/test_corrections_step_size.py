@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from rlmm.config import CONF_DIR, from_yaml, group_options
+from rlmm.config.options import CONF_DIR, from_yaml, group_options
 from rlmm.corrections.base import BatchView, Correction, StepSize
 from rlmm.corrections.mismatch_decay import MismatchTriggeredDecay
 from rlmm.corrections.stack import Stack
@@ -260,7 +260,7 @@ class Sampler:
 def test_the_decays_state_survives_a_checkpoint(tmp_path):
     """checkpoint.save writes the correction's state into rankN.pt, checkpoint.load puts it into a fresh one: the
     resumed decay continues as the uninterrupted one. A correction without state writes no entry."""
-    from rlmm import checkpoint
+    from rlmm.run import checkpoint
 
     deltas = [0.1, 0.1, 0.2] + [0.05] * 12
     whole = decay()

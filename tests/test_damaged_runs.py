@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from rlmm.records import read_steps
+from rlmm.run.records import read_steps
 from tests.conftest import ending, subprocess_env
 
 STEPS = 4
@@ -177,8 +177,8 @@ def test_a_run_whose_directory_is_removed_while_it_runs_stops_in_one_line(tmp_pa
 def test_the_summary_of_a_record_missing_a_step_the_run_logged_names_it(tmp_path):
     from types import SimpleNamespace
 
-    from rlmm.errors import MachineFault
-    from rlmm.train_report import TrainingHistory, summarize
+    from rlmm.run.train_report import TrainingHistory, summarize
+    from rlmm.runtime.errors import MachineFault
 
     (tmp_path / "steps.jsonl").write_text("".join(f'{{"step": {s}, "eval/accuracy": 0.5}}\n' for s in range(4)))
     with pytest.raises(MachineFault, match=rf"^{tmp_path / 'steps.jsonl'} holds steps 0-3, not every step to 4 this "

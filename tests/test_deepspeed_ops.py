@@ -57,7 +57,7 @@ def test_deepspeed_starts_past_a_build_lock_its_dead_builder_left(small_model_pa
     if built.is_dir():  # the op setup built: a copy keeps this test from rebuilding it
         shutil.copytree(built, root / "deepspeed_shm_comm", ignore=shutil.ignore_patterns("lock"))
     lock = lock_aged(root, "deepspeed_shm_comm", 3600)
-    start = (f"from rlmm.precision import SidePrecision\nfrom tests.conftest import build_trainer, sampling\n"
+    start = (f"from rlmm.policy.precision import SidePrecision\nfrom tests.conftest import build_trainer, sampling\n"
              f"build_trainer('deepspeed', {small_model_path!r}, SidePrecision('fp32', False), sampling()).close()\n"
              f"print('trainer started')\n")
     done = subprocess.run([sys.executable, "-c", start], cwd=REPO, env=subprocess_env(TORCH_EXTENSIONS_DIR=str(root)),

@@ -8,8 +8,8 @@ import json
 import pytest
 import torch
 
-from rlmm.config import from_yaml
-from rlmm.precision import SidePrecision
+from rlmm.config.options import from_yaml
+from rlmm.policy.precision import SidePrecision
 from rlmm.trainers.update import minibatch_step
 from tests.conftest import sampling, torchrun
 

@@ -1,7 +1,7 @@
 """A value a config YAML sets lives in that YAML only: its constructor parameter has no default.
 
 Each option of a `_target_` group (conf/<group>/<option>.yaml) names a class whose constructor is the
-option's schema (rlmm/config.py). If a YAML key also had a constructor default, the two could drift
+option's schema (rlmm/config/options.py). If a YAML key also had a constructor default, the two could drift
 apart (a learning rate of 3e-5 in the YAML and 1e-4 in the code), and deleting the YAML line would
 silently change the run instead of failing it.
 
@@ -17,7 +17,7 @@ import inspect
 
 from omegaconf import OmegaConf
 
-from rlmm.config import BUILD_TIME_ARGS, group_options, option_node
+from rlmm.config.options import BUILD_TIME_ARGS, group_options, option_node
 
 OPTIONS = [(group, option) for group in BUILD_TIME_ARGS for option in group_options(group)]
 

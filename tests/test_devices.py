@@ -1,11 +1,11 @@
-"""Device, process-group and vLLM executor choices (rlmm/devices.py): the decisions a GPU node makes,
+"""Device, process-group and vLLM executor choices (rlmm/runtime/devices.py): the decisions a GPU node makes,
 checked on a CPU as the pure functions they are."""
 import os
 
 import pytest
 import torch
 
-from rlmm.devices import process_group_backend, rank_device, vllm_executor_backend
+from rlmm.runtime.devices import process_group_backend, rank_device, vllm_executor_backend
 
 
 def test_each_rank_gets_its_own_gpu_and_cpus_stay_cpus():
@@ -30,7 +30,7 @@ def test_this_machine_selects_the_cpu_and_a_gloo_group(monkeypatch):
     """On this CPU machine: select_device gives the CPU, and the group rlmm starts (if none runs yet) is gloo."""
     import torch.distributed as dist
 
-    from rlmm.devices import init_process_group, select_device
+    from rlmm.runtime.devices import init_process_group, select_device
 
     if torch.cuda.is_available():
         pytest.skip("a CUDA machine")
@@ -44,7 +44,7 @@ FREED_BLOCKS_STAY_RESIDENT = """
 import ctypes, sys
 import psutil
 if sys.argv[1] == "rlmm":
-    from rlmm.runtime_env import return_freed_blocks_to_the_os
+    from rlmm.runtime.runtime_env import return_freed_blocks_to_the_os
     return_freed_blocks_to_the_os()
 libc = ctypes.CDLL("libc.so.6")
 libc.malloc.restype = ctypes.c_void_p
@@ -84,7 +84,7 @@ def test_freed_blocks_go_back_to_the_os():
 
 LONG_BF16_ATTENTION = """
 import os
-from rlmm.runtime_env import hold_onednn_below_amx_for_a_forced_capability
+from rlmm.runtime.runtime_env import hold_onednn_below_amx_for_a_forced_capability
 hold_onednn_below_amx_for_a_forced_capability()
 import torch
 q = torch.randn(2, 2, 320, 64, dtype=torch.bfloat16)
@@ -101,8 +101,8 @@ def test_a_forced_aten_capability_runs_long_bf16_attention(capability):
     import subprocess
     import sys
 
-    from rlmm import cpu
-    from rlmm.runtime_env import ONEDNN_ISA_BELOW_AMX
+    from rlmm.runtime import cpu
+    from rlmm.runtime.runtime_env import ONEDNN_ISA_BELOW_AMX
     from tests.conftest import subprocess_env
 
     env = {k: v for k, v in subprocess_env().items() if k != "ONEDNN_MAX_CPU_ISA"}
@@ -115,7 +115,7 @@ def test_a_forced_aten_capability_runs_long_bf16_attention(capability):
 
 
 COMPILED_COUNT = """
-from rlmm.runtime_env import set_runtime_env
+from rlmm.runtime.runtime_env import set_runtime_env
 set_runtime_env()
 import torch
 
@@ -149,7 +149,7 @@ def test_compiled_kernels_of_the_native_capability_are_not_reused_under_a_forced
 
 
 def test_a_forced_capability_has_its_own_compile_cache_unless_one_is_set(monkeypatch):
-    from rlmm.runtime_env import set_runtime_env
+    from rlmm.runtime.runtime_env import set_runtime_env
 
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     monkeypatch.setenv("ATEN_CPU_CAPABILITY", "default")
@@ -165,7 +165,7 @@ def test_a_forced_capability_has_its_own_compile_cache_unless_one_is_set(monkeyp
 
 
 def test_a_set_onednn_isa_or_the_machines_own_capability_is_left_alone(monkeypatch):
-    from rlmm.runtime_env import hold_onednn_below_amx_for_a_forced_capability
+    from rlmm.runtime.runtime_env import hold_onednn_below_amx_for_a_forced_capability
 
     monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE")
@@ -179,7 +179,7 @@ def test_a_set_onednn_isa_or_the_machines_own_capability_is_left_alone(monkeypat
 
 def test_ranks_that_exit_with_their_group_alive_exit_cleanly():
     # Without the group destroyed at exit, 7 in 10 of these five-rank runs aborted (SIGABRT) as they exited
-    # here, so three clean runs in a row leave a broken rlmm.devices ~3% to pass.
+    # here, so three clean runs in a row leave a broken rlmm.runtime.devices ~3% to pass.
     from tests.conftest import torchrun
 
     for _ in range(3):

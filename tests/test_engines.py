@@ -6,9 +6,9 @@ kernel rounding, under the same definition (processed: after temperature/top-k/t
 import pytest
 import torch
 
-from rlmm.config import from_yaml
-from rlmm.precision import SidePrecision
-from rlmm.rollouts import pad_right
+from rlmm.config.options import from_yaml
+from rlmm.policy.precision import SidePrecision
+from rlmm.policy.rollouts import pad_right
 from tests.conftest import build_sampler, build_trainer, sampling
 
 FP32 = SidePrecision("fp32", False)
@@ -157,7 +157,7 @@ def test_deepspeed_bf16_with_fp32_head_keeps_the_checkpoint_head(small_model_pat
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 def test_16_bit_sampler_differs_from_fp32_trainer_but_stays_close(small_model_path, prompts, dtype):
-    from rlmm.metrics import mismatch_metrics
+    from rlmm.mismatch.metrics import mismatch_metrics
 
     sampler = build_sampler("hf", small_model_path, SidePrecision(dtype, False), sampling(), seed=0)
     assert sampler.actual_precision["dtype"] == dtype
@@ -174,8 +174,8 @@ def test_pad_right_layout():
 
 
 def test_silent_cast_is_caught_and_reported():
-    from rlmm.precision import PrecisionPolicy
-    from rlmm.precision import check_precision
+    from rlmm.policy.precision import PrecisionPolicy
+    from rlmm.policy.precision import check_precision
 
     policy = PrecisionPolicy("fp16", "fp32", sampler_fp32_head=True, trainer_fp32_head=False, tf32=False)
     report = check_precision(policy, {"dtype": "bf16", "head_dtype": "bf16"}, {"dtype": "fp32", "head_dtype": "fp32"})
@@ -213,9 +213,9 @@ def test_deepspeed_trains_a_bf16_body_with_an_fp32_head(small_model_path, arithm
     """MiniMax's recipe on the default backend: after one step the head's weight is still fp32 and has moved,
     the body is bf16 and has moved, the head's AdamW state is fp32, and a checkpoint brings both back exactly.
     ZeRO-3 is refused with its reason. ZeRO-1 with fp32 sums (scale=gpu's: DeepSpeed's BF16_Optimizer) too."""
-    from rlmm import checkpoint
     from rlmm.corrections.tis import TokenTIS
-    from rlmm.step import rl_step
+    from rlmm.run import checkpoint
+    from rlmm.run.step import rl_step
     from tests.test_update import components
 
     precision = SidePrecision("bf16", True)

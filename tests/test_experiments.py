@@ -13,10 +13,10 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import OmegaConf
 
-import rlmm.schema  # noqa: F401
-from rlmm.config import CONF_DIR, from_yaml
-from rlmm.overrides import check_overrides, with_config_sweep_params
-from rlmm.precision import SidePrecision
+import rlmm.config.schema  # noqa: F401
+from rlmm.config.options import CONF_DIR, from_yaml
+from rlmm.launch.overrides import check_overrides, with_config_sweep_params
+from rlmm.policy.precision import SidePrecision
 from tests.conftest import build_trainer, sampling, subprocess_env
 from tests.this_cpu import experiment_pins, experiment_refusals
 
@@ -181,7 +181,7 @@ def test_weight_noise_has_the_asked_relative_size_and_is_seeded():
 
 
 def _mismatch(sampler, trainer, prompts) -> float:
-    from rlmm.metrics import mismatch_metrics
+    from rlmm.mismatch.metrics import mismatch_metrics
 
     rollouts = sampler.generate(prompts, n=4)
     sampler_logprobs, mask = rollouts.padded_sampler_logprobs()

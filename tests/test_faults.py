@@ -11,7 +11,7 @@ import uuid
 
 import pytest
 
-from rlmm.records import read_steps
+from rlmm.run.records import read_steps
 from tests.conftest import ending, subprocess_env
 
 RUN = ("train", "debug=train", "sampler=hf", "trainer=torch", "precision=fp32", "train.steps=3",

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from rlmm.config import from_yaml
-from rlmm.precision import SidePrecision
+from rlmm.config.options import from_yaml
+from rlmm.policy.precision import SidePrecision
 from rlmm.trainers.update import minibatch_step
 from tests.conftest import build_trainer, sampling
 from tests.test_checkpoint import fixed_rollouts, loss_fn
@@ -74,7 +74,7 @@ def test_weights_are_gathered_one_tensor_at_a_time_with_the_names_and_values_of_
 def test_a_nan_in_a_shard_stops_the_sync_before_anything_is_gathered_or_sent(small_model_path):
     import torch
 
-    from rlmm.errors import NonFiniteWeights
+    from rlmm.runtime.errors import NonFiniteWeights
     from rlmm.trainers.weight_sync import send_weights
 
     class Recording:

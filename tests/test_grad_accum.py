@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlmm.config import from_yaml
-from rlmm.precision import SidePrecision
-from rlmm.rollouts import Rollouts
+from rlmm.config.options import from_yaml
+from rlmm.policy.precision import SidePrecision
+from rlmm.policy.rollouts import Rollouts
 from rlmm.trainers.update import minibatch_step
 from tests.conftest import sampling
 

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlmm.config import from_yaml
-from rlmm.logprobs import mask_logits
+from rlmm.config.options import from_yaml
 from rlmm.models.head import OutputHead
-from rlmm.rollouts import KeptTokens
+from rlmm.policy.logprobs import mask_logits
+from rlmm.policy.rollouts import KeptTokens
 from tests.conftest import build_trainer, sampling, subprocess_env
 
 SHARP = dict(temperature=0.7, top_k=20, top_p=0.9, logprobs="processed")
@@ -111,10 +111,10 @@ def test_one_pass_fallback_and_gradient_checkpointing_leave_the_update_unchanged
     """The one-pass step scoring first when the graphs would not fit, and gradient checkpointing, give the
     update (SGD, fp32) and the scored log-probs of holding every graph without checkpointing."""
     from rlmm.corrections.none import NoCorrection
-    from rlmm.precision import SidePrecision
+    from rlmm.policy.precision import SidePrecision
+    from rlmm.run.components import Components
+    from rlmm.run.step import rl_step
     from rlmm.samplers.hf import HFSampler
-    from rlmm.components import Components
-    from rlmm.step import rl_step
     from tests.test_update import OddLengthReward, algo
     from transformers import AutoTokenizer
 
@@ -152,10 +152,10 @@ MEMORY_SCRIPT = r"""
 import json, sys, torch
 from rlmm.cli import set_runtime_env
 set_runtime_env()
-from rlmm.precision import SidePrecision
-from rlmm.rollouts import Rollouts, SamplingOptions
+from rlmm.config.options import from_yaml
+from rlmm.policy.precision import SidePrecision
+from rlmm.policy.rollouts import Rollouts, SamplingOptions
 from rlmm.trainers.update import minibatch_step
-from rlmm.config import from_yaml
 
 def rss(field):
     return int(next(l for l in open("/proc/self/status") if l.startswith(field)).split()[1]) * 1024

@@ -1,5 +1,5 @@
 """Every option of every component group satisfies the interface the RL step, the checkpoint and the CLI
-use (rlmm/interfaces.py): a new option that misses a method fails here, not in the middle of a run."""
+use (rlmm/run/interfaces.py): a new option that misses a method fails here, not in the middle of a run."""
 from __future__ import annotations
 
 import inspect
@@ -8,8 +8,8 @@ import pytest
 from hydra.utils import get_class
 from omegaconf import OmegaConf
 
-from rlmm.config import CONF_DIR, from_yaml, group_options
-from rlmm.interfaces import Algorithm, Correction, Critic, CriticStep, MinibatchUpdate, Sampler, Trainer, ValueLoss
+from rlmm.config.options import CONF_DIR, from_yaml, group_options
+from rlmm.run.interfaces import Algorithm, Correction, Critic, CriticStep, MinibatchUpdate, Sampler, Trainer, ValueLoss
 
 # Engines take minutes to start: their classes are checked for the protocol's methods; the cheap groups
 # are built from their YAML and checked whole (attributes too) with isinstance.
@@ -49,7 +49,7 @@ def test_the_critic_and_the_null_critic_have_the_critic_interface():
     step checks, trains and logs nothing (a run without a critic logs no critic/ key)."""
     import torch
 
-    from rlmm.critic import NoCritic, NoCriticStep, ValueCritic, ValueCriticStep
+    from rlmm.run.critic import NoCritic, NoCriticStep, ValueCritic, ValueCriticStep
 
     for cls, protocol in ((ValueCritic, Critic), (ValueCriticStep, CriticStep), (NoCriticStep, CriticStep)):
         missing = sorted(name for name in protocol_methods(protocol) if not hasattr(cls, name))

@@ -1,4 +1,4 @@
-"""The layer attribution (rlmm/layer_attribution.py; vLLM's capture in rlmm/samplers/vllm_capture.py): each engine's
+"""The layer attribution (rlmm/mismatch/layer_attribution.py; vLLM's capture in rlmm/samplers/vllm_capture.py): each engine's
 hidden states, captured while it samples, line up with the trainer's token by token and site by site; the trainer
 against itself is exactly 0; capturing changes no sample and leaves no hook behind; the figures follow from the
 states as defined."""
@@ -9,9 +9,9 @@ import math
 import pytest
 import torch
 
-from rlmm.layer_attribution import (PARTS, compare_layers, layer_verdict, relative_errors, site_names, summarize,
+from rlmm.mismatch.layer_attribution import (PARTS, compare_layers, layer_verdict, relative_errors, site_names, summarize,
                                     trainer_states)
-from rlmm.precision import SidePrecision
+from rlmm.policy.precision import SidePrecision
 from tests.conftest import build_sampler, build_trainer, sampling
 
 OPTIONS = sampling(max_new_tokens=6)

@@ -1,6 +1,6 @@
 """Credentials never reach saved configs; the local record survives a torn last line."""
-from rlmm.logging import redact
-from rlmm.records import RunRecord, read_steps
+from rlmm.run.logging import redact
+from rlmm.run.records import RunRecord, read_steps
 
 
 def test_redact_hides_credentials_only():

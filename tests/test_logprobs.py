@@ -4,8 +4,8 @@ import math
 import pytest
 import torch
 
-from rlmm.config import from_yaml
-from rlmm.logprobs import mask_logits, token_logprobs
+from rlmm.config.options import from_yaml
+from rlmm.policy.logprobs import mask_logits, token_logprobs
 from tests.conftest import sampling
 
 

@@ -1,4 +1,4 @@
-"""The typed loss statistics (rlmm/loss_stats.py): each field combines over micro-batches as it declares,
+"""The typed loss statistics (rlmm/mismatch/loss_stats.py): each field combines over micro-batches as it declares,
 and every algorithm's metrics are the names of its record."""
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from rlmm.config import CONF_DIR, from_yaml
-from rlmm.loss_stats import Combine, PolicyLossStats, ValueLossStats, combine_ranks, combined_metrics, reductions
+from rlmm.config.options import CONF_DIR, from_yaml
+from rlmm.mismatch.loss_stats import Combine, PolicyLossStats, ValueLossStats, combine_ranks, combined_metrics, reductions
 
 NAN = math.nan
 

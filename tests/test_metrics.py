@@ -1,11 +1,11 @@
-"""Tests for rlmm.metrics against values worked out by hand."""
+"""Tests for rlmm.mismatch.metrics against values worked out by hand."""
 
 import math
 
 import pytest
 import torch
 
-from rlmm.metrics import METRIC_KEYS, early_vs_late, mismatch_metrics, position_profile
+from rlmm.mismatch.metrics import METRIC_KEYS, early_vs_late, mismatch_metrics, position_profile
 
 LN2 = math.log(2.0)
 NAN = math.nan
@@ -297,7 +297,7 @@ def test_entropy_profile_by_hand():
     """Three tokens of the hand example with entropies 0.05, 0.7, 3.0 and a padded one at 0.3: with edges (0.1, 1.0)
     each lands in its own bucket; |delta| = ln2, 0, 2ln2; k3 = 1 - ln2, 0, 1/4 - 1 + 2ln2; one token a bucket, so
     ratio_std 0. With edges (0.5,) the last two share [0.5, inf): r = 1 and 1/4, std 3/8."""
-    from rlmm.metrics import entropy_profile
+    from rlmm.mismatch.metrics import entropy_profile
 
     entropy = torch.tensor([[0.05, 0.7, 0.3], [3.0, math.nan, math.nan]], dtype=torch.float64)
     got = entropy_profile(TRAIN, SAMPLER, MASK, entropy, edges=(0.1, 1.0))

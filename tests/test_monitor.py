@@ -1,4 +1,4 @@
-"""`train.monitor` (rlmm/monitor.py): the CUSUM detector on constructed series, the monitor's checks and
+"""`train.monitor` (rlmm/run/monitor.py): the CUSUM detector on constructed series, the monitor's checks and
 actions, and the training loop's hooks in real runs (off: the run is unchanged; stop; switch_correction)."""
 import json
 import math
@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from rlmm.errors import ConfigError
-from rlmm.monitor import CUSUM, Monitor, NoMonitor, build_monitor
+from rlmm.run.monitor import CUSUM, Monitor, NoMonitor, build_monitor
+from rlmm.runtime.errors import ConfigError
 from tests.conftest import ending, subprocess_env
 
 DETECTOR = dict(warmup_steps=10, drift=1.0, threshold=12.0, clip=4.0)  # conf/train.yaml's values
@@ -137,7 +137,7 @@ def test_alarm_is_logged_once_with_signal_step_and_score(caplog):
     m = monitor()
     rows = [{"mismatch/kl_k3": 1e-4 * (1 + 0.1 * (i % 3)), "rollout/reward_mean": 0.6} for i in range(10)]
     rows += [{"mismatch/kl_k3": 1e-2, "rollout/reward_mean": 0.6}] * 7  # the KL jumps at step 11
-    with caplog.at_level("WARNING", logger="rlmm.monitor"):
+    with caplog.at_level("WARNING", logger="rlmm.run.monitor"):
         out = steps(m, rows)
     assert set(out[0]) == {"monitor/kl_k3_score", "monitor/reward_mean_score", "monitor/alarm"}
     # z clipped at 4, so 4 - 1 = 3 a step: 12 at step 14 (not above h), 15 at step 15

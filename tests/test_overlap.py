@@ -1,4 +1,4 @@
-"""`train.overlap` (rlmm/sampler_process.py, rlmm/rollout_source.py's `Overlapped`): each rank's sampler in a
+"""`train.overlap` (rlmm/run/sampler_process.py, rlmm/run/rollout_source.py's `Overlapped`): each rank's sampler in a
 process of its own, sampling the next batches while the trainer trains, gives the delay line's records on the same
 `train.staleness` (sampler=hf, trainer=torch, fp32 on CPU: every number but the timings, bit for bit), on one rank
 and on two, and through a SIGTERM and a resume; the combinations it cannot run are refused in one line. Every run
@@ -12,10 +12,10 @@ from collections import Counter
 import pytest
 from omegaconf import OmegaConf
 
-from rlmm import checkpoint
-from rlmm.config import CONF_DIR
-from rlmm.records import read_steps
-from rlmm.train import check_options
+from rlmm.config.options import CONF_DIR
+from rlmm.run import checkpoint
+from rlmm.run.records import read_steps
+from rlmm.run.train import check_options
 from tests.conftest import subprocess_env, torchrun
 from tests.test_reliability import comparable, train_command
 from tests.test_staleness import SIGNAL_AFTER_STEP_TWO

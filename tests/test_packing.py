@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlmm.precision import SidePrecision
-from rlmm.rollouts import Rollouts
+from rlmm.policy.precision import SidePrecision
+from rlmm.policy.rollouts import Rollouts
 from rlmm.trainers.packing import MicroBatching, packed_batch, resized_groups, token_budget_groups
 from rlmm.trainers.scoring import padded_rows
 from rlmm.trainers.update import minibatch_step
@@ -43,7 +43,7 @@ def variable_rollouts(model_path: str, task, rows: int = ROWS, seed: int = 0) ->
 
 
 def minibatch_loss(rollouts: Rollouts):
-    """A loss of each micro-batch divided by the whole minibatch's response tokens (as rlmm/step.py does), with
+    """A loss of each micro-batch divided by the whole minibatch's response tokens (as rlmm/run/step.py does), with
     an entropy term so that the head's second output reaches the gradient too."""
     advantages = torch.linspace(-1, 1, len(rollouts))
     total = sum(len(r) for r in rollouts.response_ids)
@@ -228,7 +228,7 @@ def test_two_ranks_agree_on_the_micro_batch_count(small_model_path, arithmetic_t
     equals one rank's update on all the rows, on every backend (tests/ranks_step.py)."""
     from safetensors.torch import load_file
 
-    from rlmm.step import rank_share
+    from rlmm.run.step import rank_share
     from tests.ranks_step import BACKENDS, step_on_share
     from tests.test_update import components
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from rlmm.algos.ppo import gae
-from rlmm.config import from_yaml
-from rlmm.precision import SidePrecision
+from rlmm.config.options import from_yaml
+from rlmm.policy.precision import SidePrecision
 from tests.conftest import build_trainer, sampling
 
 MASK = torch.tensor([[True, True, True], [True, True, False]])
@@ -70,8 +70,8 @@ def test_value_loss_and_gradient_by_hand():
 def ppo_components(model_path, task, **algo):
     from transformers import AutoTokenizer
 
-    from rlmm.components import Components
-    from rlmm.critic import ValueCritic
+    from rlmm.run.components import Components
+    from rlmm.run.critic import ValueCritic
     from tests.test_train import ParityTask
 
     options, fp32 = sampling(max_new_tokens=6), SidePrecision("fp32", False)
@@ -87,7 +87,7 @@ def ppo_components(model_path, task, **algo):
 
 def test_the_critic_warms_up_then_both_learn(small_model_path, arithmetic_task):
     """Warm-up steps move the critic alone; then the policy moves too, with token-level advantages."""
-    from rlmm.step import rl_step
+    from rlmm.run.step import rl_step
 
     c = ppo_components(small_model_path, arithmetic_task, critic_warmup_steps=1)
     prompts = arithmetic_task.examples("train", 4)
@@ -108,7 +108,7 @@ def test_the_critic_warms_up_then_both_learn(small_model_path, arithmetic_task):
 
 def test_critic_steps_fit_the_returns_of_a_batch(small_model_path, arithmetic_task):
     """Critic steps on one batch's returns: the value loss falls and the explained variance rises."""
-    from rlmm.critic import critic_metrics
+    from rlmm.run.critic import critic_metrics
 
     c = ppo_components(small_model_path, arithmetic_task, critic_lr=1e-3, value_clip=0.0)  # the clip would hold V near its start
     try:
@@ -130,8 +130,8 @@ def test_critic_steps_fit_the_returns_of_a_batch(small_model_path, arithmetic_ta
 
 
 def test_resume_with_a_critic_repeats_the_uninterrupted_run(small_model_path, arithmetic_task, tmp_path):
-    from rlmm import checkpoint
-    from rlmm.step import rl_step
+    from rlmm.run import checkpoint
+    from rlmm.run.step import rl_step
 
     prompts = arithmetic_task.examples("train", 12)
     steps = [prompts[0:4], prompts[4:8], prompts[8:12]]

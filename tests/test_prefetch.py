@@ -193,7 +193,7 @@ def test_offline_without_the_caches_fails_in_one_line(tmp_path):
 
 
 def test_local_files_need_nothing_and_a_sweep_lists_each_item_once(tmp_path, capsys, monkeypatch):
-    from rlmm.prefetch import main
+    from rlmm.launch.prefetch import main
 
     for name in HUB_VARS:
         monkeypatch.delenv(name, raising=False)
@@ -217,7 +217,7 @@ def test_local_files_need_nothing_and_a_sweep_lists_each_item_once(tmp_path, cap
     (["probe", "train.steps=3"], "Could not override 'train.steps'"),
 ])
 def test_bad_input_is_one_line(args, message, capsys):
-    from rlmm.prefetch import main
+    from rlmm.launch.prefetch import main
 
     with pytest.raises(SystemExit) as exit_info:
         main(args)

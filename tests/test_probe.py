@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from rlmm.config import from_yaml
+from rlmm.config.options import from_yaml
 from tests.conftest import subprocess_env
 from tests.this_cpu import aten_vectorized
 
@@ -30,7 +30,7 @@ def test_default_probe_vllm_deepspeed(tmp_path):
     """The built-in default: vLLM bf16 sampler, DeepSpeed fp32 trainer, W&B offline; with the op-class
     attribution (probe.attribution) and the layer attribution (probe.layers) in the record, their tables, their
     plots and `rlmm table`'s values."""
-    from rlmm.layer_attribution import site_names
+    from rlmm.mismatch.layer_attribution import site_names
     from rlmm.table.discovery import probe_values
 
     record = run_probe(tmp_path, "probe.attribution=true", "probe.layers=true")
@@ -124,8 +124,8 @@ def test_trainer_entropy_is_that_of_the_scoring_forward(backend, small_model_pat
     import torch
 
     from rlmm.algos.entropy import per_token_entropy
-    from rlmm.precision import SidePrecision
-    from rlmm.rollouts import Rollouts
+    from rlmm.policy.precision import SidePrecision
+    from rlmm.policy.rollouts import Rollouts
     from tests.conftest import build_trainer, sampling
 
     responses = [[5, 9, 12, 7], [3], [20, 21, 22, 23, 24, 25], [8, 8]]  # ragged rows: a padded micro-batch of 3, then 1
@@ -196,7 +196,7 @@ def test_gsm8k_task_with_longer_answers(tmp_path, small_model_path):
 
 def bf16_rollouts_and_trainer(model_path, prompts):
     """A bf16 transformers sampler, its 8 rollouts of 4 prompts, and a bf16 torch trainer in micro-batches of 3."""
-    from rlmm.precision import SidePrecision
+    from rlmm.policy.precision import SidePrecision
     from tests.conftest import sampling
 
     options = sampling(max_new_tokens=6)
@@ -223,7 +223,7 @@ def test_trainer_against_itself_scores_at_the_two_micro_batch_sizes(small_model_
     assert sorted(shapes) == [2, 2, 2, 2, 8]  # one pass in micro-batches of 2, one of all 8 rows
     assert record["num_tokens"] == sum(map(len, rollouts.response_ids))
     with torch.no_grad():  # the figures are those of the two scorings, larger size first
-        from rlmm.metrics import mismatch_metrics
+        from rlmm.mismatch.metrics import mismatch_metrics
 
         _, mask = rollouts.padded_sampler_logprobs()
         trainer._forward = forward
@@ -242,7 +242,7 @@ class BatchDependentSampler:
     def generate(self, prompt_ids, *, n=1, greedy=False):
         import torch
 
-        from rlmm.rollouts import Rollouts
+        from rlmm.policy.rollouts import Rollouts
 
         size = len(prompt_ids)
         tokens = [5, 6, 7, 8] if size <= 4 else [5, 6, 9, 8]
@@ -371,7 +371,7 @@ def test_decode_vs_prefill_finds_where_the_engine_departs_from_itself(small_mode
     moved from position 1 on is reported as first differing at 1."""
     import torch
 
-    from rlmm.precision import SidePrecision
+    from rlmm.policy.precision import SidePrecision
     from rlmm.probe.measurements import decode_vs_prefill
     from tests.conftest import build_sampler, sampling
 

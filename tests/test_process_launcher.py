@@ -23,9 +23,9 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.utils import instantiate
 
-import rlmm.schema  # noqa: F401  (registers the schemas)
-from rlmm.config import CONF_DIR
-from rlmm.launcher import BASIC_LAUNCHER, launcher_target, sweep_launcher_warning
+import rlmm.config.schema  # noqa: F401  (registers the schemas)
+from rlmm.config.options import CONF_DIR
+from rlmm.launch.launcher import BASIC_LAUNCHER, launcher_target, sweep_launcher_warning
 from rlmm.tasks.arithmetic import ArithmeticTask
 from tests.conftest import subprocess_env
 

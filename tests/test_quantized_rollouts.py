@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from rlmm.precision import SidePrecision
+from rlmm.policy.precision import SidePrecision
 from rlmm.samplers import quantize
 from rlmm.samplers.perturb import checkpoint_tensors
 from rlmm.samplers.vllm_internals import engine_model, fused_parts, pack_like_engine, quantized_layers, served_scale

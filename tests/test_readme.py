@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from rlmm.config import CONF_DIR, group_options
+from rlmm.config.options import CONF_DIR, group_options
 
 README = Path(__file__).parent.parent / "README.md"
 

@@ -9,10 +9,10 @@ import time
 import pytest
 import torch
 
-from rlmm import checkpoint
-from rlmm.config import from_yaml
-from rlmm.precision import SidePrecision
-from rlmm.records import read_steps
+from rlmm.config.options import from_yaml
+from rlmm.policy.precision import SidePrecision
+from rlmm.run import checkpoint
+from rlmm.run.records import read_steps
 from tests.conftest import ending, sampling, subprocess_env
 
 
@@ -70,7 +70,7 @@ def test_sigterm_midway_then_resume_repeats_the_uninterrupted_run(small_model_pa
 
 SIGNAL_AFTER_STEP_ZERO = """
 import os, signal, sys
-from rlmm.records import RunRecord
+from rlmm.run.records import RunRecord
 
 log = RunRecord.log
 
@@ -90,7 +90,7 @@ def test_a_rank_that_stops_for_another_ranks_signal_exits_as_for_sigterm():
     nothing and exits 128 + SIGTERM (it used to fail on 128 + None, a traceback on every such rank)."""
     import signal
 
-    from rlmm.preemption import StopSignals
+    from rlmm.run.preemption import StopSignals
 
     with pytest.raises(SystemExit) as exited:
         with StopSignals() as stop:
@@ -105,7 +105,7 @@ def test_ctrl_c_is_a_stop_signal_and_twice_stops_at_once():
     import os
     import signal
 
-    from rlmm.preemption import StopSignals
+    from rlmm.run.preemption import StopSignals
 
     with pytest.raises(SystemExit) as exited:
         with StopSignals() as stop:
@@ -173,7 +173,7 @@ def make_faulty_components(model_path, task, trainer_name, dtype):
 
     from rlmm.algos import GRPO
     from rlmm.corrections.tis import TokenTIS
-    from rlmm.components import Components
+    from rlmm.run.components import Components
     from tests.test_train import ALGO
 
     options = sampling(max_new_tokens=6)
@@ -191,7 +191,7 @@ def make_faulty_components(model_path, task, trainer_name, dtype):
 @pytest.mark.parametrize("trainer_name,dtype", [("torch", "fp32"), ("deepspeed", "fp32"), ("deepspeed", "bf16")])
 def test_nan_gradient_step_is_skipped_and_never_synced(small_model_path, arithmetic_task, trainer_name, dtype,
                                                        reuse_training_forward):
-    from rlmm.step import rl_step
+    from rlmm.run.step import rl_step
     from tests.test_train import ParityTask
 
     c = make_faulty_components(small_model_path, ParityTask(arithmetic_task), trainer_name, dtype)
@@ -225,8 +225,8 @@ def test_fp16_overflow_skips_the_step_and_halves_the_loss_scale(small_model_path
 
     from rlmm.algos import GRPO
     from rlmm.corrections.tis import TokenTIS
-    from rlmm.components import Components
-    from rlmm.step import rl_step
+    from rlmm.run.components import Components
+    from rlmm.run.step import rl_step
     from tests.test_train import ALGO, ParityTask
 
     options = sampling(max_new_tokens=6)
@@ -284,8 +284,8 @@ def test_all_finite_is_exact():
 def test_nan_weights_are_never_sent_to_the_sampler(small_model_path, arithmetic_task):
     """An update that leaves NaN in the weights (with finite gradients: no skip) stops the step before
     the sync; the sampler keeps the weights it had."""
-    from rlmm.errors import NonFiniteWeights
-    from rlmm.step import rl_step
+    from rlmm.run.step import rl_step
+    from rlmm.runtime.errors import NonFiniteWeights
     from tests.test_train import ParityTask
 
     c = make_faulty_components(small_model_path, ParityTask(arithmetic_task), "torch", "fp32")
@@ -343,7 +343,7 @@ def test_nonfinite_logprobs_say_which_side_how_many_and_the_fp16_cause():
     from types import SimpleNamespace
 
     from rlmm.probe.checks import check_finite
-    from rlmm.step import nonfinite_hint
+    from rlmm.run.step import nonfinite_hint
 
     report = {"actual": {"sampler": {"dtype": "fp16"}, "trainer": {"dtype": "fp32"}}}
     with pytest.raises(ValueError, match=r"^probe: non-finite log-probs: 25.0% of the sampler's \(fp16\); fp16 "
@@ -365,7 +365,7 @@ def test_a_sampler_that_dropped_its_weights_gets_them_back_after_a_skipped_step(
     step changed no weights, but the sampler no longer holds them: the step must re-send the trainer's unchanged
     weights, or the next generation runs on whatever the freed memory holds. The sampler here drops its weights
     as level 2 does (its `sleep` sets `needs_weights`, its `generate` refuses until a sync)."""
-    from rlmm.step import rl_step
+    from rlmm.run.step import rl_step
     from tests.test_train import ParityTask
 
     c = make_faulty_components(small_model_path, ParityTask(arithmetic_task), "torch", "fp32")

@@ -1,4 +1,4 @@
-"""Routing replay (rlmm/routing.py): the trainer's MoE layers replaying given experts, the HF sampler's capture,
+"""Routing replay (rlmm/mismatch/routing.py): the trainer's MoE layers replaying given experts, the HF sampler's capture,
 the routing/ metrics, and R2/R3 in the RL step on every trainer backend with one and two ranks."""
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlmm.precision import SidePrecision
-from rlmm.config import from_yaml
-from rlmm.routing import (REPLAY_KWARG, differing_decisions, hooks_of, moe_shape, recorded_routing,
+from rlmm.config.options import from_yaml
+from rlmm.mismatch.routing import (REPLAY_KWARG, differing_decisions, hooks_of, moe_shape, recorded_routing,
                           routers, routing_disagreement)
-from rlmm.rollouts import NO_ROUTE, Rollouts
+from rlmm.policy.precision import SidePrecision
+from rlmm.policy.rollouts import NO_ROUTE, Rollouts
 from rlmm.trainers.update import minibatch_step
 from tests.conftest import build_trainer, sampling, torchrun
 
@@ -252,9 +252,9 @@ def test_the_step_logs_routing_metrics_and_compares_both_ways(moe_model_path, ar
     r3 the replayed way is the step's own mismatch."""
     from tests.test_update import OddLengthReward, algo
 
-    from rlmm.components import Components
     from rlmm.corrections.tis import TokenTIS
-    from rlmm.step import rl_step
+    from rlmm.run.components import Components
+    from rlmm.run.step import rl_step
     from tests.conftest import build_sampler
     from transformers import AutoTokenizer
 
@@ -356,7 +356,7 @@ def test_replayed_gates_are_the_routers_softmax_on_the_replayed_experts(normalis
     from transformers import Qwen3MoeConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
 
-    from rlmm.routing import _replayed
+    from rlmm.mismatch.routing import _replayed
 
     router = Qwen3MoeTopKRouter(Qwen3MoeConfig(hidden_size=4, num_experts=4, num_experts_per_tok=2,
                                                norm_topk_prob=normalise))

@@ -1,4 +1,4 @@
-"""What a run may do in a run directory that already holds a record (rlmm/resume.py): a resume it refuses, a run
+"""What a run may do in a run directory that already holds a record (rlmm/run/resume.py): a resume it refuses, a run
 already finished, a fresh run or a probe where a run is, each leaves every file there byte for byte as it was;
 the run's own settings resume it. The rules on built directories first (milliseconds), then through `rlmm`."""
 import hashlib
@@ -13,14 +13,14 @@ import sys
 import pytest
 import yaml
 
-from rlmm.records import read_steps
-from rlmm.resume import AlreadyFinished, ResumeRefused, check_probe_dir, check_train_dir
+from rlmm.run.records import read_steps
+from rlmm.run.resume import AlreadyFinished, ResumeRefused, check_probe_dir, check_train_dir
 from tests.conftest import ending, subprocess_env
 from tests.test_reliability import SIGNAL_AFTER_STEP_ZERO
 
 CONFIG = {"choices": {"sampler": "hf", "logger": "none"}, "seed": 0,
           "train": {"staleness": 1, "resume": True, "checkpoint_every": 20, "overlap": False, "lr": 1e-3},
-          "logger": {"_target_": "rlmm.logging.NoOpLogger"}, "algo": {"group_size": 4, "clip": [0.2, 0.28]}}
+          "logger": {"_target_": "rlmm.run.logging.NoOpLogger"}, "algo": {"group_size": 4, "clip": [0.2, 0.28]}}
 
 
 def record(run_dir, config=CONFIG, steps=2, finished=False, checkpoint_world=None):
@@ -147,7 +147,7 @@ def test_a_damaged_middle_row_resumes_from_the_checkpoint_before_it_or_is_refuse
     is named; the resume starts from the newest checkpoint before it, which redoes it (and drops nothing whole
     before it); where every checkpoint is past it, the resume is refused. Before: the rows after a torn line were
     dropped without a word and the run resumed from step 4, leaving steps 1-3 out of its record."""
-    from rlmm.resume import resume_point
+    from rlmm.run.resume import resume_point
 
     whole = [json.dumps({"step": s}) for s in range(5)]
     run_dir = with_checkpoints(record(tmp_path / "run", steps=4), 1, 3, 4)
@@ -176,7 +176,7 @@ def test_a_damaged_middle_row_resumes_from_the_checkpoint_before_it_or_is_refuse
 
 
 def test_latest_naming_a_checkpoint_that_is_gone_falls_back_to_the_newest_one_there_or_is_refused(tmp_path):
-    from rlmm.resume import resume_point
+    from rlmm.run.resume import resume_point
 
     run_dir = with_checkpoints(record(tmp_path / "run", steps=4), 1, 3, latest=4)
     point = resume_point(run_dir)
@@ -193,7 +193,7 @@ def test_latest_naming_a_checkpoint_that_is_gone_falls_back_to_the_newest_one_th
 
 
 def test_a_record_that_lost_its_last_rows_resumes_from_a_checkpoint_it_covers_or_is_refused(tmp_path):
-    from rlmm.resume import resume_point
+    from rlmm.run.resume import resume_point
 
     run_dir = with_checkpoints(record(tmp_path / "run", steps=3), 3, 4)  # row 4 lost; the summary too
     point = resume_point(run_dir)
@@ -212,7 +212,7 @@ def test_a_checkpoint_prunes_only_older_ones_and_those_past_it(tmp_path):
     """The newest `keep` at or before the step just written stay; checkpoints past it (left from before a resume went
     back to an older one) go. Before: the newest `keep` by name stayed, so a checkpoint written after going back
     past two newer ones removed itself."""
-    from rlmm.checkpoint import prune
+    from rlmm.run.checkpoint import prune
 
     root = tmp_path / "checkpoints"
     for step in (1, 2, 3, 4):
@@ -226,7 +226,7 @@ def test_a_checkpoint_prunes_only_older_ones_and_those_past_it(tmp_path):
 
 HOLD_THE_LOCK = """
 import sys, time
-from rlmm.run_lock import holding
+from rlmm.run.run_lock import holding
 with holding(sys.argv[1]):
     print("held", flush=True)
     time.sleep(600)
@@ -234,7 +234,7 @@ with holding(sys.argv[1]):
 
 
 def test_a_run_directory_is_one_process_at_a_time_and_a_killed_holder_leaves_no_lock(tmp_path):
-    from rlmm.run_lock import RunDirInUse, holding
+    from rlmm.run.run_lock import RunDirInUse, holding
 
     run_dir = tmp_path / "run"
     run_dir.mkdir()
@@ -268,7 +268,7 @@ def rlmm(run_dir, *overrides, stop_after_step_zero=False):
 
 
 def digests(run_dir) -> dict[str, str]:
-    """Every file of the run directory, but the lock file (rlmm/run_lock.py: it names whoever started last)."""
+    """Every file of the run directory, but the lock file (rlmm/run/run_lock.py: it names whoever started last)."""
     return {str(p.relative_to(run_dir)): hashlib.sha256(p.read_bytes()).hexdigest()
             for p in sorted(run_dir.rglob("*")) if p.is_file() and p.name != ".rlmm-lock"}
 
@@ -339,7 +339,7 @@ def test_the_runs_own_settings_resume_it_then_a_finished_run_is_left_alone(stopp
 
 
 def test_a_checkpoints_files_are_checked_against_its_sha256sums(tmp_path):
-    from rlmm.checksums import damage, write_sums
+    from rlmm.runtime.checksums import damage, write_sums
 
     path = tmp_path / "step-000004"
     (path / "shards").mkdir(parents=True)
@@ -365,7 +365,7 @@ def test_a_checkpoint_file_that_cannot_be_read_is_named_in_one_line(tmp_path):
     import torch
     from safetensors.torch import load_file, save_file
 
-    from rlmm.checkpoint import read
+    from rlmm.run.checkpoint import read
 
     path = tmp_path / "checkpoints" / "step-000002"
     path.mkdir(parents=True)

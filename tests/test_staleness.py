@@ -1,4 +1,4 @@
-"""`train.staleness` (rlmm/rollout_source.py): update u trains on rollouts sampled with the weights of update
+"""`train.staleness` (rlmm/run/rollout_source.py): update u trains on rollouts sampled with the weights of update
 u-1-k (the initial weights for the first k+1 updates); `train.decompose_staleness` splits the mismatch into a
 numerical and a policy-lag part; the rollouts in flight survive a SIGTERM and a resume; DAPO, PPO and two
 ranks run with it. In-process runs use the tests' small model with transformers sampling and the torch trainer
@@ -12,14 +12,14 @@ import sys
 import pytest
 import torch
 
-from rlmm import checkpoint
-from rlmm.config import from_yaml
-from rlmm.precision import SidePrecision
-from rlmm.records import read_steps
-from rlmm.rollout_source import DelayLine, InFlight
-from rlmm.rollouts import Rollouts
-from rlmm.step import SampledBatch, rl_step, rl_update
-from rlmm.rollout_source import prompt_stream
+from rlmm.config.options import from_yaml
+from rlmm.policy.precision import SidePrecision
+from rlmm.policy.rollouts import Rollouts
+from rlmm.run import checkpoint
+from rlmm.run.records import read_steps
+from rlmm.run.rollout_source import DelayLine, InFlight
+from rlmm.run.rollout_source import prompt_stream
+from rlmm.run.step import SampledBatch, rl_step, rl_update
 from tests.conftest import build_trainer, sampling, subprocess_env, torchrun
 from tests.test_reliability import comparable, train_command
 from tests.test_train import ALGO, ParityTask
@@ -41,8 +41,8 @@ def components(model_path, task, algo=None, **trainer_values):
     from transformers import AutoTokenizer
 
     from rlmm.algos import GRPO
-    from rlmm.components import Components
     from rlmm.corrections.tis import TokenTIS
+    from rlmm.run.components import Components
 
     options, fp32 = sampling(max_new_tokens=6), SidePrecision("fp32", False)
     sampler = from_yaml("sampler", "hf", model_path=model_path, precision=fp32, sampling=options, seed=0)
@@ -213,7 +213,7 @@ def test_a_checkpoint_must_match_the_runs_staleness():
 
 SIGNAL_AFTER_STEP_TWO = """
 import os, signal, sys
-from rlmm.records import RunRecord
+from rlmm.run.records import RunRecord
 
 log = RunRecord.log
 
@@ -263,7 +263,7 @@ def test_staleness_2_stopped_by_sigterm_resumes_to_the_uninterrupted_numbers(sma
 def test_dapo_and_ppo_train_with_staleness_1(small_model_path, arithmetic_task, algo_name):
     """DAPO's dynamic sampling refills each batch when it is sampled (its refills of (seed, j, round)); PPO's critic
     scores and trains on the stale rollouts with its current weights."""
-    from rlmm.critic import ValueCritic
+    from rlmm.run.critic import ValueCritic
 
     task = arithmetic_task if algo_name == "dapo" else ParityTask(arithmetic_task)  # DAPO: groups all wrong drop
     algo = from_yaml("algo", algo_name, group_size=4, **({"critic_warmup_steps": 1} if algo_name == "ppo" else {}))

@@ -1,4 +1,4 @@
-"""The RL step's sampling stage (rlmm/step.py::sample_groups) with an algorithm that drops groups (DAPO's
+"""The RL step's sampling stage (rlmm/run/step.py::sample_groups) with an algorithm that drops groups (DAPO's
 dynamic sampling), on a sampler and a task whose rewards are known in advance."""
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ from types import SimpleNamespace
 
 import torch
 
-from rlmm.config import from_yaml
-from rlmm.rollouts import Rollouts
-from rlmm.step import sample_groups
+from rlmm.config.options import from_yaml
+from rlmm.policy.rollouts import Rollouts
+from rlmm.run.step import sample_groups
 from rlmm.tasks import Example
 
 GROUP = 2

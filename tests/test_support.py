@@ -1,4 +1,4 @@
-"""The trainer's support under top-k / top-p sampling (rlmm/support.py, `support=`): the sampler's kept sets, how each
+"""The trainer's support under top-k / top-p sampling (rlmm/policy/support.py, `support=`): the sampler's kept sets, how each
 support option normalises the trainer's log-probs, the support/* metrics, and that a token the sampler drew is
 always scored (issue 48: it got -inf and the whole step was skipped)."""
 from __future__ import annotations
@@ -11,9 +11,9 @@ import sys
 import pytest
 import torch
 
-from rlmm.config import from_yaml
-from rlmm.rollouts import KeptTokens, Rollouts
-from rlmm.support import STATISTICS, statistics, statistics_means
+from rlmm.config.options import from_yaml
+from rlmm.policy.rollouts import KeptTokens, Rollouts
+from rlmm.policy.support import STATISTICS, statistics, statistics_means
 from tests.conftest import build_sampler, build_trainer, sampling, subprocess_env
 
 SUPPORTS = ("sampler", "trainer", "full")
@@ -132,8 +132,8 @@ SHARP = dict(temperature=0.8, top_p=0.8, top_k=20)
 def test_an_fp32_samplers_kept_sets_are_the_fp32_trainers_own(engine, small_model_path, prompts):
     """fp32 on both sides: the sampler's kept sets are the trainer's own top-k / top-p sets (Jaccard 1, no sampled
     token outside them), every support scores what the sampler reports but `full`, which is off by log S exactly."""
-    from rlmm.precision import SidePrecision
-    from rlmm.support import recorded, support_metrics
+    from rlmm.policy.precision import SidePrecision
+    from rlmm.policy.support import recorded, support_metrics
 
     fp32 = SidePrecision("fp32", False)
     sampler = build_sampler(engine, small_model_path, fp32, sampling(**SHARP), seed=0)
@@ -166,8 +166,8 @@ def test_an_fp32_samplers_kept_sets_are_the_fp32_trainers_own(engine, small_mode
 
 
 def test_kept_sets_survive_the_delay_lines_checkpoint():
-    from rlmm.rollout_source import InFlight, from_in_flight_state, in_flight_state
-    from rlmm.step import SampledBatch
+    from rlmm.run.rollout_source import InFlight, from_in_flight_state, in_flight_state
+    from rlmm.run.step import SampledBatch
 
     kept = KeptTokens.of_sets([[1, 2], [3]], [False, True])
     rollouts = Rollouts([[1]], [[2, 3]], [torch.tensor([-0.1, -0.2])], ["length"], kept_tokens=[kept])
@@ -202,8 +202,8 @@ def test_a_run_written_before_the_support_axis_resumes_at_its_default():
     default support (what it computed) is no difference; with another support, or another max_kept, it is."""
     from omegaconf import OmegaConf
 
-    from rlmm.config import option_node
-    from rlmm.resume import differences
+    from rlmm.config.options import option_node
+    from rlmm.run.resume import differences
 
     def config(option: str, **values):
         return {"choices": {"model": "tiny", "support": option}, "seed": 0,

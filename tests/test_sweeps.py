@@ -30,8 +30,8 @@ import yaml
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
-import rlmm.schema  # noqa: F401  (registers the schemas)
-from rlmm.config import CONF_DIR
+import rlmm.config.schema  # noqa: F401  (registers the schemas)
+from rlmm.config.options import CONF_DIR
 from tests.conftest import subprocess_env
 from tests.test_slurm_cluster import slurm_cluster  # noqa: F401  (fixture: the local cluster; fails in CI)
 
@@ -112,7 +112,7 @@ def array_task(sweep_dir: Path, num: int) -> str | None:
 
 def steps_done(run_dir: Path) -> int:
     """The last training step in the run's record (0: none yet)."""
-    from rlmm.records import read_steps
+    from rlmm.run.records import read_steps
 
     return max((row["step"] for row in read_steps(run_dir)), default=0)
 
@@ -266,7 +266,7 @@ def test_the_sweeper_counts_the_jobs_that_had_finished_already():
     from omegaconf import OmegaConf
 
     from hydra_plugins.rlmm_launcher.sweeper import skipped_line
-    from rlmm.resume import FINISHED_JOB
+    from rlmm.run.resume import FINISHED_JOB
 
     def job(num: int, value, status=JobStatus.COMPLETED) -> JobReturn:
         result = JobReturn(status=status, hydra_cfg=OmegaConf.create({"hydra": {"job": {"num": num}}}))
@@ -436,7 +436,7 @@ def test_slurm_preempted_job_is_requeued_and_resumes(slurm_cluster, small_model_
     assert submitit_log.count("Starting with JobEnvironment") == 2  # SLURM appends the second run's output
     assert json.loads((runs[0] / "summary.json").read_text())["resumed_at_step"] == stopped + 1
 
-    from rlmm.records import read_steps
+    from rlmm.run.records import read_steps
 
     def comparable(rows):  # every logged number but wall-clock timings
         return [{k: v for k, v in row.items() if not k.startswith("perf/")} for row in rows]

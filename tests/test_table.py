@@ -19,8 +19,8 @@ import pandas as pd
 import pytest
 
 from rlmm import table
-from rlmm.formatting import format_number
-from rlmm.records import RunRecord
+from rlmm.run.records import RunRecord
+from rlmm.runtime.formatting import format_number
 
 RLMM = str(Path(__file__).resolve().parents[1] / ".venv" / "bin" / "rlmm")
 BASE = {("bf16", "tis"): 0.45, ("bf16", "icepop"): 0.35, ("fp16", "tis"): 0.25, ("fp16", "icepop"): 0.15}
@@ -469,7 +469,7 @@ def test_a_record_short_of_its_summary_a_repeated_row_and_a_probe_among_training
 
 
 def test_train_and_table_agree_that_a_truncated_summary_is_no_finished_run(tmp_path):
-    from rlmm.resume import check_train_dir
+    from rlmm.run.resume import check_train_dir
 
     train_run(tmp_path / "run", "bf16", "tis", 0)
     (tmp_path / "run" / "summary.json").write_text('{"steps": 5, "rew')

@@ -24,8 +24,8 @@ from scipy import stats
 from statsmodels.stats.multitest import multipletests
 
 from rlmm import table
-from rlmm.formatting import format_number
-from rlmm.records import RunRecord
+from rlmm.run.records import RunRecord
+from rlmm.runtime.formatting import format_number
 from rlmm.table.paired import difference_stats
 from tests.test_table import one_line_error, rlmm, write_overrides
 

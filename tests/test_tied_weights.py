@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlmm.precision import SidePrecision
+from rlmm.policy.precision import SidePrecision
 from tests.conftest import build_sampler, build_trainer, sampling
 
 
@@ -123,9 +123,9 @@ def test_tied_and_untied_twins_train_identically_with_an_fp32_head(small_model_p
     from transformers import AutoTokenizer
 
     from rlmm.algos import GRPO
-    from rlmm.components import Components
-    from rlmm.config import CONF_DIR, from_yaml
-    from rlmm.step import rl_step
+    from rlmm.config.options import CONF_DIR, from_yaml
+    from rlmm.run.components import Components
+    from rlmm.run.step import rl_step
 
     policy = instantiate(OmegaConf.load(CONF_DIR / "precision" / "bf16_fp32head.yaml"))
     options = sampling(max_new_tokens=6)

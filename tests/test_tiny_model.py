@@ -10,8 +10,8 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.utils import instantiate
 
-import rlmm.schema  # noqa: F401
-from rlmm.config import CONF_DIR, to_container
+import rlmm.config.schema  # noqa: F401
+from rlmm.config.options import CONF_DIR, to_container
 import rlmm.models.tiny as tiny
 from rlmm.models.tiny import BUILTIN_DIR, TinyModel, build_char_tokenizer, shipped_digests
 
@@ -229,7 +229,7 @@ def test_the_run_seed_leaves_the_model_and_the_task_as_they_are():
 
 KILLED_MID_BUILD = """
 import sys
-from rlmm.config import from_yaml
+from rlmm.config.options import from_yaml
 from rlmm.models.tiny import TinyModel
 spec = TinyModel(hidden_size=64, num_layers=1, num_heads=1, num_kv_heads=1, intermediate_size=64, max_position=64,
                  seed=0, warm_start_steps=10**6, warm_start_lr=3e-3, warm_start_batch_size=16, cache_dir=sys.argv[1],

@@ -13,8 +13,8 @@ from hydra.utils import instantiate
 from omegaconf import open_dict
 
 import rlmm.models.tiny as tiny
-import rlmm.schema  # noqa: F401
-from rlmm.config import CONF_DIR, to_container, validate
+import rlmm.config.schema  # noqa: F401
+from rlmm.config.options import CONF_DIR, to_container, validate
 from rlmm.models.tiny import BUILTIN_DIR, TinyModel, shipped_digests, verify
 from rlmm.models.tiny_moe import TinyMoeModel, balance_loss
 

@@ -9,10 +9,10 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from rlmm.config import CONF_DIR, from_yaml, group_options
-from rlmm.precision import SidePrecision
-from rlmm.components import Components
-from rlmm.step import rl_step
+from rlmm.config.options import CONF_DIR, from_yaml, group_options
+from rlmm.policy.precision import SidePrecision
+from rlmm.run.components import Components
+from rlmm.run.step import rl_step
 from tests.conftest import build_trainer, sampling, subprocess_env
 
 CORRECTIONS = sorted(p.stem for p in (CONF_DIR / "correction").glob("*.yaml"))
@@ -109,8 +109,8 @@ def test_every_algorithm_runs_two_steps_with_each_correction(small_model_path, a
     c = make_components(small_model_path, ParityTask(arithmetic_task), "hf", "torch", "fp32")
     c.algo = from_yaml("algo", algo_name, group_size=4)  # 4 prompts x 4 = 16 rows: 4 rows per GSPO minibatch
     c.correction = from_yaml("correction", correction_name)
-    if c.algo.critic:  # PPO: a value model trained by the same backend (rlmm/critic.py)
-        from rlmm.critic import ValueCritic
+    if c.algo.critic:  # PPO: a value model trained by the same backend (rlmm/run/critic.py)
+        from rlmm.run.critic import ValueCritic
 
         c.critic = ValueCritic(build_trainer("torch", small_model_path, SidePrecision("fp32", False), c.sampling,
                                              micro_batch_size=8, value_head=True, lr=c.algo.critic["lr"]),
@@ -133,10 +133,10 @@ def test_every_algorithm_runs_two_steps_with_each_correction(small_model_path, a
 
 def test_fp32_none_and_tis_give_identical_updates(small_model_path, arithmetic_task):
     """With fp32 on both sides the TIS weights are 1 up to rounding, so the update is PPO's."""
-    from rlmm.components import Components
     from rlmm.algos import GRPO
     from rlmm.corrections.none import NoCorrection
     from rlmm.corrections.tis import TokenTIS
+    from rlmm.run.components import Components
     from transformers import AutoTokenizer
 
     fp32 = SidePrecision("fp32", False)
@@ -270,8 +270,8 @@ def test_evaluation_reads_the_deployed_sampler_and_the_trainers_own_weights(smal
     noise in the sampler moves only the first, noise in the trainer only the second."""
     import torch
 
-    from rlmm.precision import SidePrecision
-    from rlmm.evaluation import Evaluation
+    from rlmm.policy.precision import SidePrecision
+    from rlmm.run.evaluation import Evaluation
 
     task = FingerprintTask(arithmetic_task)
     c = make_components(small_model_path, task, "hf", "torch", "fp32")
@@ -332,7 +332,7 @@ def test_trained_accuracy_is_the_same_on_the_trainers_module_as_on_a_copy(small_
     """After a step, greedy generation with the trainer's own module (what the evaluation now uses where it
     holds the full weights) gives the copy's tokens and log-probs bit for bit, so eval/accuracy_trained is
     the number the copy gave: the same weights in the same dtypes (an fp32 head too) through the same kernels."""
-    from rlmm.evaluation import Evaluation, TrainedCopyEngine, TrainerModuleEngine, accuracy
+    from rlmm.run.evaluation import Evaluation, TrainedCopyEngine, TrainerModuleEngine, accuracy
 
     task = FingerprintTask(arithmetic_task)
     c = evaluated_components(small_model_path, task, trainer_name, precision_name, **trainer_values)
@@ -365,7 +365,7 @@ def test_evaluation_copies_the_weights_only_where_the_trainers_module_cannot_gen
     """ZeRO-3 (each rank holds a partition) and padding-free attention need the copy; ZeRO-0 on one rank
     does not. (FSDP over several ranks: tests/test_update.py's two-rank runs are its place; one rank is here
     in the slow grid above.)"""
-    from rlmm.evaluation import Evaluation, TrainedCopyEngine, TrainerModuleEngine
+    from rlmm.run.evaluation import Evaluation, TrainedCopyEngine, TrainerModuleEngine
 
     c = evaluated_components(small_model_path, FingerprintTask(arithmetic_task), trainer_name, "fp32",
                              **trainer_values)
@@ -388,7 +388,7 @@ def test_evaluating_on_the_trainers_module_leaves_training_as_it_was(small_model
     KV cache kept) as they were and makes no gradient; the next step's new weights are those of a run
     without the evaluation, bit for bit. (The trained-weights half of an evaluation: the
     deployed sampler's greedy half is the sampler's business.)"""
-    from rlmm.evaluation import Evaluation, accuracy
+    from rlmm.run.evaluation import Evaluation, accuracy
 
     def state(model):  # no state_dict(): FSDP2's would reshard the root unit and hide a frozen flag
         return {"training": [m.training for m in model.modules()],
@@ -425,12 +425,12 @@ def test_evaluating_on_the_trainers_module_leaves_training_as_it_was(small_model
 
 class ShutdownWatch:
     """Fakes for `run_train`'s parts around the loop, each writing down when it is closed, saved or finished:
-    the run's shutdown (rlmm/train.py::shutdown) is checked without an engine."""
+    the run's shutdown (rlmm/run/train.py::shutdown) is checked without an engine."""
 
     def __init__(self, monkeypatch, step):
-        import rlmm.checkpoint
-        import rlmm.train
-        from rlmm.records import RunRecord
+        import rlmm.run.checkpoint
+        import rlmm.run.train
+        from rlmm.run.records import RunRecord
 
         self.events = []
         events = self.events
@@ -472,9 +472,9 @@ class ShutdownWatch:
         components.task, components.trainer, components.sampler = Task(), None, None
         components.critic, components.precision_report = None, {}
         components.correction = Part("correction")  # its state goes into the checkpoint (a decay's count)
-        monkeypatch.setattr(rlmm.train, "build_components", lambda cfg, prompts, max_rows, **kwargs: components)
-        monkeypatch.setattr(rlmm.train, "Evaluation", FakeEvaluation)
-        monkeypatch.setattr(rlmm.train, "RunRecord", WatchedRecord)
+        monkeypatch.setattr(rlmm.run.train, "build_components", lambda cfg, prompts, max_rows, **kwargs: components)
+        monkeypatch.setattr(rlmm.run.train, "Evaluation", FakeEvaluation)
+        monkeypatch.setattr(rlmm.run.train, "RunRecord", WatchedRecord)
         class NoRollouts:  # the delay line, with nothing to sample: `step` stands for the whole RL step
             def __init__(self, *args):
                 pass
@@ -485,11 +485,11 @@ class ShutdownWatch:
             def state_dict(self):
                 return {}
 
-        monkeypatch.setattr(rlmm.train, "DelayLine", NoRollouts)
-        monkeypatch.setattr(rlmm.train, "rl_update", step)
-        monkeypatch.setattr(rlmm.train, "mean_over_ranks", lambda metrics: metrics)
+        monkeypatch.setattr(rlmm.run.train, "DelayLine", NoRollouts)
+        monkeypatch.setattr(rlmm.run.train, "rl_update", step)
+        monkeypatch.setattr(rlmm.run.train, "mean_over_ranks", lambda metrics: metrics)
         self.saved_corrections = []
-        monkeypatch.setattr(rlmm.checkpoint, "save", lambda run_dir, step, *parts, loop, rollouts, correction: (
+        monkeypatch.setattr(rlmm.run.checkpoint, "save", lambda run_dir, step, *parts, loop, rollouts, correction: (
             events.append("checkpoint"), self.saved_corrections.append(correction)))
         self.components = components
         self.logger = Logger()
@@ -508,9 +508,9 @@ def step_metrics():
 def test_eval_every_0_evaluates_only_at_the_start_and_the_end(tmp_path, monkeypatch):
     """`train.eval_every=0` reads as checkpoint_every's 0 does: no evaluation between step 0 and the last step
     (it once divided by zero in the loop, after both engines had started)."""
-    from rlmm.devices import init_process_group
-    from rlmm.records import read_steps
-    from rlmm.train import run_train
+    from rlmm.run.records import read_steps
+    from rlmm.run.train import run_train
+    from rlmm.runtime.devices import init_process_group
 
     init_process_group()
     watch = ShutdownWatch(monkeypatch, lambda *args: step_metrics())
@@ -525,9 +525,9 @@ def test_eval_every_0_evaluates_only_at_the_start_and_the_end(tmp_path, monkeypa
 def test_the_shutdown_runs_when_the_loop_raises(tmp_path, monkeypatch):
     """A step that raises still ends the run in its one shutdown, in order: the record closed (the rows before
     the error stay on disk), the logger finished, the evaluation's engine and then the components closed."""
-    from rlmm.devices import init_process_group
-    from rlmm.records import read_steps
-    from rlmm.train import run_train
+    from rlmm.run.records import read_steps
+    from rlmm.run.train import run_train
+    from rlmm.runtime.devices import init_process_group
 
     def broken_step(*args):
         raise RuntimeError("a step broken on purpose")
@@ -547,9 +547,9 @@ def test_a_stop_signal_checkpoints_then_shuts_down_then_hands_over(tmp_path, mon
     import os
     import signal
 
-    from rlmm.devices import init_process_group
-    from rlmm.records import read_steps
-    from rlmm.train import run_train
+    from rlmm.run.records import read_steps
+    from rlmm.run.train import run_train
+    from rlmm.runtime.devices import init_process_group
 
     def signalled_step(*args):
         os.kill(os.getpid(), signal.SIGTERM)

@@ -23,13 +23,13 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from rlmm.config import CONF_DIR, from_yaml
+from rlmm.config.options import CONF_DIR, from_yaml
 from rlmm.corrections.base import Correction
-from rlmm.metrics import mismatch_metrics
-from rlmm.precision import SidePrecision
-from rlmm.rollouts import Rollouts
-from rlmm.components import Components
-from rlmm.step import rl_step
+from rlmm.mismatch.metrics import mismatch_metrics
+from rlmm.policy.precision import SidePrecision
+from rlmm.policy.rollouts import Rollouts
+from rlmm.run.components import Components
+from rlmm.run.step import rl_step
 from tests.conftest import sampling, torchrun
 
 FP32 = SidePrecision("fp32", False)
@@ -503,7 +503,7 @@ def test_two_ranks_take_the_one_rank_step_on_the_same_rows(small_model_path, ari
     `logprob_abs_diff_max` and `ratio_max`, and token means that weight the ranks' tokens unequally."""
     from safetensors.torch import load_file
 
-    from rlmm.step import rank_share
+    from rlmm.run.step import rank_share
     from tests.ranks_step import BACKENDS, CASES, step_on_share
 
     recorded = recorded_rollouts(small_model_path, arithmetic_task, 6)  # 12 rows a rank: micro-batches of 8 and 4
@@ -623,7 +623,7 @@ def test_logged_loss_metrics_do_not_depend_on_the_micro_batch_size(aggregation):
     """A minibatch's loss metrics combined from its micro-batches (`PolicyLossStats`, as its fields declare)
     are those of the whole minibatch in one piece: sums stay sums, token means are token-weighted, min and max
     stay min and max."""
-    from rlmm.loss_stats import PolicyLossStats, combined_metrics
+    from rlmm.mismatch.loss_stats import PolicyLossStats, combined_metrics
     from rlmm.trainers.packing import micro_batches
 
     generator = torch.Generator().manual_seed(0)

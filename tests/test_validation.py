@@ -12,9 +12,9 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import open_dict
 
-import rlmm.schema  # noqa: F401  (registers the schemas)
-from rlmm.config import CONF_DIR, validate
-from rlmm.errors import ConfigError
+import rlmm.config.schema  # noqa: F401  (registers the schemas)
+from rlmm.config.options import CONF_DIR, validate
+from rlmm.runtime.errors import ConfigError
 from tests.conftest import ending, subprocess_env
 
 
@@ -72,8 +72,8 @@ def test_a_bad_lr_is_one_line_before_anything_starts(tmp_path):
                                        ("rlmm: interrupted (SIGINT): no step was recorded", 130)])
 def test_the_line_a_run_ends_with_goes_to_stderr(capsys, line, code):
     """Every fault one line with its exit code, on stderr: `end` printed these on stdout, where the composition's
-    refusals (rlmm/errors.py::fail) went to stderr."""
-    from rlmm.apps import end
+    refusals (rlmm/runtime/errors.py::fail) went to stderr."""
+    from rlmm.launch.apps import end
 
     with pytest.raises(SystemExit) as ended:
         end(line, code, submitted=False)

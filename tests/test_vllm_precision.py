@@ -1,7 +1,7 @@
 """vLLM reports the precision it really runs (one engine at a time: each test closes its own)."""
 import pytest
 
-from rlmm.precision import SidePrecision
+from rlmm.policy.precision import SidePrecision
 from tests.conftest import build_sampler, sampling
 
 
@@ -33,7 +33,7 @@ def test_vllm_engine_options_resolve_per_device_and_are_recorded(small_model_pat
     import pytest
     import torch
 
-    from rlmm.precision import SidePrecision
+    from rlmm.policy.precision import SidePrecision
     from tests.conftest import build_sampler, sampling
 
     if torch.cuda.is_available():
@@ -60,7 +60,7 @@ def test_batch_invariant_kernels_are_reported_on_both_sides(small_model_path, mo
     `enable_batch_invariant_mode` sets it: the kernels themselves need a GPU)."""
     from vllm.model_executor.determinism import batch_invariant
 
-    from rlmm.precision import PrecisionPolicy, check_precision
+    from rlmm.policy.precision import PrecisionPolicy, check_precision
     from rlmm.samplers.vllm import batch_invariant_mode
 
     policy = PrecisionPolicy("bf16", "bf16", False, False, False)

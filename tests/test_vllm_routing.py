@@ -12,8 +12,8 @@ import random
 import pytest
 import torch
 
-from rlmm.precision import SidePrecision
-from rlmm.rollouts import NO_ROUTE
+from rlmm.policy.precision import SidePrecision
+from rlmm.policy.rollouts import NO_ROUTE
 from rlmm.samplers.vllm_internals import engine_model
 from tests.conftest import build_sampler, sampling
 
@@ -141,7 +141,7 @@ def test_ids_are_exactly_the_engine_routers_top_k(sampler):
 
 def test_only_a_mixture_of_experts_model_captures(tmp_path, moe):
     """vLLM's own reading of the config decides (`is_moe`): a dense checkpoint has no routing to return, so the
-    sampler captures nothing for it (routing=r2|r3 refuses a dense model: rlmm/routing.py), an MoE one does."""
+    sampler captures nothing for it (routing=r2|r3 refuses a dense model: rlmm/mismatch/routing.py), an MoE one does."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from rlmm.samplers.vllm_routing import is_moe

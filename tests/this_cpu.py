@@ -1,11 +1,11 @@
-"""What the tests expect of this CPU, each answer asked of rlmm (rlmm/cpu.py and the checks that read it), never
+"""What the tests expect of this CPU, each answer asked of rlmm (rlmm/runtime/cpu.py and the checks that read it), never
 re-derived here: so a test and rlmm cannot disagree about a machine, and tests/test_cpu.py checks every helper below
-under every simulated machine type (`rlmm.cpu.simulated`)."""
+under every simulated machine type (`rlmm.runtime.cpu.simulated`)."""
 from __future__ import annotations
 
 import torch
 
-from rlmm import cpu
+from rlmm.runtime import cpu
 
 
 def fp8_kv_cache_here() -> bool:
@@ -25,7 +25,7 @@ def fp8_weights_here() -> bool:
 
 
 def deepspeed_runs(dtype: str) -> bool:
-    from rlmm.precision import SidePrecision
+    from rlmm.policy.precision import SidePrecision
     from rlmm.trainers.deepspeed_backend import DeepSpeedTrainer
 
     return DeepSpeedTrainer.unsupported(SidePrecision(dtype, False)) is None

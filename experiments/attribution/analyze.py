@@ -24,8 +24,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from rlmm.attribution import OP_CLASSES
-from rlmm.records import read_steps
+from rlmm.mismatch.attribution import OP_CLASSES
+from rlmm.run.records import read_steps
 from rlmm.table.discovery import read_overrides
 
 GAP = {"logprob_abs_diff_mean": "mean |δ|", "kl_k3": "KL k3"}

@@ -107,7 +107,7 @@ def summary(found: list[dict]) -> str:
 def replay(rows: list[dict], monitor, threshold: float, which: str) -> int | None:
     """The first alarm step the run's monitor would have raised at another threshold: the detector is a
     function of the logged metric series, so it can be rerun on the record."""
-    from rlmm.monitor import CUSUM
+    from rlmm.run.monitor import CUSUM
 
     signals = {**{n: "up" for n in monitor.rising}, **{n: "down" for n in monitor.falling}}
     detectors = {n: CUSUM(d, monitor.warmup_steps, monitor.drift, threshold, monitor.clip)

@@ -26,7 +26,7 @@ import numpy as np
 import pandas as pd
 from statsmodels.stats.multitest import multipletests
 
-from rlmm.records import read_steps
+from rlmm.run.records import read_steps
 from rlmm.table.discovery import read_overrides
 from rlmm.table.paired import difference_stats
 

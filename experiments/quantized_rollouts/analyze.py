@@ -22,7 +22,7 @@ import numpy as np
 import pandas as pd
 from scipy import stats
 
-from rlmm.records import read_steps
+from rlmm.run.records import read_steps
 from rlmm.table.discovery import read_overrides
 
 ACCURACY = {"eval_accuracy_trained_end": "trained weights", "eval_accuracy_end": "deployed sampler"}

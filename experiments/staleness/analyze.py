@@ -23,7 +23,7 @@ import numpy as np
 import pandas as pd
 from scipy import stats
 
-from rlmm.records import read_steps
+from rlmm.run.records import read_steps
 from rlmm.table.discovery import read_overrides
 
 PARTS = {"logprob_abs_diff_mean": "mean |δ|", "kl_k3": "KL k3"}

@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from analyze import mean, paired  # noqa: E402  (this folder's analyze.py)
 
-from rlmm.config import CONF_DIR  # noqa: E402
+from rlmm.config.options import CONF_DIR  # noqa: E402
 from rlmm.table.frames import load_runs  # noqa: E402
 
 METRICS = {"loss/clipfrac:mean": "clipped", "rollout/reward_mean:mean": "reward",

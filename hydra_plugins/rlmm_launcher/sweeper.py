@@ -2,7 +2,7 @@
 many jobs of the sweep had finished already.
 
 A sweep is launched again into its sweep directory after a job of it failed or was killed: the jobs whose run
-directory holds that very run, finished, do nothing (rlmm/resume.py, `AlreadyFinished`: the job returns
+directory holds that very run, finished, do nothing (rlmm/run/resume.py, `AlreadyFinished`: the job returns
 `FINISHED_JOB`) and the others run or resume. Those jobs may run in other processes (`hydra/launcher=process`,
 `local`, `slurm`), where what they print goes to their own logs; their results come back to the sweeper, so it is
 here that they are counted, whatever the launcher:
@@ -34,8 +34,8 @@ ConfigStore.instance().store(group="hydra/sweeper", name="rlmm", node=RlmmSweepe
 
 
 def finished_already(result: JobReturn) -> bool:
-    """Whether the job found its run finished and did nothing (rlmm/apps.py returns FINISHED_JOB then)."""
-    from rlmm.resume import FINISHED_JOB
+    """Whether the job found its run finished and did nothing (rlmm/launch/apps.py returns FINISHED_JOB then)."""
+    from rlmm.run.resume import FINISHED_JOB
 
     return result.status == JobStatus.COMPLETED and result.return_value == FINISHED_JOB
 

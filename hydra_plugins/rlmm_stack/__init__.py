@@ -12,7 +12,7 @@ So a stack is one value of the group: `correction=seq_veto+token_rs+tis`, swept 
 (`-m correction=tis,seq_veto+token_rs+tis`), recorded as that choice in the run's overrides (`rlmm table` names the
 arm by it), composed again by a SLURM job from its overrides, and one stage's parameter is
 `correction.stages.<stage>.<key>=...`. `+` is a plain character in Hydra's override grammar, so nothing else changes.
-An unknown stage, a stage listed twice or an empty one is refused before Hydra starts (rlmm/overrides.py, one line
+An unknown stage, a stage listed twice or an empty one is refused before Hydra starts (rlmm/launch/overrides.py, one line
 naming the allowed stages) and here again (a ConfigLoadError) for a config composed some other way.
 
 Hydra scans only the `hydra_plugins` namespace package for plugins (hydra/core/plugins.py), hence this place.

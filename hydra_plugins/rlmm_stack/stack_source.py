@@ -43,12 +43,12 @@ class StackedCorrections(ConfigSource):
 
     @staticmethod
     def _conf_dir():
-        from rlmm.config import CONF_DIR  # imports neither torch nor Hydra's app
+        from rlmm.config.options import CONF_DIR  # imports neither torch nor Hydra's app
 
         return CONF_DIR
 
     def _options(self) -> list[str]:
-        from rlmm.config import group_options
+        from rlmm.config.options import group_options
 
         return group_options(GROUP)
 
@@ -67,7 +67,7 @@ class StackedCorrections(ConfigSource):
         return self._option(config_path) is not None
 
     def load_config(self, config_path: str) -> ConfigResult:
-        from rlmm.config import option_node
+        from rlmm.config.options import option_node
 
         option = self._option(config_path)
         problem = stack_problem(option or "", self._options()) if option else f"not a stack: {config_path}"

@@ -1,14 +1,14 @@
 """RL algorithm maths (`algo=` group): advantages and policy losses, tensor in, tensor out.
 
-Each algorithm is one module and one YAML in conf/algo/, and satisfies `rlmm.interfaces.Algorithm`:
-the RL step (rlmm/step.py) asks it which sampled groups to keep and how to shape the rewards, then for
+Each algorithm is one module and one YAML in conf/algo/, and satisfies `rlmm.run.interfaces.Algorithm`:
+the RL step (rlmm/run/step.py) asks it which sampled groups to keep and how to shape the rewards, then for
 the advantages once per batch and for `policy_loss(...)` per micro-batch; it never asks which algorithm
 it holds. docs/algorithms.md has the equations and every metric.
 
 - `GRPO` (grpo.py): GRPO, Dr.GRPO and CISPO (settings of one class; CISPO's loss is `objective: cispo`).
 - `DAPO` (dapo.py): GRPO with dynamic sampling and overlong reward shaping.
 - `GSPO` (gspo.py): GRPO with the clip on the sequence's length-normalised ratio.
-- `PPO` (ppo.py): GAE advantages from a critic (rlmm/critic.py) and a clipped value loss.
+- `PPO` (ppo.py): GAE advantages from a critic (rlmm/run/critic.py) and a clipped value loss.
 
 None inherits from another: each holds a `SurrogateLoss` (surrogate.py: the clipped surrogate or CISPO's, PPO's
 dual clip, penalties, aggregation, metrics) and calls it with its importance ratio, checks its schedule with

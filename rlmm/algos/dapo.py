@@ -5,7 +5,7 @@ four changes; two are settings of the clipped surrogate (conf/algo/dapo.yaml), t
 2. Token-level loss: sum over all kept tokens / their number (`loss_aggregation: token`).
 3. Dynamic sampling: a group whose rewards are all equal (all right or all wrong) has advantage 0 and no
    gradient; DAPO drops such groups and samples more prompts until the batch is full. `keep_groups`
-   says which groups stay; the RL step (rlmm/step.py::sample_groups) refills the batch, for at most
+   says which groups stay; the RL step (rlmm/run/step.py::sample_groups) refills the batch, for at most
    `max_sampling_rounds` more rounds, and logs the counts (rollout/groups_dropped, sampling_rounds,
    groups_filled_with_dropped: a batch still short after the rounds is filled with dropped groups, which
    add no gradient, so every step has the same shape).
@@ -20,7 +20,7 @@ four changes; two are settings of the clipped surrogate (conf/algo/dapo.yaml), t
 
 How this departs from the paper: the filter acts on the task's reward before the length shaping (as
 verl's `filter_groups.metric: acc`); the batch is refilled from prompts the run draws for this step
-(rlmm/train.py), and a short batch is filled with dropped groups rather than sampled without bound.
+(rlmm/run/train.py), and a short batch is filled with dropped groups rather than sampled without bound.
 """
 from __future__ import annotations
 

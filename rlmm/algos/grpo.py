@@ -50,7 +50,7 @@ How this departs from the papers:
   * `objective: cispo` (algo=cispo, MiniMax 2025 "MiniMax-M1") replaces the clipped surrogate by
     -w_t * sg(clip(ratio_t, 1 - clip_low, 1 + clip_high)) * A_i * log pi_theta(y_t), same advantages.
 The loss is `rlmm.algos.surrogate.SurrogateLoss` (the clipped surrogate every algorithm calls), the KL
-estimators rlmm/kl.py's. See docs/algorithms.md for the derivations and for every metric returned.
+estimators rlmm/mismatch/kl.py's. See docs/algorithms.md for the derivations and for every metric returned.
 """
 from __future__ import annotations
 
@@ -94,7 +94,7 @@ class GRPO:
     """
 
     # Every sampled group is trained on (DAPO's dynamic sampling drops some), and there is no critic (PPO's
-    # settings for one: rlmm/critic.py).
+    # settings for one: rlmm/run/critic.py).
     max_sampling_rounds = 0
     critic = None
 

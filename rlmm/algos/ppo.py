@@ -8,7 +8,7 @@ The response is an episode of |y| actions (tokens); the task's reward r arrives 
     A_t = delta_t + gamma * lambda * A_{t+1}              (GAE, Schulman et al. 2016)
     R_t = A_t + V(s_t)                                    (the critic's target)
 
-with V the critic's values before the update (rlmm/critic.py). With `whiten_advantages` the A_t of
+with V the critic's values before the update (rlmm/run/critic.py). With `whiten_advantages` the A_t of
 the step's batch (every rank's rows) are shifted and scaled to mean 0 and (Bessel-corrected) std 1 over its
 response tokens (dividing by std + 1e-8; verl multiplies by rsqrt(var + 1e-8), which differs where the std is
 tiny: 41% apart at std 1e-4). The [B, T] advantages go through the mismatch correction's weights and
@@ -29,7 +29,7 @@ from torch import Tensor
 
 from rlmm.algos.schedule import check_schedule
 from rlmm.algos.surrogate import SurrogateLoss
-from rlmm.collectives import rows_of_every_rank
+from rlmm.runtime.collectives import rows_of_every_rank
 
 __all__ = ["PPO", "gae"]
 

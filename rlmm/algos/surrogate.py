@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from rlmm.kl import ESTIMATORS, k3, kl_estimate
+from rlmm.mismatch.kl import ESTIMATORS, k3, kl_estimate
 
 __all__ = ["AGGREGATIONS", "METRIC_KEYS", "OBJECTIVES", "SurrogateLoss", "cispo_surrogate", "clipped_surrogate",
            "dual_clipped", "token_ratio"]
@@ -89,7 +89,7 @@ class SurrogateLoss:
             weight's cap 1 + clip_high, > 0 and at least 1 - clip_low, so TRL's absolute cap below 1 is spelled).
         loss_aggregation: "token", "sequence" or "constant" (rlmm/algos/grpo.py's docstring).
         kl_coef: weight of the KL penalty to the reference policy; 0 turns it off.
-        kl_estimator: "k1", "k2" or "k3" (rlmm/kl.py), per token, of KL(pi_theta || pi_ref).
+        kl_estimator: "k1", "k2" or "k3" (rlmm/mismatch/kl.py), per token, of KL(pi_theta || pi_ref).
         entropy_coef: weight of the entropy bonus (subtracted from the loss); 0 turns it off.
         objective: "clip" (PPO's clipped surrogate, `clipped_surrogate`) or "cispo" (`cispo_surrogate`: the
             clipped ratio as a detached weight on A * log pi_theta).

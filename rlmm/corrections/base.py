@@ -22,9 +22,9 @@ so a method overrides only where it acts; the RL step calls all three for every 
   untouched) and its metrics (VCPO's effective-sample-size scaling, a mismatch-triggered decay). The identity is
   1.0 and no metric, so a method that does not act here changes no bit of a run. A method whose factor depends on
   the steps before (a decay) keeps that in ``state_dict()`` / ``load_state_dict()``, saved with the checkpoint
-  (rlmm/checkpoint.py); the others have none ({}).
+  (rlmm/run/checkpoint.py); the others have none ({}).
 
-Everything in the batch stage is a function of delta = log pi_old - log pi_sampler (see rlmm/metrics.py): the token
+Everything in the batch stage is a function of delta = log pi_old - log pi_sampler (see rlmm/mismatch/metrics.py): the token
 ratio r_t = exp(delta_t), the sequence log-ratio S_i = sum_t delta_t and the geometric-mean log-ratio S_i / |y_i|.
 Ratios are computed in float64 (bf16 and fp16 log-probs convert exactly) and the weights cast to float32 at the
 end. Padding may hold garbage (inf, nan): it is replaced with ``torch.where`` before any arithmetic, never
@@ -47,7 +47,7 @@ from typing import ClassVar, Literal
 
 import torch
 
-from rlmm.kl import k3
+from rlmm.mismatch.kl import k3
 
 __all__ = ["BatchView", "Correction", "CorrectionOutput", "InUpdate", "METRIC_KEYS", "MicroBatchView",
            "OldPolicyChoice", "StepSize", "DROP_SPLIT_KEYS", "drop_split", "log_ratios", "finish", "masked_mean",

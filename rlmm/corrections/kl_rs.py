@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from rlmm.corrections.base import BatchView, Correction, CorrectionOutput, finish, log_ratios, masked_max, masked_mean
-from rlmm.kl import ESTIMATORS, kl_estimate
+from rlmm.mismatch.kl import ESTIMATORS, kl_estimate
 LEVELS = ("token", "sequence")
 
 
@@ -13,7 +13,7 @@ class KLRejection(Correction):
     """Reject tokens or sequences whose estimated sampler-to-trainer KL exceeds a threshold (``correction=kl_rs``).
 
     Per token, Schulman's (2020, "Approximating KL Divergence") estimators of KL(pi_sampler || pi_train) from
-    sampler draws (rlmm/kl.py), with delta = log pi_train - log pi_sampler and r = exp(delta):
+    sampler draws (rlmm/mismatch/kl.py), with delta = log pi_train - log pi_sampler and r = exp(delta):
 
         k1 = -delta,    k2 = delta^2 / 2,    k3 = r - 1 - delta  (computed as expm1(delta) - delta).
 

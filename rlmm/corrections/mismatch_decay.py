@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 
 from rlmm.corrections.base import BatchView, Correction, StepSize, log_ratios, masked_mean
-from rlmm.kl import k3
+from rlmm.mismatch.kl import k3
 
 
 class MismatchTriggeredDecay(Correction):
@@ -24,7 +24,7 @@ class MismatchTriggeredDecay(Correction):
     anyway) counts as a step but neither feeds the baseline nor triggers. Weights 1, nothing dropped, pi_old the
     trainer's: stack it with the loss's weight (``correction=tis+mismatch_decay``). The count, the baseline and the
     trigger are its state (`state_dict`), which ``checkpoint.save(..., correction=)`` saves and ``checkpoint.load``
-    restores (rlmm/train.py passes its correction to both), so a resumed decay continues as the uninterrupted one.
+    restores (rlmm/run/train.py passes its correction to both), so a resumed decay continues as the uninterrupted one.
 
     Source: Zhang, Li et al. 2026, "Beyond Precision: Training-Inference Mismatch is an Optimization Problem and
     Simple LR Scheduling Fixes It" (arXiv 2602.01826): the mismatch and the gradient noise rise together, shrinking

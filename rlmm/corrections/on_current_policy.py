@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 
-from rlmm.config import from_yaml, group_options, option_node, validate_node
+from rlmm.config.options import from_yaml, group_options, option_node, validate_node
 from rlmm.corrections.base import (BatchView, Correction, CorrectionOutput, InUpdate, MicroBatchView, finish,
                                    log_ratios)
 from rlmm.corrections.stack import Stack

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from rlmm.corrections.base import BatchView, Correction, CorrectionOutput, finish, log_ratios, masked_max, masked_min
-from rlmm.kl import k2, k3
+from rlmm.mismatch.kl import k2, k3
 
 ESTIMATORS = ("k2", "k3", "min_ratio")
 

@@ -9,7 +9,7 @@ response positions and tokens, returns [b, T, 2] = (log π(y_t), H_t) instead of
 `chunk_size` positions at a time:
 
     z = W h_t  (fp32; for "processed" log-probs / temperature, and -inf outside the trainer's support:
-               the sampler's kept set, the trainer's own top-k / top-p set, or nothing cut: rlmm/support.py)
+               the sampler's kept set, the trainer's own top-k / top-p set, or nothing cut: rlmm/policy/support.py)
     log π(y_t) = z_y - logsumexp(z),     H_t = -Σ_v p_v log p_v = logsumexp(z) - Σ_v p_v z_v
 
 Under autograd each chunk runs inside activation checkpointing, so its logits are recomputed in the
@@ -30,9 +30,9 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from rlmm.logprobs import tempered
-from rlmm.rollouts import KeptTokens
-from rlmm.support import STATISTICS, SupportRecord, statistics
+from rlmm.policy.logprobs import tempered
+from rlmm.policy.rollouts import KeptTokens
+from rlmm.policy.support import STATISTICS, SupportRecord, statistics
 
 
 class OutputHead(nn.Module):
@@ -54,7 +54,7 @@ class OutputHead(nn.Module):
             weight = nn.Parameter(weight.detach().to(torch.float32).clone(), requires_grad=weight.requires_grad)
         self.weight = weight
         self._aim = None
-        self.support_record: SupportRecord | None = None  # set by rlmm/support.py's `recorded`
+        self.support_record: SupportRecord | None = None  # set by rlmm/policy/support.py's `recorded`
 
     def project(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.fp32:
@@ -82,7 +82,7 @@ class OutputHead(nn.Module):
         rows, length = index.shape
         chosen = hidden.gather(1, index[..., None].expand(-1, -1, hidden.size(-1)))  # [b, T, H]
         flat_hidden, flat_tokens = chosen.reshape(rows * length, -1), tokens.reshape(-1)
-        kept = kept if options.logprobs == "processed" else None  # raw log-probs: no support (rlmm/support.py)
+        kept = kept if options.logprobs == "processed" else None  # raw log-probs: no support (rlmm/policy/support.py)
         chunks = []
         for start in range(0, rows * length, self.chunk_size):
             end = min(start + self.chunk_size, rows * length)
@@ -102,7 +102,7 @@ class OutputHead(nn.Module):
 
     @torch.no_grad()
     def _statistics(self, hidden: torch.Tensor, tokens: torch.Tensor, kept: KeptTokens, options) -> torch.Tensor:
-        """rlmm/support.py's per-position statistics of the trainer's distribution against the sampler's kept sets,
+        """rlmm/policy/support.py's per-position statistics of the trainer's distribution against the sampler's kept sets,
         chunk by chunk (no grad)."""
         parts = []
         for start in range(0, hidden.size(0), self.chunk_size):

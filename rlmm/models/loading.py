@@ -5,7 +5,21 @@ import torch
 from torch import nn
 
 from rlmm.models.head import install_output_head
-from rlmm.precision import SidePrecision, dtype_name
+from rlmm.policy.precision import SidePrecision, dtype_name
+
+
+def checkpoint_ties_head(model_path: str) -> bool:
+    """Whether the checkpoint's config ties its LM head to the input embedding (Qwen2.5-0.5B's does)."""
+    from transformers import AutoConfig
+
+    return bool(getattr(AutoConfig.from_pretrained(model_path).get_text_config(), "tie_word_embeddings", False))
+
+
+def checkpoint_vocab_size(model_path: str) -> int:
+    """The checkpoint's vocabulary: its LM head's rows (config.json's `vocab_size`, a multimodal model's text one)."""
+    from transformers import AutoConfig
+
+    return int(AutoConfig.from_pretrained(model_path).get_text_config().vocab_size)
 
 
 def load_causal_lm(path: str, side: SidePrecision, *, trainable: bool = False, logits_chunk_size: int = 512,

@@ -26,7 +26,7 @@ class PretrainedModel:
         """The checkpoint's vocabulary where config.json is on disk (a hub id not fetched yet: None)."""
         if not (Path(self.path) / "config.json").is_file():
             return None
-        from rlmm.samplers.base import checkpoint_vocab_size
+        from rlmm.models.loading import checkpoint_vocab_size
 
         return checkpoint_vocab_size(self.path)
 

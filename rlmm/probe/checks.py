@@ -1,5 +1,5 @@
 """The probe's checks: of its `probe.*` options before any engine starts (`check_options`, which
-rlmm/overrides.py runs on every combination of a sweep), and of the log-probs it scored (`check_finite`)."""
+rlmm/launch/overrides.py runs on every combination of a sweep), and of the log-probs it scored (`check_finite`)."""
 from __future__ import annotations
 
 import re
@@ -7,7 +7,7 @@ import re
 import torch
 from omegaconf import DictConfig
 
-from rlmm.precision import nonfinite_cause
+from rlmm.policy.precision import nonfinite_cause
 from rlmm.trainers.packing import MicroBatching
 
 
@@ -25,7 +25,7 @@ def check_finite(logprobs: dict[str, torch.Tensor], precision_report: dict, clos
 
 
 def check_options(cfg: DictConfig) -> dict[str, MicroBatching]:
-    """Every `probe.*` value that can be checked before an engine starts (rlmm/overrides.py checks each
+    """Every `probe.*` value that can be checked before an engine starts (rlmm/launch/overrides.py checks each
     combination of a sweep with it); returns the trainer layouts to score."""
     for key in ("num_prompts", "samples_per_prompt", "position_buckets"):  # named here, not as the task's examples
         if cfg.probe[key] < 1:
@@ -35,11 +35,11 @@ def check_options(cfg: DictConfig) -> dict[str, MicroBatching]:
     check_early_vs_late(cfg.probe.early_vs_late, cfg.sampling.max_new_tokens)
     check_batch_invariance(cfg.probe.batch_invariance)
     if cfg.probe.attribution:
-        from rlmm.attribution import check_attribution
+        from rlmm.mismatch.attribution import check_attribution
 
         check_attribution(cfg.precision.sampler_dtype, cfg.precision.trainer_dtype, cfg.trainer)
     if cfg.probe.layers:
-        from rlmm.layer_attribution import check_layers
+        from rlmm.mismatch.layer_attribution import check_layers
 
         check_layers(cfg.precision.sampler_dtype, cfg.precision.trainer_dtype, cfg.trainer)
     return check_layouts(cfg.probe.trainer_layouts, cfg.trainer.micro_batch_size)

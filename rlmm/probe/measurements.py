@@ -1,5 +1,5 @@
 """The probe's measurements of each engine against itself (the sampler against the trainer is
-rlmm/metrics.py's, called from `run_probe`): the trainer at two micro-batch sizes (`trainer_against_itself`)
+rlmm/mismatch/metrics.py's, called from `run_probe`): the trainer at two micro-batch sizes (`trainer_against_itself`)
 and across micro-batch layouts (`trainer_across_layouts`), the sampler greedy inside batches of different
 sizes and alone (`batch_invariance`), the sampler's decoding against its own prefill (`decode_vs_prefill`); how
 many tokens the sampler and the trainer score to the same bits (`token_agreement`); and where a real (quantized)
@@ -10,10 +10,10 @@ import math
 
 import torch
 
-from rlmm.metrics import mismatch_metrics, position_profile
+from rlmm.mismatch.metrics import mismatch_metrics, position_profile
+from rlmm.mismatch.routing import differing_decisions, routing_disagreement, scored_both_ways
+from rlmm.policy.rollouts import Rollouts, pad_right
 from rlmm.probe.checks import check_micro_batch_sizes
-from rlmm.routing import differing_decisions, routing_disagreement, scored_both_ways
-from rlmm.rollouts import Rollouts, pad_right
 from rlmm.trainers.packing import MicroBatching
 from rlmm.trainers.scoring import row_tokens
 
@@ -127,7 +127,7 @@ ROUTING_GAP_KEYS = ("logprob_abs_diff_mean", "kl_k3", "prob_abs_diff_mean", "seq
 def routing_decomposition(routing, trainer, rollouts: Rollouts, own: dict | None, train_logprobs: torch.Tensor,
                           sampler_logprobs: torch.Tensor, mask: torch.Tensor, ratio_cap: float) -> dict:
     """The routing part of the sampler-vs-trainer gap, for an MoE model whose sampler returned its experts ({}
-    otherwise): the routing disagreement (rlmm/routing.py::routing_disagreement), the mismatch with the trainer
+    otherwise): the routing disagreement (rlmm/mismatch/routing.py::routing_disagreement), the mismatch with the trainer
     routing itself (`own`) and replaying the sampler's experts (`replayed`) on the same rollouts (one of the two
     is the probe's own scoring, `train_logprobs`, under `routing=`), and per gap measure G the share replay
     removes, 1 - G_replayed / G_own (docs/metrics.md#routing)."""

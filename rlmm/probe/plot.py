@@ -42,7 +42,7 @@ def plot_probe(record: dict, path: Path) -> None:
     ax.set_ylabel("|Δ log p| (nats)")
     ax.set_title("trainer vs itself: batch shape and layout")
     ax.legend()
-    # The ratio's spread per entropy band (rlmm/metrics.py::entropy_profile); an empty band's NaN leaves a gap.
+    # The ratio's spread per entropy band (rlmm/mismatch/metrics.py::entropy_profile); an empty band's NaN leaves a gap.
     by_entropy = record["entropy_profile"]
     ax = axes[3]
     at = range(len(by_entropy["num_tokens"]))

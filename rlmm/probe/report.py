@@ -2,7 +2,7 @@
 trainer vs itself; the trainer across layouts; the engines' precision; the sampler against itself."""
 from __future__ import annotations
 
-from rlmm.formatting import format_number
+from rlmm.runtime.formatting import format_number
 
 # The numbers shown in the printed table (all of them go to the JSON record).
 HEADLINE = ("logprob_abs_diff_mean", "logprob_abs_diff_max", "prob_abs_diff_mean", "prob_abs_diff_max",
@@ -47,11 +47,11 @@ def print_probe(record: dict) -> None:
     if routing := record.get("routing"):
         print_routing(console, routing)
     if attribution := record.get("attribution"):
-        from rlmm.attribution import print_attribution
+        from rlmm.mismatch.attribution import print_attribution
 
         print_attribution(console, attribution)
     if layers := record.get("layers"):
-        from rlmm.layer_attribution import print_layers
+        from rlmm.mismatch.layer_attribution import print_layers
 
         print_layers(console, layers)
     inv = record["sampler_vs_itself"]
@@ -92,7 +92,7 @@ def agreement_verdict(agreement: dict) -> str:
 
 
 def print_entropy_profile(console, profile: dict) -> None:
-    """The sampler-vs-trainer gap per bucket of the trainer's token entropy (rlmm/metrics.py::entropy_profile): does
+    """The sampler-vs-trainer gap per bucket of the trainer's token entropy (rlmm/mismatch/metrics.py::entropy_profile): does
     the ratio's spread grow with H, so that one ratio threshold clips high-entropy tokens for their ordinary noise?"""
     from rich.table import Table
 
@@ -115,7 +115,7 @@ def describe_layout(layout: dict) -> str:
 
 
 def print_support(console, support: dict, chosen: str) -> None:
-    """The truncating sampler's kept sets against the trainer's distribution (rlmm/support.py): sizes, masses, and
+    """The truncating sampler's kept sets against the trainer's distribution (rlmm/policy/support.py): sizes, masses, and
     the sampler-vs-trainer gap with the trainer normalised over each support."""
     from rich.table import Table
 

@@ -1,5 +1,5 @@
 """The sampler interface: prompts (token ids) in; response ids, sampled-token log-probs, finish reasons out
-(`Rollouts`, rlmm/rollouts.py, which also defines the log-probs every engine reports).
+(`Rollouts`, rlmm/policy/rollouts.py, which also defines the log-probs every engine reports).
 """
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Protocol
 
 import torch
 
-from rlmm.rollouts import Rollouts
+from rlmm.policy.rollouts import Rollouts
 
 
 class Sampler(Protocol):
@@ -87,20 +87,6 @@ def engine_seed(seed: int, rank: int) -> int:
     process's torch, numpy and random generators with it): the run's seed on rank 0, another on every
     other rank, so ranks never draw the same engine-wide stream."""
     return seed if rank == 0 else request_seed(seed, -1, rank) % 2**31
-
-
-def checkpoint_ties_head(model_path: str) -> bool:
-    """Whether the checkpoint's config ties its LM head to the input embedding (Qwen2.5-0.5B's does)."""
-    from transformers import AutoConfig
-
-    return bool(getattr(AutoConfig.from_pretrained(model_path).get_text_config(), "tie_word_embeddings", False))
-
-
-def checkpoint_vocab_size(model_path: str) -> int:
-    """The checkpoint's vocabulary: its LM head's rows (config.json's `vocab_size`, a multimodal model's text one)."""
-    from transformers import AutoConfig
-
-    return int(AutoConfig.from_pretrained(model_path).get_text_config().vocab_size)
 
 
 def tied_aliases(model: torch.nn.Module) -> dict[str, str]:

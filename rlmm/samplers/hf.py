@@ -6,13 +6,13 @@ from contextlib import ExitStack, contextmanager
 
 import torch
 
-from rlmm.devices import select_device
-from rlmm.layer_attribution import recording_states, transformers_sites
-from rlmm.logprobs import kept_by_truncation, tempered, token_logprobs
+from rlmm.mismatch.layer_attribution import recording_states, transformers_sites
+from rlmm.mismatch.routing import hooks_of, routers
 from rlmm.models.loading import load_causal_lm, model_precision, padding_id
-from rlmm.precision import SidePrecision
-from rlmm.routing import hooks_of, routers
-from rlmm.rollouts import NO_ROUTE, KeptTokens, Rollouts, SamplingOptions
+from rlmm.policy.logprobs import kept_by_truncation, tempered, token_logprobs
+from rlmm.policy.precision import SidePrecision
+from rlmm.policy.rollouts import NO_ROUTE, KeptTokens, Rollouts, SamplingOptions
+from rlmm.runtime.devices import select_device
 from rlmm.samplers.base import refuse_dropped_ties, request_seed, tied_aliases, truncate_at_eos
 from rlmm.samplers.perturb import WeightNoise
 from rlmm.samplers.quantize import Emulation, Quantization, quantized_modules, weights_refusal
@@ -168,7 +168,7 @@ class HFSampler:
     @contextmanager
     def capturing_layers(self):
         """Inside, `generate` also returns the residual stream at every site (`Rollouts.layer_states`, rows of
-        [prompt + response, sites, hidden] in the model's dtype: rlmm/layer_attribution.py): the prefill's for the
+        [prompt + response, sites, hidden] in the model's dtype: rlmm/mismatch/layer_attribution.py): the prefill's for the
         prompt, each decode step's for the token it was fed, NaN for the last response token and nothing else."""
         self.captured_sites = len(transformers_sites(self.model))
         try:
@@ -208,7 +208,7 @@ class HFSampler:
     def on_model(cls, model: torch.nn.Module, model_path: str, sampling: SamplingOptions, seed: int,
                  batch_size: int) -> HFSampler:
         """A sampler that generates with `model` as it is: nothing loaded, copied or perturbed. For the
-        trainer's own module (`eval/accuracy_trained`, rlmm/evaluation.py's `TrainerModuleEngine`), which stays
+        trainer's own module (`eval/accuracy_trained`, rlmm/run/evaluation.py's `TrainerModuleEngine`), which stays
         its owner's: `close` drops this reference only. `model_path` gives the tokenizer's padding id."""
         from transformers import AutoTokenizer
 

@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from rlmm import cpu
+from rlmm.runtime import cpu
 
 WEIGHT_MODES = ("none", "int8", "fp8")
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")

@@ -17,20 +17,20 @@ from contextlib import contextmanager
 
 import torch
 
-from rlmm.devices import global_rank, select_device, vllm_executor_backend, world_size
 from rlmm.models.checkpoint_names import CheckpointNames
-from rlmm.precision import SidePrecision, dtype_name
-from rlmm.rollouts import KeptTokens, Rollouts, SamplingOptions
-from rlmm.samplers.base import (checkpoint_ties_head, checkpoint_vocab_size, engine_seed, refuse_dropped_ties,
-                                request_seed, tied_aliases, truncate_at_eos)
+from rlmm.models.loading import checkpoint_ties_head, checkpoint_vocab_size
+from rlmm.policy.precision import SidePrecision, dtype_name
+from rlmm.policy.rollouts import KeptTokens, Rollouts, SamplingOptions
+from rlmm.runtime.devices import global_rank, select_device, vllm_executor_backend, world_size
+from rlmm.samplers.base import engine_seed, refuse_dropped_ties, request_seed, tied_aliases, truncate_at_eos
 from rlmm.samplers.perturb import WeightNoise, checkpoint_tensors
 from rlmm.samplers.quantize import (Quantization, WeightQuantizer, engine_quantization_config, kv_cache_refusal,
                                     machine_refusal, quantized_modules, weights_refusal)
+from rlmm.samplers.vllm_capture import HookedLayerStates, NoLayerStates
 from rlmm.samplers.vllm_internals import (KERNEL_DERIVED, batch_invariant_mode, default_kv_cache_scales, engine_model,
                                           engine_settings, eos_ids, intra_op_threads, kv_cache_scales, layer_kernel,
                                           parameter_dtypes, quantized_layers, recording_loaded_names, reload_weights,
                                           repack_cpu_experts, shutdown)
-from rlmm.samplers.vllm_capture import HookedLayerStates, NoLayerStates
 from rlmm.samplers.vllm_routing import NoRouting, is_moe, routing_capture, routing_engine_args
 
 log = logging.getLogger(__name__)
@@ -92,7 +92,7 @@ class VLLMSampler:
             (vLLM would otherwise drop the trained head as an alias of the embedding at every sync).
         capture_routing: (set by the app from `routing=`) return the experts an MoE model routed each token to
             (`Rollouts.routed_experts`; rlmm/samplers/vllm_routing.py): vLLM's own capture on CUDA, hooks in the
-            engine on a CPU; nothing for a dense model (routing=r2|r3 refuses one: rlmm/routing.py).
+            engine on a CPU; nothing for a dense model (routing=r2|r3 refuses one: rlmm/mismatch/routing.py).
     """
 
     def __init__(self, model_path: str, precision: SidePrecision, sampling: SamplingOptions, seed: int,

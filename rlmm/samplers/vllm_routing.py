@@ -2,7 +2,7 @@
 
 Rollout Routing Replay (R3; Ma et al. 2025, arXiv 2510.11370) records, for every token, the top-k experts
 the inference engine's router chose in each mixture-of-experts layer, so that the trainer's forward can use
-the same experts. The format is `Rollouts.routed_experts` (rlmm/rollouts.py): per row an int16 tensor
+the same experts. The format is `Rollouts.routed_experts` (rlmm/policy/rollouts.py): per row an int16 tensor
 [len(prompt) + len(response), MoE layers, top-k]; entry p holds the experts of the forward whose *input* was
 the token at position p (prompt positions from the prefill, response token j's from the decode step that
 fed it); NO_ROUTE (-1) where the engine computed nothing: the last response token (never fed back) and
@@ -43,7 +43,7 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
-from rlmm.rollouts import NO_ROUTE
+from rlmm.policy.rollouts import NO_ROUTE
 from rlmm.samplers.vllm_capture import TokenCapture
 from rlmm.samplers.vllm_internals import model_runner
 
@@ -58,7 +58,7 @@ def is_moe(model_path: str) -> bool:
     (`ModelConfig.get_num_experts`), before an engine starts; a config that names no experts at all (transformers'
     reading: no num_experts / num_local_experts / n_routed_experts) is dense without asking vLLM, whose first
     config reading costs seconds. A dense model has no routing to capture; routing replay on one is refused by
-    rlmm/routing.py (`RoutingReplay.bind`), so no R3 arm silently replays nothing."""
+    rlmm/mismatch/routing.py (`RoutingReplay.bind`), so no R3 arm silently replays nothing."""
     from transformers import AutoConfig
     from vllm.engine.arg_utils import EngineArgs
 

@@ -35,8 +35,8 @@ import re
 import sys
 from pathlib import Path
 
-from rlmm.disk import disk_fault
-from rlmm.errors import MACHINE_FAULT_EXIT, fail
+from rlmm.runtime.disk import disk_fault
+from rlmm.runtime.errors import MACHINE_FAULT_EXIT, fail
 from rlmm.table.base import Run, TableError
 from rlmm.table.discovery import read_runs
 from rlmm.table.frames import DEFAULT_METRICS, check_metrics, default_metrics, direction, load_runs, varying_axes

@@ -9,7 +9,7 @@ import os
 import re
 from pathlib import Path
 
-from rlmm.records import finished, read_steps_and_damage
+from rlmm.run.records import finished, read_steps_and_damage
 from rlmm.table.base import Run, TableError, is_number, number, set_status
 from rlmm.table.wandb_source import read_wandb
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from rlmm.disk import writing
-from rlmm.formatting import format_number
+from rlmm.runtime.disk import writing
+from rlmm.runtime.formatting import format_number
 from rlmm.table.base import Run
 from rlmm.table.frames import REPLICATE_AXES, steps_frame, varying_axes
 from rlmm.table.paired import ALPHA, BOOTSTRAP_RESAMPLES, BOOTSTRAP_SEED, paired_differences
@@ -158,7 +158,7 @@ def write_outputs(runs: list[Run], df: pd.DataFrame, metrics: list[str], out: Pa
     """Write table.md, table.csv, table.tex, bars.png and (runs with steps) curves.png into `out`, and with
     a `baseline` (KEY, VALUE) the paired differences from it: paired.md, paired.csv, paired.tex, paired.png;
     return the Markdown text and the files written. A fault of the disk is an OSError naming the file
-    (rlmm/disk.py's `writing`)."""
+    (rlmm/runtime/disk.py's `writing`)."""
     by = varying_axes(df)
     agg = aggregate(df, metrics, by=by, include_incomplete=include_incomplete)
     wide = wide_table(agg, by)

@@ -1,4 +1,4 @@
-"""Trainer backends (the `trainer=` group), each satisfying `rlmm.interfaces.Trainer`:
+"""Trainer backends (the `trainer=` group), each satisfying `rlmm.run.interfaces.Trainer`:
 
 - `deepspeed_backend.DeepSpeedTrainer`: a DeepSpeed engine (ZeRO 0-3); its concerns in `deepspeed_config`,
   `deepspeed_groups`, `deepspeed_head`, `deepspeed_checkpoint`, `deepspeed_skip`, and every reach into

@@ -13,12 +13,12 @@ from collections.abc import Mapping
 
 import torch
 
-from rlmm import cpu
-from rlmm.devices import init_process_group, select_device
 from rlmm.models.head import install_output_head
 from rlmm.models.loading import load_value_model, model_precision, padding_id
-from rlmm.precision import SidePrecision, dtype_name
-from rlmm.rollouts import Rollouts, SamplingOptions
+from rlmm.policy.precision import SidePrecision, dtype_name
+from rlmm.policy.rollouts import Rollouts, SamplingOptions
+from rlmm.runtime import cpu
+from rlmm.runtime.devices import init_process_group, select_device
 from rlmm.trainers import deepspeed_checkpoint
 from rlmm.trainers.deepspeed_config import check_dtypes, engine_config, merge_user_config
 from rlmm.trainers.deepspeed_groups import forget_stale_groups, release_groups
@@ -28,8 +28,8 @@ from rlmm.trainers.deepspeed_internals import (checkpoint_types, current_loss_sc
                                                no_backward_allreduce, skip_at_min_scale)
 from rlmm.trainers.deepspeed_ops import prepare_jit_ops
 from rlmm.trainers.deepspeed_skip import BadStep
-from rlmm.trainers.optim import linear_warmup, scaled_lr
 from rlmm.trainers.memory import ActivationBudget, optimizer_state_bytes, prepare_for_training
+from rlmm.trainers.optim import linear_warmup, scaled_lr
 from rlmm.trainers.packing import Batch, MicroBatching, use_varlen_attention
 from rlmm.trainers.scoring import model_scores, score_rollouts, score_with_entropy
 from rlmm.trainers.update import MicroBatchedUpdate
@@ -64,7 +64,7 @@ class DeepSpeedTrainer:
             minibatch's end, so bf16 there rounds an fp32 sum to bf16 again (FSDP2 reduces in fp32 by default).
         config_file: a DeepSpeed JSON of your own, merged over the config rlmm derives from the values
             above and the precision (yours wins key by key; batch sizes stay rlmm's, they follow the run).
-        value_head: a value model instead of the policy (PPO's critic, rlmm/critic.py; set by the app).
+        value_head: a value model instead of the policy (PPO's critic, rlmm/run/critic.py; set by the app).
 
     An fp32 LM head under a 16-bit body (precision `*_fp32head`) trains as a parameter group of its own:
     DeepSpeed casts the whole module to 16 bits and its optimizer keeps one dtype per group, so the head
@@ -103,7 +103,7 @@ class DeepSpeedTrainer:
         init_process_group()
         prepare_jit_ops()  # its own build folder, no dead process's lock to wait on (deepspeed_ops)
         deepspeed.init_distributed(verbose=False)  # DeepSpeed's handle on the group just made (or vLLM's)
-        if value_head:  # PPO's critic: the policy's body with a scalar head (rlmm/critic.py)
+        if value_head:  # PPO's critic: the policy's body with a scalar head (rlmm/run/critic.py)
             model, self.head, fp32_head = load_value_model(model_path, SidePrecision("fp32", False)), None, None
         else:
             model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
@@ -183,7 +183,7 @@ class DeepSpeedTrainer:
     @property
     def generates_in_place(self) -> bool:
         """Whether `model` can generate the trained policy as it is (the evaluation then needs no copy of it,
-        rlmm/evaluation.py's `Evaluation`): ZeRO-0/1/2 keep every full weight on each rank, ZeRO-3 only its
+        rlmm/run/evaluation.py's `Evaluation`): ZeRO-0/1/2 keep every full weight on each rank, ZeRO-3 only its
         partitions; not a value model, nor with padding-free attention installed."""
         return self.engine.zero_optimization_stage() < 3 and self.head is not None and not self.batching.padding_free
 

@@ -1,6 +1,6 @@
 """A DeepSpeed engine's weights and trainer checkpoints (`trainer=deepspeed`): the full Hugging Face-named
 weights every rank can read (gathered from ZeRO-3's partitions as they are read), and each rank's optimizer,
-LR schedule and step counters saved and restored through rlmm's checkpoint (rlmm/checkpoint.py), not
+LR schedule and step counters saved and restored through rlmm's checkpoint (rlmm/run/checkpoint.py), not
 DeepSpeed's own `save_checkpoint` directory layout. The reaches into DeepSpeed's internals are
 `deepspeed_internals`.
 """

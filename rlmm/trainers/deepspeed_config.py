@@ -11,7 +11,7 @@ import json
 import math
 from pathlib import Path
 
-from rlmm.precision import SidePrecision
+from rlmm.policy.precision import SidePrecision
 
 GRAD_ACCUM_DTYPES = (None, "fp32")
 REDUCE_DTYPES = (None, "fp32", "bf16", "fp16")

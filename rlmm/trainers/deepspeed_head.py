@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from rlmm.collectives import average_over_ranks
+from rlmm.runtime.collectives import average_over_ranks
 from rlmm.trainers.optim import linear_warmup
 
 

@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from rlmm.precision import dtype_name
+from rlmm.policy.precision import dtype_name
 
 # DeepSpeed engine attributes that count steps (the LR schedule and loss scaler read them).
 ENGINE_COUNTERS = ("global_steps", "global_samples", "micro_steps", "skipped_steps")

@@ -26,11 +26,11 @@ import math
 
 import torch
 
-from rlmm.devices import init_process_group, select_device
 from rlmm.models.head import install_output_head
 from rlmm.models.loading import load_value_model, padding_id
-from rlmm.precision import SidePrecision, dtype_name
-from rlmm.rollouts import Rollouts, SamplingOptions
+from rlmm.policy.precision import SidePrecision, dtype_name
+from rlmm.policy.rollouts import Rollouts, SamplingOptions
+from rlmm.runtime.devices import init_process_group, select_device
 from rlmm.trainers.loss_scale import MIN_LOSS_SCALE, grad_scaler, skip_metrics
 from rlmm.trainers.memory import ActivationBudget, optimizer_state_bytes, prepare_for_training
 from rlmm.trainers.optim import linear_warmup, scaled_lr
@@ -97,7 +97,7 @@ class FSDPTrainer:
         world = dist.get_world_size()
         mesh = init_device_mesh(self.device.type, (world,))
         compute = precision.torch_dtype
-        if value_head:  # PPO's critic: the policy's body with a scalar head (rlmm/critic.py)
+        if value_head:  # PPO's critic: the policy's body with a scalar head (rlmm/run/critic.py)
             model, self.head = load_value_model(model_path, SidePrecision("fp32", False)), None
         else:
             model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
@@ -153,7 +153,7 @@ class FSDPTrainer:
     @property
     def generates_in_place(self) -> bool:
         """Whether `model` can generate the trained policy as it is (the evaluation then needs no copy of it,
-        rlmm/evaluation.py's `Evaluation`): over one rank, where each unit's "shard" is the whole parameter and its
+        rlmm/run/evaluation.py's `Evaluation`): over one rank, where each unit's "shard" is the whole parameter and its
         all-gather a local cast to the compute dtype; not over several (a forward on rank 0 alone would wait
         for the others' shards), not a value model, nor with padding-free attention installed."""
         import torch.distributed as dist
@@ -170,7 +170,7 @@ class FSDPTrainer:
 
     def checkpoint_state(self) -> dict:
         """The optimizer state as `torch.distributed.checkpoint.state_dict` shards it (each moment a DTensor:
-        `rlmm.checkpoint` writes those with `torch.distributed.checkpoint`, each rank its own shard), the
+        `rlmm.run.checkpoint` writes those with `torch.distributed.checkpoint`, each rank its own shard), the
         schedule and the loss scaler."""
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 

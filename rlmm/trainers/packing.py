@@ -15,7 +15,7 @@ Every trainer's update (`MinibatchUpdate.micro_batches`, rlmm/trainers/scoring.p
 backwards and steps after the last; no trainer is told a count beforehand (DeepSpeed's own
 `gradient_accumulation_steps` is 1 and `DeepSpeedUpdate` marks the boundary itself).
 
-The loss of each micro-batch is divided by the whole minibatch's normaliser (rlmm/step.py), so the
+The loss of each micro-batch is divided by the whole minibatch's normaliser (rlmm/run/step.py), so the
 accumulated gradient is the minibatch's whatever the grouping: a token budget changes the update only by
 the rounding of a different summation order.
 
@@ -43,9 +43,9 @@ from typing import NamedTuple
 
 import torch
 
-from rlmm.collectives import all_reduce_max
 from rlmm.models.transformers_internals import attention_implementation
-from rlmm.rollouts import NO_ROUTE, KeptTokens
+from rlmm.policy.rollouts import NO_ROUTE, KeptTokens
+from rlmm.runtime.collectives import all_reduce_max
 
 log = logging.getLogger(__name__)
 _warned: set[str] = set()  # warnings already given in this process
@@ -67,7 +67,7 @@ class Batch(NamedTuple):
     token t of row i is predicted among the kept positions (packed: in the one row); `tokens` [b, T] the
     response tokens (0 past a row's response, as its index). `routing`: the experts an MoE model's forward is
     to send each position to, laid out like `ids` with [MoE layers, top-k] per position (NO_ROUTE at padding and
-    where a row's routing was not captured: the model's own choice there; rlmm/routing.py), or None."""
+    where a row's routing was not captured: the model's own choice there; rlmm/mismatch/routing.py), or None."""
 
     ids: torch.Tensor
     attention: torch.Tensor | None

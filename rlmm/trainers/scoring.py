@@ -15,11 +15,11 @@ from typing import Callable
 
 import torch
 
-from rlmm.layer_attribution import layer_states_of
+from rlmm.mismatch.layer_attribution import layer_states_of
+from rlmm.mismatch.routing import routed_forward
 from rlmm.models.head import OutputHead
-from rlmm.routing import routed_forward
+from rlmm.policy.rollouts import KeptTokens, Rollouts, SamplingOptions, pad_right
 from rlmm.trainers.packing import Batch, MicroBatching
-from rlmm.rollouts import KeptTokens, Rollouts, SamplingOptions, pad_right
 
 # forward(batch) -> the model output's `logits` field on the batch's kept positions: [rows, kept, 2]
 # (log π, entropy) while the head is aimed (see response_logprobs), or a value model's [rows, kept] values
@@ -41,7 +41,7 @@ def model_scores(model: torch.nn.Module, batch: Batch, device: torch.device, val
 
 def batch_of(rollouts: Rollouts, rows: list[int], batching: MicroBatching, pad_id: int) -> Batch:
     """The rollout rows `rows` laid out for one forward (`MicroBatching.batch`), with the experts to replay
-    when the rollouts carry them (`Rollouts.replayed_experts`: the routing replay of rlmm/routing.py)."""
+    when the rollouts carry them (`Rollouts.replayed_experts`: the routing replay of rlmm/mismatch/routing.py)."""
     routing = None if rollouts.replayed_experts is None else [rollouts.replayed_experts[i] for i in rows]
     batch = batching.batch([rollouts.prompt_ids[i] for i in rows], [rollouts.response_ids[i] for i in rows], pad_id,
                            routing)

@@ -22,14 +22,14 @@ import math
 
 import torch
 
-from rlmm.collectives import average_over_ranks
-from rlmm.devices import select_device
 from rlmm.models.loading import load_causal_lm, load_value_model, model_precision, padding_id
-from rlmm.precision import SidePrecision
-from rlmm.rollouts import Rollouts, SamplingOptions
+from rlmm.policy.precision import SidePrecision
+from rlmm.policy.rollouts import Rollouts, SamplingOptions
+from rlmm.runtime.collectives import average_over_ranks
+from rlmm.runtime.devices import select_device
 from rlmm.trainers.loss_scale import MIN_LOSS_SCALE, grad_scaler, skip_metrics
-from rlmm.trainers.optim import linear_warmup, scaled_lr
 from rlmm.trainers.memory import ActivationBudget, optimizer_state_bytes, prepare_for_training
+from rlmm.trainers.optim import linear_warmup, scaled_lr
 from rlmm.trainers.packing import Batch, MicroBatching, use_varlen_attention
 from rlmm.trainers.scoring import model_scores, score_rollouts, score_with_entropy
 from rlmm.trainers.update import MicroBatchedUpdate
@@ -54,7 +54,7 @@ class TorchTrainer:
         initial_loss_scale, loss_scale_growth_interval: fp16 dynamic loss scaling (ignored otherwise).
         grad_accum_dtype: what a minibatch's micro-batch gradients are summed in: null, the parameters'
             dtype (autograd's `.grad`); fp32, the fp32 master copy's (16-bit bodies; fp32 is already fp32).
-        value_head: a value model instead of the policy (PPO's critic, rlmm/critic.py; set by the app).
+        value_head: a value model instead of the policy (PPO's critic, rlmm/run/critic.py; set by the app).
 
     Several ranks (torchrun, SLURM tasks): each holds a full replica on its own device and the gradients
     are averaged over the ranks before each step (`average_over_ranks`), as DDP does.
@@ -75,7 +75,7 @@ class TorchTrainer:
         self.sampling = sampling
         self.grad_clip = grad_clip
         self.device = select_device()
-        if value_head:  # PPO's critic: the policy's body with a scalar head (rlmm/critic.py)
+        if value_head:  # PPO's critic: the policy's body with a scalar head (rlmm/run/critic.py)
             self.model, self.head = load_value_model(model_path, precision, device=self.device), None
         else:
             self.model = load_causal_lm(model_path, precision, trainable=True, logits_chunk_size=logits_chunk_size,
@@ -122,7 +122,7 @@ class TorchTrainer:
     @property
     def generates_in_place(self) -> bool:
         """Whether `model` can generate the trained policy as it is (the evaluation then needs no copy of it,
-        rlmm/evaluation.py's `Evaluation`): every rank holds the full weights; not a value model, nor with
+        rlmm/run/evaluation.py's `Evaluation`): every rank holds the full weights; not a value model, nor with
         padding-free attention installed."""
         return self.head is not None and not self.batching.padding_free
 

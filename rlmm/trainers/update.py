@@ -1,5 +1,5 @@
 """One optimizer step over a minibatch, in micro-batches: the part every trainer backend shares
-(`MicroBatchedUpdate`, which satisfies rlmm/interfaces.py's `MinibatchUpdate`), and `minibatch_step`, that
+(`MicroBatchedUpdate`, which satisfies rlmm/run/interfaces.py's `MinibatchUpdate`), and `minibatch_step`, that
 update driven with a loss of your own.
 
 The forward of each micro-batch is the scoring forward with grad (rlmm/trainers/scoring.py); a backend adds
@@ -12,9 +12,9 @@ from typing import Callable
 
 import torch
 
-from rlmm.collectives import any_rank
 from rlmm.models.head import OutputHead
-from rlmm.rollouts import Rollouts, SamplingOptions
+from rlmm.policy.rollouts import Rollouts, SamplingOptions
+from rlmm.runtime.collectives import any_rank
 from rlmm.trainers.memory import ActivationBudget
 from rlmm.trainers.packing import MicroBatching
 from rlmm.trainers.scoring import ForwardFn, batch_of, response_logprobs, row_tokens
@@ -96,7 +96,7 @@ LossFn = Callable[[list[int], torch.Tensor, torch.Tensor], tuple[torch.Tensor, d
 def minibatch_step(trainer, rollouts: Rollouts, rows: list[int], loss_fn: LossFn) -> dict[str, float]:
     """One optimizer step on `rows` with a loss of your own (scripts, tests): the RL loop's update without
     its scoring, correction and algorithm. Returns the loss function's metrics summed over the micro-batches
-    (the RL step's typed loss statistics are rlmm/loss_stats.py) and the step's metrics."""
+    (the RL step's typed loss statistics are rlmm/mismatch/loss_stats.py) and the step's metrics."""
     update = trainer.begin_update(rollouts, rows)
     parts = []
     for micro in update.micro_batches:

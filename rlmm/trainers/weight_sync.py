@@ -13,8 +13,8 @@ from collections.abc import Iterator, Mapping
 
 import torch
 
-from rlmm.collectives import all_reduce_min
-from rlmm.errors import NonFiniteWeights
+from rlmm.runtime.collectives import all_reduce_min
+from rlmm.runtime.errors import NonFiniteWeights
 
 
 class GatheredWeights(Mapping):

@@ -1,0 +1,1 @@
+"""What both sides compute a policy's distribution with and what a rollout carries: the rollout records, log-probs over the sampled support, the kept sets (`support=`) and the precisions (`precision=`)."""

@@ -1,0 +1,227 @@
+"""Where the train loop gets each update's rollouts (`train.staleness`): a delay line of rollout batches, in
+one process, deterministic.
+
+Update u takes the trainer's weights v_{u-1} to v_u. With staleness k it trains on rollouts sampled with
+v_{u-1-k}, or with the initial weights v_0 where u-1-k < 0: updates 1 .. k+1 train on rollouts of v_0, every
+later update on rollouts k updates old (`rollout/staleness` = min(u-1, k)). k = 0 is the synchronous step, the
+rollouts sampled with the weights they update: the same calls in the same order as before staleness existed,
+so the same run to the bit.
+
+How: by sampling ahead, as asynchronous systems do (the sampler never goes back to old weights). Batch j holds
+the rollouts of step j's prompts (the task's prompt stream, `train.prompts_per_step` a step; DAPO's refills are
+those of (seed, j, round)). At step u the delay line first samples, with the sampler's current weights v_{u-1},
+every batch up to u + k not yet sampled (at step 1 batches 1 .. k+1, all with v_0; at each later step batch
+u + k; none past the last step), then hands the update batch u, which it sampled at step max(1, u-k). Batches
+are sampled in the order j = 1, 2, ..., so the sampler's request counter, and with it every seed, is that of
+batch j at staleness 0: with weights that stand still, update u trains on the staleness-0 run's rollouts.
+
+In flight between steps: the k sampled batches not yet trained on (this rank's share of each, with their
+rewards, sampling metrics and, for the decomposition, stale log-probs). They are part of the checkpoint
+(`state_dict`, in every rank's rankN.pt), so a resumed run trains on what the uninterrupted one would.
+
+`train.decompose_staleness`: the trainer scores each batch right after it is sampled, when it holds exactly the
+weights that sampled it (the sampler was synced to them at the end of the previous step, or both start from
+the checkpoint), and the batch keeps those log-probs until its update splits its mismatch into a numerical and
+a policy-lag part (rlmm/mismatch/metrics.py::staleness_decomposition). So no weight version is kept: the cost is one
+no-grad scoring pass over each batch (`perf/stale_trainer_logprobs_seconds`) and, in memory, the log-probs of
+the k+1 batches in flight at most ([rows, T] float32 each: 16 x 8 rows x 8 tokens x 4 bytes = 4 KiB at the
+default), where scoring at training time would hold k copies of the weights (parameters x 4 bytes each in fp32:
+12 MB for the built-in 3M-parameter model, 2 GB for a 0.5B one, per version and, unsharded, per rank).
+
+`Overlapped` (`train.overlap`), issue 26's second way, has the same three calls: a sampler process of the rank's
+own samples the same batches at the same points with the same weights while the trainer trains, and hands them
+over as they arrive (rlmm/run/sampler_process.py), so the records are the delay line's. It cannot score at sampling
+time (its trainer is past those weights by then), and keeping the weight versions to score later is not done:
+with it the decomposition is refused (the delay line measures it for the same records).
+"""
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, fields, replace
+from functools import partial
+from typing import Protocol
+
+from rlmm.policy.rollouts import KeptTokens, Rollouts
+from rlmm.run.components import Components
+from rlmm.run.step import SampledBatch
+from rlmm.runtime.timing import timed
+
+__all__ = ["DelayLine", "Overlapped", "RolloutSource"]
+
+# A batch's prompts: step j's own, and its refill(round) for an algorithm that drops groups (DAPO), or None.
+PromptsOf = Callable[[int], tuple[list, Callable[[int], list] | None]]
+
+
+class RolloutSource(Protocol):
+    """What the train loop asks for each update's rollouts."""
+
+    def take(self, step: int) -> SampledBatch:
+        """The rollouts update `step` trains on (this rank's share), their staleness, and what sampling cost in
+        this step (`SampledBatch.seconds`: the sampling of later batches done now included)."""
+        ...
+
+    def state_dict(self) -> dict:
+        """This rank's rollouts in flight and its place in the prompt stream, for the checkpoint ({}: none)."""
+        ...
+
+    def load_state_dict(self, state: dict | None, first_step: int) -> None:
+        """Continue from a checkpoint's `state_dict()` (None: the checkpoint holds none) at step `first_step`."""
+        ...
+
+
+@dataclass
+class InFlight:
+    """A sampled batch waiting for its update."""
+
+    index: int  # the step whose prompts it holds, which is the update that trains on it
+    version: int  # the updates in the weights that sampled it (v_version)
+    batch: SampledBatch | None  # None: asked of the sampler process, not yet arrived (`Overlapped`)
+
+
+class DelayLine:
+    """`train.staleness` k: update u trains on the rollouts of step u's prompts, sampled with the weights of
+    update max(0, u-1-k) (module docstring). `prompts_of(j)`: batch j's prompts and refill; `last_step`: the
+    run's last step (nothing is sampled for later ones)."""
+
+    def __init__(self, c: Components, prompts_of: PromptsOf, staleness: int, decompose: bool, last_step: int):
+        if staleness < 0:
+            raise ValueError(f"train.staleness: must be >= 0, got {staleness}")
+        self.c, self.prompts_of, self.staleness, self.decompose = c, prompts_of, staleness, decompose
+        self.last_step = last_step
+        self.tracked = staleness > 0 or decompose  # rollout/staleness is logged (not at plain staleness 0)
+        self.in_flight: deque[InFlight] = deque()
+        self.next_batch = 1  # the first batch not yet sampled
+
+    def take(self, step: int) -> SampledBatch:
+        seconds: dict[str, float] = {}
+        fresh = []
+        while self.next_batch <= min(step + self.staleness, self.last_step):
+            prompts, refill = self.prompts_of(self.next_batch)
+            batch = SampledBatch.now(self.c, prompts, refill)
+            for stage, spent in batch.seconds.items():
+                seconds[stage] = seconds.get(stage, 0.0) + spent
+            fresh.append(InFlight(self.next_batch, step - 1, batch))
+            self.next_batch += 1
+        if self.decompose and fresh:
+            # After all of this step's generate calls: vLLM's sleep level 2 would drop the weights they need.
+            self.c.sampler.sleep()
+            with timed(seconds, "stale_trainer_logprobs"):  # the trainer holds v_{step-1}: the sampling weights
+                for waiting in fresh:
+                    # routed as the update will score it (r3: the sampler's experts replayed)
+                    waiting.batch.stale_logprobs = self.c.trainer.logprobs(self.c.routing.scored(waiting.batch.rollouts))
+        self.in_flight.extend(fresh)
+        if not self.in_flight or self.in_flight[0].index != step:
+            held = [waiting.index for waiting in self.in_flight]
+            raise RuntimeError(f"train.staleness={self.staleness}: step {step} has no rollouts in flight (holding "
+                               f"the batches of steps {held})")
+        due = self.in_flight.popleft()
+        return replace(due.batch, seconds=seconds, staleness=step - 1 - due.version if self.tracked else None)
+
+    def state_dict(self) -> dict:
+        if not self.tracked:
+            return {}  # staleness 0: nothing is ever in flight between steps
+        return {"staleness": self.staleness, "next_batch": self.next_batch,
+                "in_flight": [in_flight_state(waiting) for waiting in self.in_flight]}
+
+    def load_state_dict(self, state: dict | None, first_step: int) -> None:
+        self.in_flight, self.next_batch = loaded_in_flight(state, first_step, self.staleness, self.decompose)
+
+
+class Overlapped:
+    """`train.overlap`: the delay line's batches, sampled by this rank's sampler process
+    (rlmm/run/sampler_process.py) while the trainer trains. `take(u)` asks for the same batches at the same points
+    as `DelayLine.take` (every batch up to u + k not yet asked for), but waits only for batch u: batch u + k is
+    sampled while update u trains. The process answers requests in order, so each batch is sampled with the
+    weights sent before it was asked for, v_{max(0, j-1-k)} for batch j, with the delay line's seeds: the same
+    records (tests/test_overlap.py). k >= 1 (at 0 the update waits for its own batch: nothing overlaps) and no
+    decomposition (the trainer has trained past a batch's weights by the time it arrives): rlmm/run/train.py's
+    `check_options` refuses both. The checkpoint's state is the delay line's (so either mode can resume the
+    other's run)."""
+
+    def __init__(self, sampler, staleness: int, last_step: int):
+        if staleness < 1:
+            raise ValueError(f"train.overlap: needs train.staleness >= 1, got {staleness}")
+        self.sampler, self.staleness, self.last_step = sampler, staleness, last_step
+        self.in_flight: deque[InFlight] = deque()  # asked for; `batch` is None until it has arrived
+        self.next_batch = 1  # the first batch not yet asked for
+
+    def take(self, step: int) -> SampledBatch:
+        seconds: dict[str, float] = {}
+        with timed(seconds, "rollout_wait"):  # what the trainer waited; the sampling itself ran beside it
+            while self.next_batch <= min(step + self.staleness, self.last_step):
+                self.sampler.request_batch(self.next_batch)
+                self.in_flight.append(InFlight(self.next_batch, step - 1, None))
+                self.next_batch += 1
+            if not self.in_flight or self.in_flight[0].index != step:
+                held = [waiting.index for waiting in self.in_flight]
+                raise RuntimeError(f"train.staleness={self.staleness}: step {step} has no rollouts in flight "
+                                   f"(holding the batches of steps {held})")
+            due = self.in_flight.popleft()
+            batch = due.batch or self.sampler.receive_batch(due.index)
+        return replace(batch, seconds=seconds, staleness=step - 1 - due.version)
+
+    def state_dict(self) -> dict:
+        """The delay line's state: every batch asked for is waited for first."""
+        for waiting in self.in_flight:
+            waiting.batch = waiting.batch or self.sampler.receive_batch(waiting.index)
+        return {"staleness": self.staleness, "next_batch": self.next_batch,
+                "in_flight": [in_flight_state(waiting) for waiting in self.in_flight]}
+
+    def load_state_dict(self, state: dict | None, first_step: int) -> None:
+        self.in_flight, self.next_batch = loaded_in_flight(state, first_step, self.staleness, decompose=False)
+
+
+def loaded_in_flight(state: dict | None, first_step: int, staleness: int,
+                     decompose: bool) -> tuple[deque[InFlight], int]:
+    """A checkpoint's batches in flight and next batch, checked against the run's staleness and decomposition."""
+    state = state or {}
+    saved = state.get("staleness", 0)
+    if saved != staleness:
+        raise ValueError(f"train.resume: the checkpoint was written with train.staleness={saved}, this run has "
+                         f"{staleness} (resume with the run's own, or another hydra.run.dir)")
+    in_flight = [from_in_flight_state(s) for s in state.get("in_flight", [])]
+    if decompose and any(waiting.batch.stale_logprobs is None for waiting in in_flight):
+        raise ValueError("train.resume: the checkpoint's rollouts in flight were not scored at the weights that "
+                         "sampled them (written with train.decompose_staleness=false): resume with it false, or "
+                         "another hydra.run.dir")
+    for waiting in in_flight:  # without the decomposition, log-probs scored for one are not used
+        waiting.batch.stale_logprobs = waiting.batch.stale_logprobs if decompose else None
+    return deque(in_flight), state.get("next_batch", first_step)
+
+
+def in_flight_state(waiting: InFlight) -> dict:
+    """A batch in flight as tensors, ints, floats, strings, lists and dicts (what `torch.load(weights_only=True)`
+    reads back): every field of its `Rollouts` (kept sets as dicts of their tensors), its rewards, sampling metrics
+    and stale log-probs."""
+    batch = waiting.batch
+    rollouts = {f.name: getattr(batch.rollouts, f.name) for f in fields(Rollouts)}
+    if rollouts["kept_tokens"] is not None:
+        rollouts["kept_tokens"] = [vars(kept) for kept in rollouts["kept_tokens"]]
+    return {"index": waiting.index, "version": waiting.version, "rollouts": rollouts,
+            "task_rewards": batch.task_rewards, "sampling_metrics": dict(batch.sampling_metrics),
+            "stale_logprobs": batch.stale_logprobs}
+
+
+def from_in_flight_state(state: dict) -> InFlight:
+    rollouts = dict(state["rollouts"])
+    if rollouts.get("kept_tokens") is not None:
+        rollouts["kept_tokens"] = [KeptTokens(**kept) for kept in rollouts["kept_tokens"]]
+    batch = SampledBatch(Rollouts(**rollouts), state["task_rewards"], dict(state["sampling_metrics"]), {},
+                         stale_logprobs=state["stale_logprobs"])
+    return InFlight(state["index"], state["version"], batch)
+
+
+def prompt_stream(examples: list, seed: int, count: int):
+    """Batch j's prompts (step j's `count` of the run's training `examples`) and its refill (`refill_prompts`):
+    a function of j alone, dealt alike in the train loop and in a sampler process (`train.overlap`)."""
+    return lambda j: (examples[(j - 1) * count: j * count], partial(refill_prompts, examples, seed, j, count=count))
+
+
+def refill_prompts(pool: list, seed: int, step: int, sampling_round: int, count: int) -> list:
+    """`count` prompts drawn from the run's training prompts for a step's refill round (an algorithm that
+    drops groups): a function of (seed, step, round) alone, so two arms of one seed that both refill
+    draw the same prompts, and a resumed run draws what the uninterrupted one did."""
+    import random
+
+    return random.Random(f"{seed}/{step}/{sampling_round}").sample(pool, count)
