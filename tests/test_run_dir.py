@@ -67,6 +67,17 @@ def test_the_runs_own_settings_resume_it_and_what_only_watches_or_saves_may_diff
     check_train_dir(run_dir, changed(algo__clip=(0.2, 0.28)), world=1, resume=True)
 
 
+def test_a_run_written_before_the_modules_moved_resumes_and_another_class_does_not(tmp_path):
+    """Issue 51 moved rlmm's top-level modules into packages: config.yaml of an older run names the same classes by
+    their old paths (rlmm.logging.NoOpLogger), which is no difference; a class that is another one still is."""
+    run_dir = record(tmp_path / "run", config=changed(logger___target_="rlmm.logging.NoOpLogger"), checkpoint_world=1)
+    check_train_dir(run_dir, CONFIG, world=1, resume=True)
+    run_dir = record(tmp_path / "other", config=changed(algo___target_="rlmm.precision.PrecisionPolicy"),
+                     checkpoint_world=1)
+    with pytest.raises(ResumeRefused, match=r"algo._target_=rlmm.precision.PrecisionPolicy there, \(not set\) here"):
+        check_train_dir(run_dir, CONFIG, world=1, resume=True)
+
+
 @pytest.mark.parametrize("values,named", [
     ({"train__staleness": 2}, "train.staleness=1 there, 2 here"),
     ({"choices__sampler": "vllm"}, "choices.sampler=hf there, vllm here"),

@@ -35,6 +35,29 @@ from rlmm.runtime.errors import ConfigError
 # (rlmm/run/rollout_source.py: either mode resumes the other's run).
 MAY_DIFFER = ("choices.logger", "logger", "train.resume", "train.checkpoint_every", "train.overlap")
 SHOWN_DIFFERENCES = 3
+# Where issue 51 (2026-12) moved rlmm's top-level modules: a run written before names its options' classes by
+# the old paths in config.yaml (`_target_`), the same classes.
+MOVED_MODULES = {
+    "rlmm.apps": "rlmm.launch.apps", "rlmm.attribution": "rlmm.mismatch.attribution",
+    "rlmm.checkpoint": "rlmm.run.checkpoint", "rlmm.checksums": "rlmm.runtime.checksums",
+    "rlmm.collectives": "rlmm.runtime.collectives", "rlmm.components": "rlmm.run.components",
+    "rlmm.config": "rlmm.config.options", "rlmm.cpu": "rlmm.runtime.cpu", "rlmm.critic": "rlmm.run.critic",
+    "rlmm.devices": "rlmm.runtime.devices", "rlmm.disk": "rlmm.runtime.disk", "rlmm.errors": "rlmm.runtime.errors",
+    "rlmm.evaluation": "rlmm.run.evaluation", "rlmm.formatting": "rlmm.runtime.formatting",
+    "rlmm.interfaces": "rlmm.run.interfaces", "rlmm.kl": "rlmm.mismatch.kl", "rlmm.launcher": "rlmm.launch.launcher",
+    "rlmm.layer_attribution": "rlmm.mismatch.layer_attribution", "rlmm.logging": "rlmm.run.logging",
+    "rlmm.logprobs": "rlmm.policy.logprobs", "rlmm.loss_stats": "rlmm.mismatch.loss_stats",
+    "rlmm.metrics": "rlmm.mismatch.metrics", "rlmm.monitor": "rlmm.run.monitor",
+    "rlmm.overrides": "rlmm.launch.overrides", "rlmm.precision": "rlmm.policy.precision",
+    "rlmm.preemption": "rlmm.run.preemption", "rlmm.prefetch": "rlmm.launch.prefetch",
+    "rlmm.records": "rlmm.run.records", "rlmm.resume": "rlmm.run.resume",
+    "rlmm.rollout_source": "rlmm.run.rollout_source", "rlmm.rollouts": "rlmm.policy.rollouts",
+    "rlmm.routing": "rlmm.mismatch.routing", "rlmm.run_lock": "rlmm.run.run_lock",
+    "rlmm.runtime_env": "rlmm.runtime.runtime_env", "rlmm.sampler_process": "rlmm.run.sampler_process",
+    "rlmm.schema": "rlmm.config.schema", "rlmm.step": "rlmm.run.step", "rlmm.support": "rlmm.policy.support",
+    "rlmm.timing": "rlmm.runtime.timing", "rlmm.train": "rlmm.run.train",
+    "rlmm.train_report": "rlmm.run.train_report",
+}
 
 
 class ResumeRefused(ConfigError):
@@ -107,9 +130,19 @@ def differences(saved: dict, current: dict, app: str = "train") -> list[str]:
         if any(name == allowed or name.startswith(allowed + ".") for allowed in skipped):
             continue
         missing = "(not set)"
-        if old.get(key, missing) != new.get(key, missing):
+        saved_value = current_target(old.get(key, missing)) if name.endswith("._target_") else old.get(key, missing)
+        if saved_value != new.get(key, missing):
             shown.append(f"{name}={_shown(old.get(key, missing))} there, {_shown(new.get(key, missing))} here")
     return shown
+
+
+def current_target(value):
+    """A `_target_` as this version of rlmm spells it (MOVED_MODULES); anything else as it is."""
+    if isinstance(value, str):
+        module, _, name = value.rpartition(".")
+        if module in MOVED_MODULES:
+            return f"{MOVED_MODULES[module]}.{name}"
+    return value
 
 
 def _shown(value) -> str:
