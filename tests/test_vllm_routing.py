@@ -171,6 +171,43 @@ def test_cuda_rows_keep_the_moe_layers_and_add_the_last_token():
     assert (row[4] == NO_ROUTE).all()
 
 
+def test_the_engine_calls_a_capture_wraps_come_back_and_a_moved_internal_fails_in_one_line():
+    """rlmm/samplers/vllm_internals.py `wrap_engine_calls` on a stand-in engine: the wrapped forward sees the scheduled
+    requests and their bounds, the wrapped add_request reports (external id, index, engine id), the unwrap restores
+    both; a model runner without `_model_forward` (an upgrade that moved it) is one line naming the vLLM version."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from rlmm.samplers.vllm_internals import InternalsMoved, wrap_engine_calls
+
+    def forward(**kwargs):
+        return "logits"
+
+    def add_request(request, prompt, parent_req=None, request_index=0):
+        return request.request_id
+
+    runner = SimpleNamespace(_model_forward=forward, input_batch=SimpleNamespace(num_reqs=2, req_ids=["a", "b", "c"]),
+                             query_start_loc=SimpleNamespace(np=np.array([0, 3, 4, 9], dtype=np.int32)))
+    processor = SimpleNamespace(add_request=add_request)
+    llm = SimpleNamespace(llm_engine=SimpleNamespace(output_processor=processor, model_executor=SimpleNamespace(
+        driver_worker=SimpleNamespace(worker=SimpleNamespace(model_runner=runner)))))
+    seen, requests = [], []
+    unwrap = wrap_engine_calls(llm, "test", lambda scheduled, run: (seen.append(scheduled), run())[1],
+                               lambda *ids: requests.append(ids))
+    assert runner._model_forward(positions="p", input_ids="i") == "logits"
+    assert seen[0].request_ids == ["a", "b"] and seen[0].bounds.tolist() == [0, 3, 4]
+    assert (seen[0].positions, seen[0].input_ids) == ("p", "i")
+    assert processor.add_request(SimpleNamespace(external_req_id="0", request_id="0-x"), [1], None, 1) == "0-x"
+    assert requests == [("0", 1, "0-x")]
+    unwrap()
+    assert runner._model_forward is forward and processor.add_request is add_request
+    del runner._model_forward
+    with pytest.raises(InternalsMoved, match=r"^test: vLLM's model runner SimpleNamespace has no \['_model_forward'\] "
+                                             r"\(vLLM 0.32.0\)$"):
+        wrap_engine_calls(llm, "test", None, None)
+
+
 def test_a_position_computed_twice_keeps_its_first_routing():
     """Preemption recomputes a request's tokens; the row keeps the first computation's experts (the forward whose
     logits drew the next token). In fp32 a recompute routes as the first pass did, so the rule is pinned here on

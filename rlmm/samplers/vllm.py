@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 from contextlib import contextmanager
 
 import torch
@@ -27,9 +26,10 @@ from rlmm.samplers.perturb import WeightNoise, checkpoint_tensors
 from rlmm.samplers.quantize import (Quantization, WeightQuantizer, engine_quantization_config, kv_cache_refusal,
                                     machine_refusal, quantized_modules, weights_refusal)
 from rlmm.samplers.vllm_capture import HookedLayerStates, NoLayerStates
-from rlmm.samplers.vllm_internals import (KERNEL_DERIVED, batch_invariant_mode, default_kv_cache_scales, engine_model,
-                                          engine_settings, eos_ids, intra_op_threads, kv_cache_scales, layer_kernel,
-                                          parameter_dtypes, quantized_layers, recording_loaded_names, reload_weights,
+from rlmm.samplers.vllm_internals import (KERNEL_DERIVED, batch_invariant_mode, default_kv_cache_scales,
+                                          engine_environment, engine_model, engine_settings, eos_ids, intra_op_threads,
+                                          kv_cache_scales, layer_kernel, parameter_dtypes, quantized_layers,
+                                          recording_loaded_names, release_distributed_state, reload_weights,
                                           repack_cpu_experts, shutdown)
 from rlmm.samplers.vllm_routing import NoRouting, is_moe, routing_capture, routing_engine_args
 
@@ -123,8 +123,7 @@ class VLLMSampler:
         if refusal:
             raise ValueError(refusal)
         capture_routing = capture_routing and is_moe(model_path)  # a dense model has no routing to return
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        os.environ["VLLM_BATCH_INVARIANT"] = "1" if batch_invariant else "0"
+        engine_environment(batch_invariant)
         select_device()  # vLLM's single-process executor runs on the current CUDA device
         from vllm import LLM
 
@@ -368,12 +367,10 @@ class VLLMSampler:
     def close(self) -> None:
         """Shut the engine down and tear down the process group it created, so that another engine
         (the next job of an in-process sweep) can start in this process."""
-        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
-
         shutdown(self.llm)
         del self.llm
         self.routing = NoRouting()  # its hooks hold the engine's model runner
-        cleanup_dist_env_and_memory()
+        release_distributed_state()
 
 
 def listed_logprobs(listing, tokens: list[int], listed: int, vocab: int) -> tuple[list[float], KeptTokens | None]:

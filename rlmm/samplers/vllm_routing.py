@@ -45,7 +45,8 @@ import torch
 
 from rlmm.policy.rollouts import NO_ROUTE
 from rlmm.samplers.vllm_capture import TokenCapture
-from rlmm.samplers.vllm_internals import model_runner
+from rlmm.samplers.vllm_internals import (bind_router_callback, engine_model, model_config, moe_layer_ids,
+                                          num_experts)
 
 
 def routing_engine_args(enabled: bool, cuda: bool) -> dict:
@@ -60,12 +61,11 @@ def is_moe(model_path: str) -> bool:
     config reading costs seconds. A dense model has no routing to capture; routing replay on one is refused by
     rlmm/mismatch/routing.py (`RoutingReplay.bind`), so no R3 arm silently replays nothing."""
     from transformers import AutoConfig
-    from vllm.engine.arg_utils import EngineArgs
 
     config = AutoConfig.from_pretrained(model_path).get_text_config()
     if not any(getattr(config, key, None) for key in ("num_experts", "num_local_experts", "n_routed_experts")):
         return False
-    return EngineArgs(model=model_path).create_model_config().get_num_experts() > 0
+    return num_experts(model_path) > 0
 
 
 def routing_capture(llm, enabled: bool, cuda: bool):
@@ -73,16 +73,6 @@ def routing_capture(llm, enabled: bool, cuda: bool):
     if not enabled:
         return NoRouting()
     return ReturnedRouting(llm) if cuda else HookedRouting(llm)
-
-
-def moe_layer_ids(model: torch.nn.Module) -> list[int]:
-    """The decoder-layer index of every MoE layer of a vLLM model, in model order: the `layer_id` of each module
-    `bind_routed_experts_capturer` binds (an `MoERunner`, or a `RoutedExpertsCaptureSource`), the index vLLM's
-    capturer writes to."""
-    from vllm.model_executor.layers.fused_moe.layer import MoERunner
-    from vllm.model_executor.layers.fused_moe.routed_experts_capturer import RoutedExpertsCaptureSource
-
-    return sorted({m.layer_id for m in model.modules() if isinstance(m, (MoERunner, RoutedExpertsCaptureSource))})
 
 
 class NoRouting:
@@ -103,7 +93,7 @@ class ReturnedRouting:
     machine: written from vLLM 0.32's sources, see the module docstring)."""
 
     def __init__(self, llm):
-        self.moe_layers = tuple(moe_layer_ids(model_runner(llm).get_model()))
+        self.moe_layers = tuple(moe_layer_ids(engine_model(llm)))
         if not self.moe_layers:
             raise ValueError("sampler.capture_routing: the engine's model has no MoE layers")
 
@@ -130,16 +120,14 @@ class HookedRouting:
     """CPU: vLLM's router callback, filed per token by a `TokenCapture` (see the module docstring)."""
 
     def __init__(self, llm):
-        from vllm.model_executor.layers.fused_moe.routed_experts_capturer import bind_routed_experts_capturer
-
-        model = model_runner(llm).get_model()
+        model = engine_model(llm)
         self.tokens = None  # the router callback does nothing until the capture below is in place
-        bind_routed_experts_capturer(model, self)  # raises for routers / monolithic kernels it cannot hook
+        bind_router_callback(model, self)  # raises for routers / monolithic kernels it cannot hook
         self.moe_layers = tuple(moe_layer_ids(model))
         if not self.moe_layers:
             raise ValueError("sampler.capture_routing: the engine's model has no MoE layers")
         self.column = {layer: i for i, layer in enumerate(self.moe_layers)}
-        self.top_k = llm.llm_engine.model_config.get_num_experts_per_tok()
+        self.top_k = model_config(llm).get_num_experts_per_tok()
         self.tokens = TokenCapture(llm, "sampler.capture_routing", (len(self.moe_layers), self.top_k), torch.int16,
                                    NO_ROUTE)
 
