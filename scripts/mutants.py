@@ -50,7 +50,7 @@ ZERO_WEIGHTS = [  # every correction but bypass contributes nothing to the loss
 
 MUTANTS = [
     Mutant("negate_loss", "every backward pass of the RL step climbs the loss instead of descending it",
-           [("rlmm/run/step.py", "                    update.backward(loss)\n", "                    update.backward(-loss)\n")]),
+           [("rlmm/run/step.py", "                update.backward(loss)\n", "                update.backward(-loss)\n")]),
     Mutant("swap_mismatch_arguments", "rl_step passes sampler and trainer log-probs to mismatch_metrics swapped",
            [("rlmm/run/step.py", "mismatch = mismatch_metrics(*every[:3], ratio_cap=ratio_cap)",
              "mismatch = mismatch_metrics(every[1], every[0], every[2], ratio_cap=ratio_cap)")]),

@@ -84,8 +84,8 @@ class OldPolicy:
         fault = fault_on_any_rank(first_fault(**checked, **also_checked))
         # The correction's batch stage and the metrics see the step's whole batch, every rank's rows (the same on
         # every rank): a mean over ranks of each rank's maximum or token mean would not be the batch's, nor would a
-        # rank's own self-normalisation or second-moment cut (rlmm/runtime/collectives.py::rows_of_every_rank). Each rank
-        # trains on its own rows of the result.
+        # rank's own self-normalisation or second-moment cut (rlmm/runtime/collectives.py::rows_of_every_rank). Each
+        # rank trains on its own rows of the result.
         every = rows_of_every_rank(trainer_logprobs, sampler_logprobs, mask, advantages)
         batch = BatchView(*every)
         corrected: CorrectionOutput = correction.before_update(batch)
@@ -100,6 +100,22 @@ class OldPolicy:
                    trainer_logprobs=trainer_logprobs, sampler_logprobs=sampler_logprobs, advantages=advantages,
                    mismatch=mismatch, correction_metrics=corrected.metrics | size.metrics, lr_scale=lr_scale,
                    nonfinite=nonfinite, fault=fault)
+
+    def mismatch_metrics(self) -> dict[str, float]:
+        return {f"mismatch/{k}": v for k, v in self.mismatch.items()}
+
+    def batch_correction_metrics(self) -> dict[str, float]:
+        """The correction's batch stage and step size, under correction/."""
+        return {f"correction/{k}": v for k, v in self.correction_metrics.items()}
+
+    def nonfinite_metrics(self) -> dict[str, float]:
+        return {f"rollout/frac_nonfinite_{side}_logprobs": v for side, v in self.nonfinite.items()}
+
+    def fault_explained(self, c: Components) -> str | None:
+        """The fault, with which side's log-probs are non-finite and the known cause where that is the fault."""
+        if self.fault and self.fault.startswith("non-finite") and "logprobs" in self.fault:
+            return self.fault + nonfinite_hint(self.nonfinite, c)
+        return self.fault
 
     def micro_batch(self, rows: list[int], logprobs: torch.Tensor) -> MicroBatchView:
         """What the correction sees of one micro-batch inside the update: its rows cut to the width of the
@@ -131,6 +147,16 @@ class SampledBatch:
         seconds = {}
         return cls(*sample_groups(c, prompts, refill, seconds), seconds)
 
+    def rollout_metrics(self, shaped_rewards: torch.Tensor, lengths: torch.Tensor) -> dict[str, float]:
+        """rollout/: the step's own prompts' mean reward (before any group was dropped: the same statistic for
+        every algorithm), the trained, shaped rewards, the lengths, and what sampling reported."""
+        sampling = dict(self.sampling_metrics)
+        lengths = lengths.float()
+        return {f"rollout/{k}": v for k, v in {
+            "reward_mean": sampling.pop("sampled_reward_mean"), "trained_reward_mean": self.task_rewards.mean().item(),
+            "shaped_reward_mean": shaped_rewards.mean().item(), "response_length_mean": lengths.mean().item(),
+            "frac_truncated": self.rollouts.finish_reasons.count("length") / len(self.rollouts), **sampling}.items()}
+
     def staleness_metrics(self, trainer_logprobs: torch.Tensor, mask: torch.Tensor,
                           ratio_cap: float) -> dict[str, float]:
         """rollout/staleness where it is tracked, and with `stale_logprobs` the mismatch split into its
@@ -156,114 +182,157 @@ def rl_step(c: Components, prompts: list, ratio_cap: float, reuse_training_forwa
 
 def rl_update(c: Components, batch: SampledBatch, ratio_cap: float, reuse_training_forward: bool) -> dict[str, float]:
     """The RL step after sampling: one update of the trainer on `batch` (this rank's share of the step's rollouts)
-    and the weight sync; returns this rank's metrics (rollout/, mismatch/, correction/, loss/, perf/,
-    train/skipped)."""
-    algo, trainer, seconds = c.algo, c.trainer, dict(batch.seconds)
-    max_length = c.sampling.max_new_tokens
-    rollouts, task_rewards, sampling_metrics = batch.rollouts, batch.task_rewards, dict(batch.sampling_metrics)
-    # The step's own prompts' mean reward (before any group is dropped): the same statistic for every algorithm.
-    sampled_reward = sampling_metrics.pop("sampled_reward_mean")
+    and the weight sync; returns this rank's metrics, each family from the stage that owns it (rollout/,
+    mismatch/, correction/, routing/, support/, loss/, perf/, train/skipped, the critic's)."""
+    algo, seconds = c.algo, dict(batch.seconds)
+    rollouts = batch.rollouts
     c.sampler.sleep()  # the trainer has the accelerator until the weight sync
     sampler_logprobs, response_mask = rollouts.padded_sampler_logprobs()
     lengths = response_mask.sum(1)
-    rewards = algo.shape_rewards(task_rewards, lengths, max_length)  # e.g. DAPO's overlong punishment
+    rewards = algo.shape_rewards(batch.task_rewards, lengths, c.sampling.max_new_tokens)  # e.g. DAPO's overlong one
 
-    # π_old. With one epoch over one minibatch the first update's forwards can score the rollouts.
-    # PPO's critic warm-up: the first steps train the critic alone (`NoCritic` never warms up).
-    # An MoE model's routing (rlmm/mismatch/routing.py): π_old is scored on `routing.scored(rollouts)` (r3: the sampler's
-    # experts replayed), recording the trainer's own experts; the updates train on `routing.trained(...)`.
-    routing, scored = c.routing, c.routing.scored(rollouts)
-    train_policy = not c.critic.warming_up
-    one_pass = reuse_training_forward and algo.epochs == 1 and algo.minibatches == 1 and train_policy
-    first_update = trainer.begin_update(scored, list(range(len(rollouts)))) if one_pass else None
-    held = []  # the first update's forwards (logprobs, entropy), graphs kept, when they scored π_old
-    # With a truncating sampler, the trainer's support against its kept sets is recorded where π_old is scored.
-    with routing.recorded(trainer.model) as own_routing, support_recorded(trainer.model) as support:
-        if first_update is not None and first_update.holds_graphs:
-            with timed(seconds, "train"):  # the update's own forwards: timed as training, not as a scoring pass
-                held = [first_update.forward(micro) for micro in first_update.micro_batches]
-                trainer_logprobs = padded_rows(rollouts, first_update.micro_batches, [lp for lp, _ in held])
-        else:
-            with timed(seconds, "trainer_logprobs"):
-                trainer_logprobs = trainer.logprobs(scored)
-            if routing.replays_own_routing:  # r2: this update did not score π_old, so it replays what did
-                first_update = None
-    trained = routing.trained(rollouts, own_routing)
+    train_policy = not c.critic.warming_up  # PPO's critic warm-up: its first steps train the critic alone
+    scores = TrainerScores.of(c, rollouts, reuse_training_forward and train_policy, seconds)  # π_old
     critic = c.critic.begin_step(algo, rollouts, rewards, response_mask, seconds)  # V(s_t) and targets, or none
     advantages = per_token(algo.advantages(rewards, response_mask, critic.values), response_mask)
-    old = OldPolicy.score(trainer_logprobs, sampler_logprobs, response_mask, advantages, task_rewards, c.correction,
-                          ratio_cap, critic.checked())
-    routing_metrics = routing.metrics(rollouts.routed_experts, own_routing)
-    truncation_metrics = support_metrics(support, sampler_logprobs, response_mask)
-    if routing.compare:
-        with timed(seconds, "routing_compare"):
-            routing_metrics.update(routing.compared(trainer, rollouts, trainer_logprobs, sampler_logprobs,
-                                                    response_mask, ratio_cap))
+    old = OldPolicy.score(scores.logprobs, sampler_logprobs, response_mask, advantages, batch.task_rewards,
+                          c.correction, ratio_cap, critic.checked())
+    measured = scores.metrics(c, rollouts, sampler_logprobs, response_mask, ratio_cap, seconds)  # routing/, support/
 
-    losses = []  # one entry per optimizer step
-    in_update = InUpdateCounts()  # what the correction did inside the update, summed over its micro-batches
     with timed(seconds, "train"):
-        for _ in range(0 if old.fault else algo.epochs):  # a fault skips the update on every rank
-            for rows in minibatch_rows(len(rollouts), algo.minibatches):
-                critic.train(rows)
-                if not train_policy:
-                    continue
-                update = first_update or trainer.begin_update(trained, rows)
-                update.scale_lr(old.lr_scale)  # before any backward: DeepSpeed steps inside the last one
-                normalizer = loss_normalizer_over_ranks(algo, old.mask[rows], response_mask[rows], max_length)
-                parts = []
-                for i, micro in enumerate(update.micro_batches):
-                    logprobs, entropy = held[i] if held else update.forward(micro)
-                    view = old.micro_batch(micro, logprobs)  # π_θ in view: OPSM, tv_trust act here
-                    fix = c.correction.in_update(view)
-                    in_update.add(fix.counts)
-                    in_update.add(drop_split(view, response_mask[micro, :logprobs.size(1)], fix.mask))
-                    loss, metrics = algo.policy_loss(logprobs, view.old_logprobs, view.advantages, view.mask & fix.mask,
-                                                     view.weights * fix.weights, entropy=entropy, max_length=max_length,
-                                                     normalizer=normalizer, penalty=fix.penalty)
-                    update.backward(loss)
-                    parts.append(metrics)
-                losses.append({**combined_metrics(PolicyLossStats, parts), **update.step()})
-                first_update, held = None, []
+        update = update_policy(c, old, critic, scores, rollouts, response_mask, train_policy)
 
-    fault = old.fault
-    if fault and fault.startswith("non-finite") and "logprobs" in fault:
-        fault += nonfinite_hint(old.nonfinite, c)
-    if not fault and any(m["skipped"] for m in losses):
-        fault = "non-finite gradient (optimizer step skipped)"
+    fault = old.fault_explained(c) or update.fault()
     c.critic.step_done()  # counts the warm-up
     fault = fault or critic.fault()
     # fp16's loss scaler skipping an optimizer step (an overflow while it lowers its scale) is not a fault, but
     # moves no weights either: a step whose every optimizer step it skipped leaves the sampler's weights current.
-    moved = not fault and train_policy and not all(m.get("loss_scale_skipped") for m in losses)
+    moved = not fault and train_policy and not update.all_skipped_by_loss_scaler()
     with timed(seconds, "weight_sync"):
         # Unmoved weights are as the sampler has them, unless it dropped its copy to sleep (vLLM's level 2).
         if moved or c.sampler.needs_weights:
-            send_weights(trainer.state_dict(), c.sampler)  # raises NonFiniteWeights, sending nothing
+            send_weights(c.trainer.state_dict(), c.sampler)  # raises NonFiniteWeights, sending nothing
     if fault:
         log.warning("bad step skipped: %s", fault)
 
-    lengths = lengths.float()
     return {
         "train/skipped": float(fault is not None),
-        **{f"rollout/{k}": v for k, v in {
-            "reward_mean": sampled_reward, "trained_reward_mean": task_rewards.mean().item(),
-            "shaped_reward_mean": rewards.mean().item(),
-            "response_length_mean": lengths.mean().item(),
-            "frac_truncated": rollouts.finish_reasons.count("length") / len(rollouts), **sampling_metrics}.items()},
-        **{f"mismatch/{k}": v for k, v in old.mismatch.items()},
-        **batch.staleness_metrics(trainer_logprobs, response_mask, ratio_cap),  # with train.staleness or its split
-        **{f"correction/{k}": v for k, v in old.correction_metrics.items()},
-        **{f"correction/{k}": v for k, v in in_update.over_ranks().items()},
-        **routing_metrics,
-        **{f"support/{k}": v for k, v in truncation_metrics.items()},
-        **{f"{'train' if k in LOSS_SCALER_KEYS else 'loss'}/{k}": sum(m[k] for m in losses) / len(losses)
-           for k in (losses[0] if losses else ())},
-        **{f"perf/{k}_seconds": v for k, v in seconds.items()},
-        "perf/tokens_per_second": lengths.sum().item() / max(sum(seconds.values()), 1e-9),
-        **{f"rollout/frac_nonfinite_{side}_logprobs": v for side, v in old.nonfinite.items()},
+        **batch.rollout_metrics(rewards, lengths),
+        **old.mismatch_metrics(),
+        **batch.staleness_metrics(scores.logprobs, response_mask, ratio_cap),  # with train.staleness or its split
+        **old.batch_correction_metrics(),
+        **update.in_update.metrics(),
+        **measured,
+        **update.metrics(),
+        **perf_metrics(seconds, lengths),
+        **old.nonfinite_metrics(),
         **critic.metrics(),
     }
+
+
+@dataclass
+class TrainerScores:
+    """π_old as the trainer scored the step's rollouts, with what it recorded while scoring: its own MoE routing
+    (rlmm/mismatch/routing.py) and its support against the sampler's kept sets (rlmm/policy/support.py).
+
+    An MoE model's rollouts are scored on `routing.scored(rollouts)` (r3: the sampler's experts replayed). With one
+    epoch over one minibatch the first update's forwards can score them (`first_update`, its forwards `held` with
+    their graphs, timed as training, not as a scoring pass); otherwise a no-grad scoring pass does."""
+
+    logprobs: torch.Tensor  # [B, T] log π_old as the trainer computes it
+    own_routing: object  # the trainer's own experts, recorded while scoring
+    support: object  # the trainer's support against the kept sets, recorded while scoring
+    first_update: object | None  # the update begun to score (one pass), or None
+    held: list  # the first update's forwards (logprobs, entropy), graphs kept, when they scored π_old
+
+    @classmethod
+    def of(cls, c: Components, rollouts: Rollouts, may_reuse_forward: bool, seconds: dict[str, float]) -> TrainerScores:
+        routing, scored = c.routing, c.routing.scored(rollouts)
+        one_pass = may_reuse_forward and c.algo.epochs == 1 and c.algo.minibatches == 1
+        first_update = c.trainer.begin_update(scored, list(range(len(rollouts)))) if one_pass else None
+        held = []
+        with routing.recorded(c.trainer.model) as own_routing, support_recorded(c.trainer.model) as support:
+            if first_update is not None and first_update.holds_graphs:
+                with timed(seconds, "train"):
+                    held = [first_update.forward(micro) for micro in first_update.micro_batches]
+                    logprobs = padded_rows(rollouts, first_update.micro_batches, [lp for lp, _ in held])
+            else:
+                with timed(seconds, "trainer_logprobs"):
+                    logprobs = c.trainer.logprobs(scored)
+                if routing.replays_own_routing:  # r2: this update did not score π_old, so it replays what did
+                    first_update = None
+        return cls(logprobs, own_routing, support, first_update, held)
+
+    def metrics(self, c: Components, rollouts: Rollouts, sampler_logprobs: torch.Tensor, mask: torch.Tensor,
+                ratio_cap: float, seconds: dict[str, float]) -> dict[str, float]:
+        """What the scoring pass recorded: routing/ (and with `routing.compare` the mismatch both ways, timed as
+        routing_compare) and support/."""
+        routing = c.routing.metrics(rollouts.routed_experts, self.own_routing)
+        support = {f"support/{k}": v for k, v in support_metrics(self.support, sampler_logprobs, mask).items()}
+        if c.routing.compare:
+            with timed(seconds, "routing_compare"):
+                routing.update(c.routing.compared(c.trainer, rollouts, self.logprobs, sampler_logprobs, mask,
+                                                  ratio_cap))
+        return {**routing, **support}
+
+
+@dataclass
+class PolicyUpdate:
+    """What the update did: each optimizer step's loss metrics (`losses`) and the correction's counts inside it."""
+
+    losses: list[dict[str, float]]
+    in_update: InUpdateCounts
+
+    def fault(self) -> str | None:
+        return "non-finite gradient (optimizer step skipped)" if any(m["skipped"] for m in self.losses) else None
+
+    def all_skipped_by_loss_scaler(self) -> bool:
+        return all(m.get("loss_scale_skipped") for m in self.losses)
+
+    def metrics(self) -> dict[str, float]:
+        """loss/ (the loss scaler's keys under train/): each the mean over the step's optimizer steps."""
+        return {f"{'train' if k in LOSS_SCALER_KEYS else 'loss'}/{k}": sum(m[k] for m in self.losses) / len(self.losses)
+                for k in (self.losses[0] if self.losses else ())}
+
+
+def update_policy(c: Components, old: OldPolicy, critic, scores: TrainerScores, rollouts: Rollouts,
+                  response_mask: torch.Tensor, train_policy: bool) -> PolicyUpdate:
+    """PPO's update: for each epoch and minibatch the critic's step, then per micro-batch the forward, the correction
+    inside the update (OPSM, tv_trust act here, on π_θ), the loss and its backward, and the optimizer step at the
+    correction's rate. An MoE model trains on `routing.trained(...)`. A fault skips it on every rank."""
+    algo, max_length = c.algo, c.sampling.max_new_tokens
+    trained = c.routing.trained(rollouts, scores.own_routing)
+    first_update, held = scores.first_update, scores.held
+    losses, in_update = [], InUpdateCounts()  # one loss entry per optimizer step; the correction's counts summed
+    for _ in range(0 if old.fault else algo.epochs):
+        for rows in minibatch_rows(len(rollouts), algo.minibatches):
+            critic.train(rows)
+            if not train_policy:
+                continue
+            update = first_update or c.trainer.begin_update(trained, rows)
+            update.scale_lr(old.lr_scale)  # before any backward: DeepSpeed steps inside the last one
+            normalizer = loss_normalizer_over_ranks(algo, old.mask[rows], response_mask[rows], max_length)
+            parts = []
+            for i, micro in enumerate(update.micro_batches):
+                logprobs, entropy = held[i] if held else update.forward(micro)
+                view = old.micro_batch(micro, logprobs)
+                fix = c.correction.in_update(view)
+                in_update.add(fix.counts)
+                in_update.add(drop_split(view, response_mask[micro, :logprobs.size(1)], fix.mask))
+                loss, metrics = algo.policy_loss(logprobs, view.old_logprobs, view.advantages, view.mask & fix.mask,
+                                                 view.weights * fix.weights, entropy=entropy, max_length=max_length,
+                                                 normalizer=normalizer, penalty=fix.penalty)
+                update.backward(loss)
+                parts.append(metrics)
+            losses.append({**combined_metrics(PolicyLossStats, parts), **update.step()})
+            first_update, held = None, []
+    return PolicyUpdate(losses, in_update)
+
+
+def perf_metrics(seconds: dict[str, float], lengths: torch.Tensor) -> dict[str, float]:
+    """perf/: each stage's seconds and the step's sampled tokens per second of them all."""
+    return {**{f"perf/{k}_seconds": v for k, v in seconds.items()},
+            "perf/tokens_per_second": lengths.float().sum().item() / max(sum(seconds.values()), 1e-9)}
 
 
 def per_token(advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -366,6 +435,10 @@ class InUpdateCounts:
                 total[1] += denominator
         return {key: numerator / denominator if denominator else math.nan
                 for key, (numerator, denominator) in totals.items()}
+
+    def metrics(self) -> dict[str, float]:
+        """The counts over ranks, under correction/ (a collective, as `over_ranks`)."""
+        return {f"correction/{k}": v for k, v in self.over_ranks().items()}
 
 
 def nonfinite_hint(fractions: dict[str, float], c: Components) -> str:

@@ -115,13 +115,7 @@ def plot_training(record: TrainingHistory, path: Path, choices: dict) -> None:
     axes[2].plot(steps, series("loss/clipfrac"), label="clip fraction")
     axes[2].set_title("correction and clipping")
     axes[2].legend()
-    for ax in axes:
-        ax.set_xlabel("step")
-    fig.suptitle(" ".join(f"{k}={v}" for k, v in choices.items()), fontsize=9)
-    fig.tight_layout()
-    with writing(path):
-        fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_over_steps(fig, axes, path, choices)
 
 
 def plot_attribution_over_training(record: TrainingHistory, path: Path, choices: dict) -> None:
@@ -159,6 +153,13 @@ def plot_attribution_over_training(record: TrainingHistory, path: Path, choices:
     axes[2].set_yscale("log")
     axes[2].set_title("weight and logit statistics")
     axes[2].legend(fontsize=7)
+    save_over_steps(fig, axes, path, choices)
+
+
+def save_over_steps(fig, axes, path: Path, choices: dict) -> None:
+    """Write a figure of panels over the steps: each panel's x axis named, the run's choices as the title."""
+    import matplotlib.pyplot as plt
+
     for ax in axes:
         ax.set_xlabel("step")
     fig.suptitle(" ".join(f"{k}={v}" for k, v in choices.items()), fontsize=9)
