@@ -173,6 +173,25 @@ def test_stop_and_switch_act_on_the_first_alarm_only():
     assert holder.correction == "kept" and not switch.stop_requested
 
 
+@pytest.mark.parametrize("action,switched", [("none", False), ("stop", False), ("switch_correction", True)])
+def test_a_resumed_run_takes_again_only_the_action_that_lasts(action, switched):
+    """`Action.on_resume`: a monitor restored from a checkpoint written after its alarm switches the correction
+    again (the components are rebuilt from the config) but does not stop the resumed run."""
+    rows = [{"mismatch/kl_k3": 1.0 + 0.01 * (i % 2), "rollout/reward_mean": 0.5 + 0.01 * (i % 2)} for i in range(10)]
+    rows += [{"mismatch/kl_k3": 9.0, "rollout/reward_mean": 0.0}] * 6  # alarm at step 15
+
+    class Holder:
+        correction = "before"
+
+    interrupted = monitor(action=action, switch_to="tis")
+    steps(interrupted, rows, Holder())
+    assert interrupted.alarms
+    holder, resumed = Holder(), monitor(action=action, switch_to="tis")
+    resumed.load_state_dict(interrupted.state_dict(), holder)
+    assert (holder.correction != "before") is switched and resumed.stop_requested is False
+    assert resumed.alarms == interrupted.alarms
+
+
 def test_off_is_a_no_op_but_its_values_are_still_checked():
     from omegaconf import OmegaConf
 

@@ -88,7 +88,7 @@ class MonitorOptions:
     drift: float = MISSING
     threshold: float = MISSING
     clip: float = MISSING
-    action: str = MISSING
+    action: str = MISSING  # an rlmm.run.monitor.Action's name, checked there (config sits below run)
     switch_to: str = MISSING
 
 

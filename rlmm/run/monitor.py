@@ -14,6 +14,9 @@ crosses the threshold, and can act on it (`train.monitor.action`):
 - `switch_correction`: from the next step on, train with the correction `conf/correction/<switch_to>.yaml`
   (built from the correction group, as rlmm/run/components.py builds the run's own).
 
+Each is a member of `Action`, which owns what it does on the alarm and again when a run that had raised it
+resumes; the YAML spells it by name (`action: stop`).
+
 The detector acts on the first alarm of the run only (one stop, one switch); later alarms are logged.
 Metrics are means over ranks, so every rank takes the same decision at the same step.
 """
@@ -22,12 +25,12 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import asdict, dataclass
+from enum import Enum
 
 from rlmm.runtime.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-ACTIONS = ("none", "stop", "switch_correction")
 DIRECTIONS = ("up", "down")
 MAD_TO_SD = 1.4826  # 1 / Φ⁻¹(3/4): the MAD of a normal sample times this estimates its standard deviation
 
@@ -116,6 +119,36 @@ class Alarm:
         return f"{self.signal} score {self.score:.3g} > {self.threshold:g} at step {self.step}"
 
 
+def _log_only(monitor: Monitor, step: int, components) -> None:
+    """The alarm's warning line is all (`Monitor.observe` writes it for every action)."""
+
+
+def _stop(monitor: Monitor, step: int, components) -> None:
+    monitor.stop_requested = True
+
+
+def _switch_correction(monitor: Monitor, step: int, components) -> None:
+    from rlmm.config.options import from_yaml
+
+    components.correction = from_yaml("correction", monitor.switch_to)
+    log.warning("monitor: correction switched to %s from step %d on", monitor.switch_to, step + 1)
+
+
+class Action(Enum):
+    """`train.monitor.action`, by name: what the run does on its first alarm (``on_alarm``) and, resumed from a
+    checkpoint written after it, again (``on_resume``), each ``(monitor, step, components)``, `step` the alarm's.
+    A switched correction is switched again (the components are built from the config); a run stopped by its
+    alarm does not stop again."""
+
+    # (on_alarm, on_resume)
+    none = (_log_only, _log_only)
+    stop = (_stop, _log_only)
+    switch_correction = (_switch_correction, _switch_correction)
+
+    def __init__(self, on_alarm, on_resume):
+        self.on_alarm, self.on_resume = on_alarm, on_resume
+
+
 class Monitor:
     """The detectors of a run (`train.monitor`, enabled), fed each step's metrics by the training loop.
 
@@ -123,7 +156,7 @@ class Monitor:
         rising: metrics the step logs that mean trouble when they go up (e.g. mismatch/kl_k3).
         falling: metrics that mean trouble when they go down (e.g. mismatch/ess_seq, rollout/reward_mean).
         warmup_steps, drift, threshold, clip: each detector's K, k, h, c (`CUSUM`).
-        action: none | stop | switch_correction (on the run's first alarm).
+        action: none | stop | switch_correction (on the run's first alarm): an `Action`'s name.
         switch_to: the correction option (conf/correction/) that `switch_correction` trains with.
     """
 
@@ -132,8 +165,8 @@ class Monitor:
         from rlmm.config.options import group_options
 
         where = "train.monitor"
-        if action not in ACTIONS:
-            raise ConfigError(f"{where}.action: '{action}' (allowed: {', '.join(ACTIONS)})")
+        if action not in Action.__members__:
+            raise ConfigError(f"{where}.action: '{action}' (allowed: {', '.join(Action.__members__)})")
         if switch_to not in group_options("correction"):
             raise ConfigError(f"{where}.switch_to: '{switch_to}' (allowed: {', '.join(group_options('correction'))})")
         if not rising and not falling:
@@ -153,7 +186,7 @@ class Monitor:
             raise ConfigError(f"{where}: two signals share a score name ({', '.join(short)})")
         self.detectors = {name: CUSUM(direction, warmup_steps, drift, threshold, clip)
                           for name, direction in signals.items()}
-        self.action, self.switch_to, self.threshold = action, switch_to, threshold
+        self.action, self.switch_to, self.threshold = Action[action], switch_to, threshold
         self.alarms: list[Alarm] = []  # every alarm of the run, in order
         self.new_alarms: list[Alarm] = []  # this step's
         self.stop_requested = False
@@ -178,20 +211,11 @@ class Monitor:
                 self.new_alarms.append(Alarm(name, step, detector.score, self.threshold))
         out["monitor/alarm"] = float(any(d.alarm for d in self.detectors.values()))
         for alarm in self.new_alarms:
-            log.warning("monitor alarm: %s (train.monitor.action=%s)", alarm, self.action)
+            log.warning("monitor alarm: %s (train.monitor.action=%s)", alarm, self.action.name)
         if self.new_alarms and not self.alarms:
-            self.act(self.new_alarms[0], step, components)
+            self.action.on_alarm(self, step, components)
         self.alarms.extend(self.new_alarms)
         return out
-
-    def act(self, alarm: Alarm, step: int, components) -> None:
-        if self.action == "stop":
-            self.stop_requested = True
-        elif self.action == "switch_correction":
-            from rlmm.config.options import from_yaml
-
-            components.correction = from_yaml("correction", self.switch_to)
-            log.warning("monitor: correction switched to %s from step %d on", self.switch_to, step + 1)
 
     def state_dict(self) -> dict:
         """The detectors and the run's alarms, for a checkpoint (state.json): a resumed run goes on with
@@ -201,14 +225,13 @@ class Monitor:
 
     def load_state_dict(self, state: dict, components) -> None:
         """Restore `state_dict()`'s state (detectors of signals no longer watched are dropped, new ones
-        start their warm-up). An action already taken stays taken: a switched correction is switched again
-        (the components are built from the config), and a run stopped by its alarm does not stop again."""
+        start their warm-up). An action already taken stays taken (`Action.on_resume`)."""
         for name, detector_state in state.get("detectors", {}).items():
             if name in self.detectors:
                 self.detectors[name].load_state_dict(detector_state)
         self.alarms = [Alarm(**a) for a in state.get("alarms", [])]
-        if self.alarms and self.action == "switch_correction":
-            self.act(self.alarms[0], self.alarms[0].step, components)
+        if self.alarms:
+            self.action.on_resume(self, self.alarms[0].step, components)
 
     def record_entry(self) -> dict:
         """This step's new alarms, for the run record's row (not for the logger: not numbers)."""
