@@ -20,7 +20,7 @@ sys.path.insert(0, str(ROOT))
 from omegaconf import OmegaConf  # noqa: E402
 
 from rlmm.config.options import CONF_DIR, from_yaml, group_options  # noqa: E402
-from rlmm.corrections.base import Correction  # noqa: E402
+from rlmm.corrections.base import Anchor, Correction  # noqa: E402
 from scripts import generated_part  # noqa: E402
 
 DOC = ROOT / "docs" / "corrections.md"
@@ -35,8 +35,8 @@ def acts(cls: type) -> str:
 
 
 def old_side(correction: Correction) -> str:
-    return {"sampler": "μ (sampler)", "trainer": "π_old (trainer)"}.get(correction.old_policy,
-                                                                        "π_old (trainer; assumes none)")
+    return {Anchor.sampler: "μ (sampler)", Anchor.trainer: "π_old (trainer)"}.get(correction.old_policy,
+                                                                              "π_old (trainer; assumes none)")
 
 
 def parameters(option: str) -> str:

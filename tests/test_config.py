@@ -100,6 +100,23 @@ def test_schema_mirrors_the_constructor():
         schema.size = "x"
 
 
+@pytest.mark.parametrize("option,key,bad,allowed", [
+    ("kl_rs", "estimator", "k4", "k1, k2, k3"),
+    ("kl_rs", "level", "batch", "token, sequence"),
+    ("seq_veto", "estimator", "k1", "k2, k3, min_ratio"),
+    ("opsm", "anchor", "mu", "sampler, trainer"),
+])
+def test_an_enum_typed_argument_is_checked_by_the_schema(option, key, bad, allowed):
+    """A constructor argument typed by an Enum (rlmm/corrections/base.py `choice`) is validated by OmegaConf from the
+    schema: its members' names pass, anything else fails in one line naming the value and the allowed names,
+    before the class is built."""
+    node = OmegaConf.load(CONF_DIR / "correction" / f"{option}.yaml")
+    validate_node(node, f"correction={option}")
+    with pytest.raises(ConfigError) as err:
+        validate_node(OmegaConf.merge(node, {key: bad}), f"correction={option}")
+    assert str(err.value) == f"correction={option}: Invalid value '{bad}', expected one of [{allowed}]"
+
+
 def test_top_level_typo_fails_at_composition():
     from hydra.errors import ConfigCompositionException
 

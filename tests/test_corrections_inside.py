@@ -12,11 +12,11 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from rlmm.config.options import CONF_DIR, from_yaml
-from rlmm.corrections.base import METRIC_KEYS, Correction, MicroBatchView
+from rlmm.corrections.base import METRIC_KEYS, Anchor, Correction, MicroBatchView
 from rlmm.corrections.m2po import SecondMomentMask
 from rlmm.corrections.normalize import SelfNormalize
 from rlmm.corrections.opsm import OffPolicySequenceMask
-from rlmm.corrections.seq_veto import SequenceVeto
+from rlmm.corrections.seq_veto import SequenceVeto, VetoScore
 from rlmm.corrections.stack import Stack
 from rlmm.corrections.tis import TokenTIS
 from rlmm.corrections.token_mask import TokenMask
@@ -202,6 +202,30 @@ def test_seq_veto_rejects_a_sequence_by_its_worst_token():
     assert out.metrics["seq_score_worst"] == pytest.approx(1e-5)
 
 
+def test_seq_veto_keeps_a_sequence_whose_score_is_the_threshold():
+    sampler = torch.zeros((2, 1), dtype=torch.float64)
+    delta = torch.tensor([[2.0], [LOG(0.5)]], dtype=torch.float64)  # k2: 2 and 0.24; ratio: e^2 and 0.5
+    mask = torch.ones(2, 1, dtype=torch.bool)
+    assert SequenceVeto("k2", 2.0)(sampler + delta, sampler, mask).mask.tolist() == [[True], [True]]
+    assert SequenceVeto("k2", 1.99)(sampler + delta, sampler, mask).mask.tolist() == [[False], [True]]
+    smallest = delta[1].exp().item()  # the ratio as the veto computes it
+    assert SequenceVeto(VetoScore.min_ratio, smallest)(sampler + delta, sampler, mask).mask.tolist() == [[True], [True]]
+    assert SequenceVeto("min_ratio", 0.51)(sampler + delta, sampler, mask).mask.tolist() == [[True], [False]]
+
+
+@pytest.mark.parametrize("estimator,threshold,message", [
+    ("k2", 0.0, "correction.threshold: must be > 0, got 0.0"),
+    ("k3", math.nan, "correction.threshold: must be > 0, got nan"),
+    ("min_ratio", 1.5, "correction.threshold: a smallest ratio must be in (0, 1], got 1.5"),
+    ("min_ratio", 0.0, "correction.threshold: a smallest ratio must be in (0, 1], got 0.0"),
+    ("k1", 1.0, "correction.estimator: must be one of k2, k3, min_ratio, got 'k1'"),
+])
+def test_seq_veto_refuses_a_threshold_outside_its_estimators_range(estimator, threshold, message):
+    with pytest.raises(ValueError) as err:
+        SequenceVeto(estimator, threshold)
+    assert str(err.value) == message
+
+
 # ---------------------------------------------------------------- stacks and self-normalisation
 
 def test_normalize_after_truncation_rescales_the_truncated_weights_to_mean_one():
@@ -282,7 +306,8 @@ def test_each_option_declares_the_pi_old_it_returns(name):
     train, sampler, mask = random_batch(seed=7)
     fix = build(name)
     out = fix(train, sampler, mask)
-    side = sampler if fix.old_policy == "sampler" else train
+    assert fix.old_policy in (Anchor.sampler, Anchor.trainer, None), fix.old_policy
+    side = sampler if fix.old_policy is Anchor.sampler else train
     assert torch.equal(out.old_logprobs[mask], side[mask]), fix.old_policy
 
 

@@ -10,6 +10,7 @@ precision, the sampling options, the seed) are not part of a node's schema.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import importlib
 import inspect
 import math
@@ -69,7 +70,9 @@ def _target_class(path: str, where: str):
 
 
 def _omegaconf_type(hint: Any) -> Any:
-    """Map a constructor annotation to a type OmegaConf can validate (Any when it cannot)."""
+    """Map a constructor annotation to a type OmegaConf can validate (Any when it cannot). An Enum stays itself:
+    OmegaConf takes a member's name (`anchor: sampler`) and refuses any other value in one line naming the allowed
+    ones (`Invalid value 'mu', expected one of [sampler, trainer]`); the constructor is still handed the name."""
     origin = typing.get_origin(hint)
     if origin in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(hint) if a is not type(None)]
@@ -80,6 +83,8 @@ def _omegaconf_type(hint: Any) -> Any:
         return list[_omegaconf_type(args[0])] if args and args[0] in (str, int, float, bool) else list
     if origin is dict or hint is dict:
         return dict
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        return hint
     return hint if hint in (str, int, float, bool) else Any
 
 

@@ -33,7 +33,12 @@ multiplied by 0 (``0 * nan`` is nan), so it cannot leak into a sum, a weight or 
 Several corrections apply in order as one (`correction=seq_veto+token_rs+tis`, rlmm/corrections/stack.py): masks
 ANDed, weights multiplied, each stage seeing what the earlier ones left (`BatchView.mask`, `.weights`) and the
 batch's response mask (`.response_mask`, which a sequence veto tests). A class
-says which pi_old its weights assume (`old_policy`) so that a stack can refuse two that disagree.
+says which pi_old its weights assume (`old_policy`, an `Anchor`) so that a stack can refuse two that disagree.
+
+A setting with a few fixed values (`kl_rs`'s `estimator` and `level`, `seq_veto`'s `estimator`, `opsm`'s `anchor`) is
+an `Enum` whose members own what the value does (`Anchor.sampler.logprobs(view)`), spelled in the YAML by the
+member's name (`anchor: sampler`): the config's schema (rlmm/config/options.py `schema_of`) checks it against the
+names, and the constructor takes the name or the member (`choice`).
 
 Each method is one class in its own module and one YAML in conf/correction/; nothing else needs to change to add
 one (docs/corrections.md shows how).
@@ -43,20 +48,48 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import ClassVar, Literal
+from enum import Enum
+from typing import ClassVar, TypeVar
 
 import torch
 
 from rlmm.mismatch.kl import k3
 
-__all__ = ["BatchView", "Correction", "CorrectionOutput", "InUpdate", "METRIC_KEYS", "MicroBatchView",
-           "OldPolicyChoice", "StepSize", "DROP_SPLIT_KEYS", "drop_split", "log_ratios", "finish", "masked_mean",
-           "masked_max", "masked_min"]
+__all__ = ["Anchor", "BatchView", "Correction", "CorrectionOutput", "InUpdate", "METRIC_KEYS",
+           "MicroBatchView", "OldPolicyChoice", "StepSize", "DROP_SPLIT_KEYS", "drop_split", "log_ratios", "finish",
+           "masked_mean", "masked_max", "masked_min", "choice"]
+
+
+class Anchor(Enum):
+    """One of the two policies whose log-probs of the sampled tokens a correction is given: the sampler's (log mu,
+    ``sampler``) or the trainer's recomputation before the update (log pi_old, ``trainer``). ``logprobs(view)``
+    reads that side from a `BatchView` or a `MicroBatchView`: the member's value is the field's name."""
+
+    sampler = "sampler_logprobs"
+    trainer = "trainer_logprobs"
+
+    def logprobs(self, view: BatchView | MicroBatchView) -> torch.Tensor:
+        return getattr(view, self.value)
+
 
 # Which log-probs a method's weights assume as PPO's pi_old: the trainer's recomputation (the importance weight
 # pi_old / mu corrects the samples towards it), the sampler's (pi_old := mu: bypass, DPPO's trust region), or no
 # assumption (a mask of outliers, a rescaling): None.
-OldPolicyChoice = Literal["trainer", "sampler"] | None
+OldPolicyChoice = Anchor | None
+
+E = TypeVar("E", bound=Enum)
+
+
+def choice(kind: type[E], value: E | str, key: str) -> E:
+    """The member of `kind` that `value` names (Hydra hands a constructor the YAML's string; Python callers may pass
+    the member). Raises ValueError naming `key`, the value and the allowed names otherwise (what a config that
+    skipped the schema's check, or a caller in Python, sees)."""
+    if isinstance(value, kind):
+        return value
+    if isinstance(value, str) and value in kind.__members__:
+        return kind[value]
+    raise ValueError(f"correction.{key}: must be one of {', '.join(kind.__members__)}, got '{value}'")
+
 
 # Logged by every method (methods may add their own keys on top).
 METRIC_KEYS = (
@@ -160,8 +193,8 @@ class Correction:
     A method overrides `before_update`, `in_update`, `step_size` or several; calling it, ``correction(train_logprobs,
     sampler_logprobs, mask[, advantages])``, runs `before_update` on a batch of one rank (tests, scripts).
 
-    `old_policy`: which pi_old the method's weights assume (`OldPolicyChoice`); the batch stage's `old_logprobs`
-    must be that side's. `importance_weighted`: whether its weights are an importance ratio (a stack refuses two:
+    `old_policy`: which pi_old the method's weights assume (an `Anchor`, or None for none); the batch stage's
+    `old_logprobs` must be that side's. `importance_weighted`: whether its weights are an importance ratio (a stack refuses two:
     their product would count the ratio twice)."""
 
     old_policy: ClassVar[OldPolicyChoice] = None

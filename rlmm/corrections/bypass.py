@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from rlmm.corrections.base import BatchView, Correction, CorrectionOutput, finish, log_ratios
+from rlmm.corrections.base import Anchor, BatchView, Correction, CorrectionOutput, finish, log_ratios
 
 
 class Bypass(Correction):
@@ -18,7 +18,7 @@ class Bypass(Correction):
     share one clip range.
     """
 
-    old_policy = "sampler"
+    old_policy = Anchor.sampler
 
     def before_update(self, batch: BatchView) -> CorrectionOutput:
         delta, m = log_ratios(batch.trainer_logprobs, batch.sampler_logprobs, batch.mask)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from rlmm.corrections.base import Correction, InUpdate, MicroBatchView
+from rlmm.corrections.base import Anchor, Correction, InUpdate, MicroBatchView
 from rlmm.corrections.tv_trust import tv_region
 
 
@@ -37,7 +37,7 @@ class ProximalTVTrustRegion(Correction):
         eps: the largest probability move from pi_old in the advantage's direction; in (0, 1).
     """
 
-    old_policy = "trainer"
+    old_policy = Anchor.trainer
 
     def __init__(self, eps: float):
         if not 0.0 < eps < 1.0:

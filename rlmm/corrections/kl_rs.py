@@ -1,12 +1,51 @@
 """KL-based rejection sampling."""
 from __future__ import annotations
 
+from enum import Enum
 
 import torch
 
-from rlmm.corrections.base import BatchView, Correction, CorrectionOutput, finish, log_ratios, masked_max, masked_mean
-from rlmm.mismatch.kl import ESTIMATORS, kl_estimate
-LEVELS = ("token", "sequence")
+from rlmm.corrections.base import (BatchView, Correction, CorrectionOutput, choice, finish, log_ratios, masked_max,
+                                   masked_mean)
+from rlmm.mismatch import kl
+
+
+def _as_is(score: torch.Tensor) -> torch.Tensor:
+    return score
+
+
+class KLEstimator(Enum):
+    """kl_rs's ``estimator:``: which of Schulman's estimators (rlmm/mismatch/kl.py) is thresholded, and what of it:
+    k2 and k3 are >= 0 and compared as they are; k1 is signed, so its absolute value is compared."""
+
+    # (per-token estimate, what the threshold bounds)
+    k1 = (kl.k1, torch.abs)
+    k2 = (kl.k2, _as_is)
+    k3 = (kl.k3, _as_is)
+
+    def __init__(self, estimate, compared):
+        self.estimate, self.compared = estimate, compared
+
+
+def _per_token(estimate: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return estimate, mask
+
+
+def _per_sequence(estimate: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    # padding is 0 in the estimate; an empty sequence's 0/0 = NaN is never in the mask
+    return estimate.sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True), mask.any(dim=1, keepdim=True)
+
+
+class Level(Enum):
+    """kl_rs's ``level:``: what the threshold is compared with, ``scores(estimate, mask) -> (score, where it is
+    defined)``: each token's estimate ([B, T], rejecting that token), or each sequence's mean over its response
+    tokens ([B, 1], rejecting every token of the sequence)."""
+
+    token = (_per_token,)
+    sequence = (_per_sequence,)
+
+    def __init__(self, scores):
+        self.scores = scores
 
 
 class KLRejection(Correction):
@@ -32,29 +71,23 @@ class KLRejection(Correction):
     threshold: per token or per sequence, absolute for k1).
 
     Args:
-        estimator: one of k1, k2, k3.
-        level: token or sequence.
+        estimator: one of k1, k2, k3 (`KLEstimator`).
+        level: token or sequence (`Level`).
         threshold: largest accepted KL estimate, >= 0.
     """
 
-    def __init__(self, estimator: str, level: str, threshold: float):
-        if estimator not in ESTIMATORS:
-            raise ValueError(f"correction.estimator: must be one of {', '.join(ESTIMATORS)}, got '{estimator}'")
-        if level not in LEVELS:
-            raise ValueError(f"correction.level: must be one of {', '.join(LEVELS)}, got '{level}'")
+    def __init__(self, estimator: KLEstimator, level: Level, threshold: float):
+        self.estimator = choice(KLEstimator, estimator, "estimator")
+        self.level = choice(Level, level, "level")
         if not threshold >= 0.0:
             raise ValueError(f"correction.threshold: must be >= 0, got {threshold}")
-        self.estimator, self.level, self.threshold = estimator, level, float(threshold)
+        self.threshold = float(threshold)
 
     def before_update(self, batch: BatchView) -> CorrectionOutput:
         delta, m = log_ratios(batch.trainer_logprobs, batch.sampler_logprobs, batch.mask)
-        kl = kl_estimate(delta, self.estimator)
-        if self.level == "token":
-            score, scored = kl, m
-        else:
-            score, scored = kl.sum(dim=1, keepdim=True) / m.sum(dim=1, keepdim=True), m.any(dim=1, keepdim=True)
-        if self.estimator == "k1":
-            score = score.abs()
-        keep = score <= self.threshold  # padding is 0 in kl; an empty sequence's 0/0 = NaN is never in the mask
+        estimate = self.estimator.estimate(delta)
+        score, scored = self.level.scores(estimate, m)
+        score = self.estimator.compared(score)
+        keep = score <= self.threshold  # a NaN score fails <=: rejected
         return finish(old_logprobs=batch.trainer_logprobs, weights=torch.ones_like(delta), keep=keep, delta=delta, mask=m,
-                      extra={"kl_mean": masked_mean(kl, m), "kl_max": masked_max(score, scored)})
+                      extra={"kl_mean": masked_mean(estimate, m), "kl_max": masked_max(score, scored)})

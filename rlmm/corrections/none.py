@@ -1,7 +1,7 @@
 """No correction: PPO with the old log-probs recomputed by the trainer, the sampler's ignored."""
 from __future__ import annotations
 
-from rlmm.corrections.base import Correction
+from rlmm.corrections.base import Anchor, Correction
 
 
 class NoCorrection(Correction):
@@ -15,4 +15,4 @@ class NoCorrection(Correction):
     metrics are still logged, so the mismatch this run ignored is visible. `Correction`'s identity in both places.
     """
 
-    old_policy = "trainer"
+    old_policy = Anchor.trainer

@@ -8,7 +8,7 @@ import torch
 from omegaconf import OmegaConf
 
 from rlmm.config.options import from_yaml, group_options, option_node, validate_node
-from rlmm.corrections.base import (BatchView, Correction, CorrectionOutput, InUpdate, MicroBatchView, finish,
+from rlmm.corrections.base import (Anchor, BatchView, Correction, CorrectionOutput, InUpdate, MicroBatchView, finish,
                                    log_ratios)
 from rlmm.corrections.stack import Stack
 
@@ -47,7 +47,7 @@ class OnCurrentPolicy(Correction):
             step_size would never run).
     """
 
-    old_policy = "sampler"
+    old_policy = Anchor.sampler
 
     def __init__(self, stages: Mapping[str, Mapping[str, Any]]):
         self.stack = Stack({name: stage(name, values) for name, values in stages.items()})

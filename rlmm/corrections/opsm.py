@@ -5,9 +5,7 @@ import math
 
 import torch
 
-from rlmm.corrections.base import Correction, InUpdate, MicroBatchView
-
-ANCHORS = ("sampler", "trainer")
+from rlmm.corrections.base import Anchor, Correction, InUpdate, MicroBatchView, choice
 
 
 class OffPolicySequenceMask(Correction):
@@ -35,21 +33,19 @@ class OffPolicySequenceMask(Correction):
 
     Args:
         threshold: delta, the largest accepted mean log-ratio of a negative-advantage sequence; finite.
-        anchor: sampler (mu, DeepSeek-V3.2, TRL) or trainer (the recomputed pi_old, slime's default).
+        anchor: an `Anchor`: sampler (mu, DeepSeek-V3.2, TRL) or trainer (the recomputed pi_old, slime's default).
     """
 
-    old_policy = "trainer"
+    old_policy = Anchor.trainer
 
-    def __init__(self, threshold: float, anchor: str):
+    def __init__(self, threshold: float, anchor: Anchor):
         if not math.isfinite(threshold):
             raise ValueError(f"correction.threshold: must be finite, got {threshold}")
-        if anchor not in ANCHORS:
-            raise ValueError(f"correction.anchor: must be one of {', '.join(ANCHORS)}, got '{anchor}'")
-        self.threshold, self.anchor = float(threshold), anchor
+        self.threshold, self.anchor = float(threshold), choice(Anchor, anchor, "anchor")
 
     def in_update(self, micro: MicroBatchView) -> InUpdate:
         m = micro.mask
-        anchor = micro.sampler_logprobs if self.anchor == "sampler" else micro.trainer_logprobs
+        anchor = self.anchor.logprobs(micro)
         zero = torch.zeros((), dtype=torch.float64, device=m.device)
         log_ratio = torch.where(m, anchor.to(torch.float64) - micro.logprobs.detach().to(torch.float64), zero)
         tokens = m.sum(dim=1)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from rlmm.corrections.base import BatchView, Correction, check_cap, CorrectionOutput, finish, log_ratios
+from rlmm.corrections.base import Anchor, BatchView, Correction, check_cap, CorrectionOutput, finish, log_ratios
 
 
 class SequenceMask(Correction):
@@ -25,7 +25,7 @@ class SequenceMask(Correction):
         cap: C, the largest accepted sequence ratio; finite and >= 1.
     """
 
-    old_policy = "trainer"
+    old_policy = Anchor.trainer
     importance_weighted = True
 
     def __init__(self, cap: float):

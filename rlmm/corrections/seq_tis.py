@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from rlmm.corrections.base import BatchView, Correction, check_cap, CorrectionOutput, finish, log_ratios, masked_mean
+from rlmm.corrections.base import Anchor, BatchView, Correction, check_cap, CorrectionOutput, finish, log_ratios, masked_mean
 
 
 class SequenceTIS(Correction):
@@ -25,7 +25,7 @@ class SequenceTIS(Correction):
         cap: C, the largest weight a sequence can get; finite and >= 1.
     """
 
-    old_policy = "trainer"
+    old_policy = Anchor.trainer
     importance_weighted = True
 
     def __init__(self, cap: float):

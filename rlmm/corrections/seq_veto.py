@@ -1,12 +1,65 @@
 """Sequence veto: one catastrophic token rejects its whole sequence."""
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import Enum
+
 import torch
 
-from rlmm.corrections.base import BatchView, Correction, CorrectionOutput, finish, log_ratios, masked_max, masked_min
-from rlmm.mismatch.kl import k2, k3
+from rlmm.corrections.base import (BatchView, Correction, CorrectionOutput, choice, finish, log_ratios, masked_max,
+                                   masked_min)
+from rlmm.mismatch import kl
 
-ESTIMATORS = ("k2", "k3", "min_ratio")
+
+@dataclass(frozen=True)
+class _LargestEstimate:
+    """Test a sequence's largest per-token KL estimate: kept while it is at most tau (> 0)."""
+
+    estimate: Callable[[torch.Tensor], torch.Tensor]  # rlmm/mismatch/kl.py's k2 or k3 of delta
+    allowed = "must be > 0"
+
+    def accepts(self, threshold: float) -> bool:
+        return threshold > 0.0
+
+    def scores(self, delta: torch.Tensor, response: torch.Tensor) -> torch.Tensor:
+        # padding is -inf: never the maximum; NaN propagates through amax, and fails <=
+        return torch.where(response, self.estimate(delta), -torch.inf).amax(dim=1)
+
+    def keeps(self, score: torch.Tensor, threshold: float) -> torch.Tensor:
+        return score <= threshold
+
+    def worst(self, score: torch.Tensor, nonempty: torch.Tensor) -> torch.Tensor:
+        return masked_max(score, nonempty)
+
+
+@dataclass(frozen=True)
+class _SmallestRatio:
+    """Test a sequence's smallest token ratio exp(delta_t): kept while it is at least tau (in (0, 1])."""
+
+    allowed = "a smallest ratio must be in (0, 1]"
+
+    def accepts(self, threshold: float) -> bool:
+        return 0.0 < threshold <= 1.0
+
+    def scores(self, delta: torch.Tensor, response: torch.Tensor) -> torch.Tensor:
+        # padding is +inf: never the minimum; NaN propagates through amin, and fails >=
+        return torch.where(response, delta, torch.inf).amin(dim=1).exp()
+
+    def keeps(self, score: torch.Tensor, threshold: float) -> torch.Tensor:
+        return score >= threshold
+
+    def worst(self, score: torch.Tensor, nonempty: torch.Tensor) -> torch.Tensor:
+        return masked_min(score, nonempty)
+
+
+class VetoScore(Enum):
+    """seq_veto's ``estimator:``, each member the test it stands for (its value): the sequence's ``scores`` ([B]),
+    the sequences it ``keeps``, the ``worst`` score of the batch (logged) and the thresholds it ``accepts``."""
+
+    k2 = _LargestEstimate(kl.k2)
+    k3 = _LargestEstimate(kl.k3)
+    min_ratio = _SmallestRatio()
 
 
 class SequenceVeto(Correction):
@@ -29,18 +82,16 @@ class SequenceVeto(Correction):
     vetoes its sequence.
 
     Args:
-        estimator: k2 or k3 (the largest estimate of the sequence is tested) or min_ratio (its smallest ratio).
+        estimator: a `VetoScore`: k2 or k3 (the sequence's largest estimate is tested) or min_ratio (its smallest ratio).
         threshold: tau; the largest accepted k2/k3 (> 0), or the smallest accepted ratio (in (0, 1]).
     """
 
-    def __init__(self, estimator: str, threshold: float):
-        if estimator not in ESTIMATORS:
-            raise ValueError(f"correction.estimator: must be one of {', '.join(ESTIMATORS)}, got '{estimator}'")
-        if estimator == "min_ratio" and not 0.0 < threshold <= 1.0:
-            raise ValueError(f"correction.threshold: a smallest ratio must be in (0, 1], got {threshold}")
-        if estimator != "min_ratio" and not threshold > 0.0:
-            raise ValueError(f"correction.threshold: must be > 0, got {threshold}")
-        self.estimator, self.threshold = estimator, float(threshold)
+    def __init__(self, estimator: VetoScore, threshold: float):
+        self.estimator = choice(VetoScore, estimator, "estimator")
+        test = self.estimator.value
+        if not test.accepts(threshold):  # NaN is accepted by neither
+            raise ValueError(f"correction.threshold: {test.allowed}, got {threshold}")
+        self.threshold = float(threshold)
 
     def before_update(self, batch: BatchView) -> CorrectionOutput:
         # the score is over every response token (slime's calculate_veto_mask on the loss mask); the tokens still in
@@ -48,14 +99,9 @@ class SequenceVeto(Correction):
         delta, response = log_ratios(batch.trainer_logprobs, batch.sampler_logprobs, batch.response_mask)
         m = response & (batch.mask.to(response.device) != 0)
         nonempty = response.any(dim=1)
-        if self.estimator == "min_ratio":
-            # padding is +inf: never the minimum; NaN propagates through amin, and fails >=
-            score = torch.where(response, delta, torch.inf).amin(dim=1).exp()
-            keep = (score >= self.threshold) | ~nonempty
-        else:
-            per_token = (k2 if self.estimator == "k2" else k3)(delta)
-            score = torch.where(response, per_token, -torch.inf).amax(dim=1)
-            keep = (score <= self.threshold) | ~nonempty
-        worst = (masked_min if self.estimator == "min_ratio" else masked_max)(score, nonempty)
+        test = self.estimator.value
+        score = test.scores(delta, response)
+        keep = test.keeps(score, self.threshold) | ~nonempty  # an empty sequence is kept
+        worst = test.worst(score, nonempty)
         return finish(old_logprobs=batch.trainer_logprobs, weights=torch.ones_like(delta), keep=keep[:, None],
                       delta=torch.where(m, delta, 0.0), mask=m, extra={"seq_score_worst": worst})

@@ -6,8 +6,8 @@ from collections.abc import Mapping
 
 import torch
 
-from rlmm.corrections.base import (BatchView, Correction, CorrectionOutput, InUpdate, MicroBatchView, StepSize,
-                                   finish, log_ratios)
+from rlmm.corrections.base import (Anchor, BatchView, Correction, CorrectionOutput, InUpdate, MicroBatchView,
+                                   StepSize, finish, log_ratios)
 
 SEPARATOR = "+"
 RAW_RATIOS = ("ratio_mean", "ratio_min", "ratio_max", "seq_ratio_max")  # METRIC_KEYS before any weight or mask
@@ -59,7 +59,7 @@ class Stack(Correction):
         spelled = SEPARATOR.join(self.stages)
         choices = {name: stage.old_policy for name, stage in self.stages.items() if stage.old_policy is not None}
         if len(set(choices.values())) > 1:
-            said = ", ".join(f"{name} the {side}'s" for name, side in choices.items())
+            said = ", ".join(f"{name} the {side.name}'s" for name, side in choices.items())
             raise ValueError(f"correction={spelled}: the stages want different log-probs as PPO's pi_old ({said})")
         weighted = [name for name, stage in self.stages.items() if stage.importance_weighted]
         if len(weighted) > 1:
@@ -69,7 +69,7 @@ class Stack(Correction):
         self._old_policy = next(iter(choices.values()), None)
 
     @property
-    def old_policy(self):
+    def old_policy(self) -> Anchor | None:
         return self._old_policy
 
     @property
@@ -89,7 +89,7 @@ class Stack(Correction):
             weights = torch.where(mask, weights * out.weights.to(torch.float64), 0.0)
             # the raw ratios a stage saw are the stack's (logged once, below): each stage logs what it did
             metrics.update({f"{name}/{key}": value for key, value in out.metrics.items() if key not in RAW_RATIOS})
-        old = batch.sampler_logprobs if self.old_policy == "sampler" else batch.trainer_logprobs
+        old = (self.old_policy or Anchor.trainer).logprobs(batch)  # the trainer's when no stage names one
         whole = finish(old_logprobs=old, weights=weights, keep=mask, delta=delta, mask=response)
         whole.metrics.update(metrics)
         return whole

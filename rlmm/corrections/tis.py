@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from rlmm.corrections.base import BatchView, Correction, check_cap, CorrectionOutput, finish, log_ratios, masked_mean
+from rlmm.corrections.base import Anchor, BatchView, Correction, check_cap, CorrectionOutput, finish, log_ratios, masked_mean
 
 
 class TokenTIS(Correction):
@@ -22,7 +22,7 @@ class TokenTIS(Correction):
         cap: C, the largest weight a token can get; finite and >= 1 (1 turns every up-weight off).
     """
 
-    old_policy = "trainer"
+    old_policy = Anchor.trainer
     importance_weighted = True
 
     def __init__(self, cap: float):

@@ -5,7 +5,7 @@ import math
 
 import torch
 
-from rlmm.corrections.base import BatchView, Correction, CorrectionOutput, finish, log_ratios
+from rlmm.corrections.base import Anchor, BatchView, Correction, CorrectionOutput, finish, log_ratios
 
 
 class TokenMask(Correction):
@@ -31,7 +31,7 @@ class TokenMask(Correction):
 
     @property
     def old_policy(self):  # the weight r_t assumes pi_old = pi_train; as a pure mask it assumes nothing
-        return "trainer" if self.reweight else None
+        return Anchor.trainer if self.reweight else None
 
     @property
     def importance_weighted(self) -> bool:

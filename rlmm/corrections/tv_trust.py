@@ -6,7 +6,8 @@ import math
 
 import torch
 
-from rlmm.corrections.base import BatchView, Correction, CorrectionOutput, InUpdate, MicroBatchView, finish, log_ratios
+from rlmm.corrections.base import (Anchor, BatchView, Correction, CorrectionOutput, InUpdate, MicroBatchView, finish,
+                                   log_ratios)
 
 
 class TVTrustRegion(Correction):
@@ -37,7 +38,7 @@ class TVTrustRegion(Correction):
         kl_coef: weight of the (log pi_theta - log mu)^2 penalty; >= 0 (0 turns it off).
     """
 
-    old_policy = "sampler"
+    old_policy = Anchor.sampler
 
     def __init__(self, eps: float, kl_coef: float):
         if not 0.0 < eps < 1.0:
