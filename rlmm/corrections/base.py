@@ -55,9 +55,9 @@ import torch
 
 from rlmm.mismatch.kl import k3
 
-__all__ = ["Anchor", "BatchView", "Correction", "CorrectionOutput", "InUpdate", "METRIC_KEYS",
+__all__ = ["Anchor", "BatchView", "CappedImportanceRatio", "Correction", "CorrectionOutput", "InUpdate", "METRIC_KEYS",
            "MicroBatchView", "OldPolicyChoice", "StepSize", "DROP_SPLIT_KEYS", "drop_split", "log_ratios", "finish",
-           "masked_mean", "masked_max", "masked_min", "choice"]
+           "masked_mean", "masked_max", "masked_min", "choice", "sequence_ratio"]
 
 
 class Anchor(Enum):
@@ -273,6 +273,29 @@ def check_cap(cap: float) -> float:
     if not (math.isfinite(cap) and cap >= 1.0):
         raise ValueError(f"correction.cap: must be a finite number >= 1, got {cap}")
     return float(cap)
+
+
+class CappedImportanceRatio(Correction):
+    """The base of the methods whose weight is the importance ratio pi_old / mu of a token or a sequence, bounded
+    by a cap C (``tis`` truncates at C, ``seq_tis`` too, ``seq_mis`` rejects above C): pi_old is the trainer's
+    (the ratio corrects the samples towards it) and the weights are an importance ratio (a stack refuses two).
+    What each does with the ratio and the cap is its own `before_update`.
+
+    Args:
+        cap: C; finite and >= 1 (`check_cap`).
+    """
+
+    old_policy = Anchor.trainer
+    importance_weighted = True
+
+    def __init__(self, cap: float):
+        self.cap = check_cap(cap)
+
+
+def sequence_ratio(delta: torch.Tensor) -> torch.Tensor:
+    """exp(S_i) = prod_t r_t, ``[B, 1]``, from `log_ratios`' delta (padding is 0 in it, so S_i sums the response
+    tokens); float64, so S_i > ~709.8 overflows to inf."""
+    return delta.sum(dim=1, keepdim=True).exp()
 
 
 def log_ratios(train_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor,

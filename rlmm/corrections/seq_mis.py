@@ -1,13 +1,11 @@
 """Sequence-level masked importance sampling (Seq-MIS)."""
 from __future__ import annotations
 
-
-import torch
-
-from rlmm.corrections.base import Anchor, BatchView, Correction, check_cap, CorrectionOutput, finish, log_ratios
+from rlmm.corrections.base import (BatchView, CappedImportanceRatio, CorrectionOutput, finish, log_ratios,
+                                   sequence_ratio)
 
 
-class SequenceMask(Correction):
+class SequenceMask(CappedImportanceRatio):
     """Sequence-level masked importance sampling (``correction=seq_mis``).
 
     old = log pi_train,  keep_i = [exp(S_i) <= C],  w_{i,t} = exp(S_i) on every token of a kept sequence,
@@ -25,15 +23,9 @@ class SequenceMask(Correction):
         cap: C, the largest accepted sequence ratio; finite and >= 1.
     """
 
-    old_policy = Anchor.trainer
-    importance_weighted = True
-
-    def __init__(self, cap: float):
-        self.cap = check_cap(cap)
-
     def before_update(self, batch: BatchView) -> CorrectionOutput:
         delta, m = log_ratios(batch.trainer_logprobs, batch.sampler_logprobs, batch.mask)
-        seq_ratio = delta.sum(dim=1, keepdim=True).exp()  # [B, 1]; padding is 0 in delta
+        seq_ratio = sequence_ratio(delta)  # [B, 1]
         keep = seq_ratio <= self.cap
         return finish(old_logprobs=batch.trainer_logprobs, weights=seq_ratio.expand_as(delta), keep=keep, delta=delta,
                       mask=m)

@@ -1,13 +1,11 @@
 """Sequence-level truncated importance sampling."""
 from __future__ import annotations
 
-
-import torch
-
-from rlmm.corrections.base import Anchor, BatchView, Correction, check_cap, CorrectionOutput, finish, log_ratios, masked_mean
+from rlmm.corrections.base import (BatchView, CappedImportanceRatio, CorrectionOutput, finish, log_ratios, masked_mean,
+                                   sequence_ratio)
 
 
-class SequenceTIS(Correction):
+class SequenceTIS(CappedImportanceRatio):
     """Sequence-level truncated importance sampling (``correction=seq_tis``).
 
     old = log pi_train,  w_{i,t} = min(exp(S_i), C)  for every token t of sequence i,  S_i = sum_t delta_{i,t},
@@ -25,15 +23,9 @@ class SequenceTIS(Correction):
         cap: C, the largest weight a sequence can get; finite and >= 1.
     """
 
-    old_policy = Anchor.trainer
-    importance_weighted = True
-
-    def __init__(self, cap: float):
-        self.cap = check_cap(cap)
-
     def before_update(self, batch: BatchView) -> CorrectionOutput:
         delta, m = log_ratios(batch.trainer_logprobs, batch.sampler_logprobs, batch.mask)
-        seq_ratio = delta.sum(dim=1, keepdim=True).exp()  # [B, 1]; padding is 0 in delta
+        seq_ratio = sequence_ratio(delta)  # [B, 1]
         truncated = seq_ratio > self.cap
         return finish(
             old_logprobs=batch.trainer_logprobs, weights=seq_ratio.clamp(max=self.cap).expand_as(delta), keep=m,

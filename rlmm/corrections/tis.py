@@ -1,13 +1,10 @@
 """Token-level truncated importance sampling (TIS)."""
 from __future__ import annotations
 
-
-import torch
-
-from rlmm.corrections.base import Anchor, BatchView, Correction, check_cap, CorrectionOutput, finish, log_ratios, masked_mean
+from rlmm.corrections.base import BatchView, CappedImportanceRatio, CorrectionOutput, finish, log_ratios, masked_mean
 
 
-class TokenTIS(Correction):
+class TokenTIS(CappedImportanceRatio):
     """Token-level truncated importance sampling (``correction=tis``).
 
     old = log pi_train,  w_t = min(r_t, C)  with r_t = pi_train(y_t) / pi_sampler(y_t),  mask unchanged.
@@ -21,12 +18,6 @@ class TokenTIS(Correction):
     Args:
         cap: C, the largest weight a token can get; finite and >= 1 (1 turns every up-weight off).
     """
-
-    old_policy = Anchor.trainer
-    importance_weighted = True
-
-    def __init__(self, cap: float):
-        self.cap = check_cap(cap)
 
     def before_update(self, batch: BatchView) -> CorrectionOutput:
         delta, m = log_ratios(batch.trainer_logprobs, batch.sampler_logprobs, batch.mask)
