@@ -36,7 +36,8 @@ CASES = [
     (["sampler=hf", "sampler.kv_cache_dtype=fp8_e4m3"], "Key 'kv_cache_dtype' is not in struct (allowed: batch_size, "
                                                          "quantization, perturb)"),
     (["+trainer.zero=3"], "trainer=deepspeed: unknown key 'zero' (allowed: micro_batch_size, zero_stage, lr,"),
-    (["trainer.zero_stage=three"], "trainer=deepspeed: Value 'three' of type 'str' could not be converted to Integer"),
+    (["trainer.zero_stage=three"], "trainer=deepspeed: zero_stage: Value 'three' of type 'str' could not be converted "
+                                   "to Integer"),
     (["probe.num_prompts=many"], "Value 'many' of type 'str' could not be converted to Integer"),
     (["probe.trainer_micro_batch_sizes=[4,4]"], "probe.trainer_micro_batch_sizes: two different sizes >= 1, got [4, 4]"),
     (["probe.num_prompts=0"], "probe.num_prompts: must be >= 1, got 0"),

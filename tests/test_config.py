@@ -72,7 +72,8 @@ def test_unknown_key_is_rejected_with_the_allowed_ones():
 
 def test_wrong_type_is_rejected():
     node = OmegaConf.create({"_target_": "rlmm.trainers.torch_backend.TorchTrainer", "micro_batch_size": "big"})
-    with pytest.raises(ConfigError, match="trainer: Value 'big' of type 'str' could not be converted to Integer"):
+    with pytest.raises(ConfigError, match="^trainer: micro_batch_size: Value 'big' of type 'str' could not be "
+                                          "converted to Integer$"):
         validate_node(node, "trainer", BUILD_TIME_ARGS["trainer"])
 
 
@@ -108,13 +109,13 @@ def test_schema_mirrors_the_constructor():
 ])
 def test_an_enum_typed_argument_is_checked_by_the_schema(option, key, bad, allowed):
     """A constructor argument typed by an Enum (rlmm/corrections/base.py `choice`) is validated by OmegaConf from the
-    schema: its members' names pass, anything else fails in one line naming the value and the allowed names,
-    before the class is built."""
+    schema: its members' names pass, anything else fails in one line naming the key, the value and the allowed
+    names, before the class is built."""
     node = OmegaConf.load(CONF_DIR / "correction" / f"{option}.yaml")
     validate_node(node, f"correction={option}")
     with pytest.raises(ConfigError) as err:
         validate_node(OmegaConf.merge(node, {key: bad}), f"correction={option}")
-    assert str(err.value) == f"correction={option}: Invalid value '{bad}', expected one of [{allowed}]"
+    assert str(err.value) == f"correction={option}: {key}: Invalid value '{bad}', expected one of [{allowed}]"
 
 
 def test_top_level_typo_fails_at_composition():

@@ -121,7 +121,8 @@ def validate_node(node: DictConfig, where: str, skip: set[str] = frozenset()) ->
     try:
         merged = OmegaConf.merge(OmegaConf.structured(schema), node)
     except OmegaConfBaseException as err:
-        raise ConfigError(f"{where}: {_one_line(err)}") from None
+        key = f"{err.full_key}: " if getattr(err, "full_key", None) else ""  # the key OmegaConf's own line leaves out
+        raise ConfigError(f"{where}: {key}{_one_line(err)}") from None
     missing = [k for k in allowed if OmegaConf.is_missing(merged, k)]
     if missing:
         raise ConfigError(f"{where}: missing required key(s) {', '.join(missing)}")
