@@ -194,11 +194,13 @@ def test_hardware_checks_of_a_slurm_sweep_wait_for_the_job(monkeypatch):
     """A login node without the hardware does not refuse what a SLURM job's node may run: with the slurm
     launcher the check is left to the job (its trainer refuses with the same line when it starts there).
     The trainer here is told fp16 is unsupported, as it is on CPUs without AVX512-FP16."""
+    import torch
+
     from rlmm.launch.overrides import check_overrides
     from rlmm.trainers.deepspeed_backend import DeepSpeedTrainer
 
     def no_fp16(precision):
-        return "precision: no fp16 here" if precision.dtype == "fp16" else None
+        return "precision: no fp16 here" if precision.dtype == torch.float16 else None
 
     monkeypatch.setattr(DeepSpeedTrainer, "unsupported", staticmethod(no_fp16))
     with pytest.raises(SystemExit):

@@ -185,6 +185,23 @@ def test_silent_cast_is_caught_and_reported():
     assert clean["silent_casts"] == []
 
 
+def test_precision_dtypes_are_torch_dtypes_past_the_configs_edge():
+    """The config's names ('bf16') become torch dtypes once, where the precision objects are built; a bad one
+    fails there in one line naming it and the choices; what reports write is the config's name again."""
+    from rlmm.policy.precision import PrecisionPolicy, dtype_name
+
+    policy = PrecisionPolicy("bf16", "fp32", sampler_fp32_head=True, trainer_fp32_head=True, tf32=False)
+    assert (policy.sampler.dtype, policy.trainer.dtype) == (torch.bfloat16, torch.float32)
+    assert (str(policy.sampler), str(policy.trainer), policy.sampler.name) == ("bf16+fp32head", "fp32", "bf16")
+    assert SidePrecision(torch.float16, False) == SidePrecision("fp16", False)
+    assert [dtype_name(d) for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64)] == [
+        "fp32", "bf16", "fp16", "float64"]
+    with pytest.raises(ValueError, match=r"^precision.trainer_dtype: unknown precision 'fp8' \(allowed: fp32, bf16, fp16\)$"):
+        PrecisionPolicy("bf16", "fp8", sampler_fp32_head=False, trainer_fp32_head=False, tf32=False)
+    with pytest.raises(ValueError, match=r"^precision: unknown precision 'float64' \(allowed: fp32, bf16, fp16\)$"):
+        SidePrecision(torch.float64, False)
+
+
 def test_user_deepspeed_json_is_merged_over_rlmms(tmp_path):
     import json
 

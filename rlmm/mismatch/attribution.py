@@ -227,21 +227,24 @@ WHOLE_WEIGHTS = ("the trainer's module must hold the full weights: one rank of t
                  "trainer=torch, without trainer.padding_free")
 
 
-def check_attribution(sampler_dtype: str, trainer_dtype: str, trainer, option: str = "probe.attribution") -> None:
+def check_attribution(sampler_dtype: str | torch.dtype, trainer_dtype: str | torch.dtype, trainer,
+                      option: str = "probe.attribution") -> None:
     """Before any engine starts: a 16-bit sampler dtype to attribute, the fp32 trainer as the reference, and a
     trainer whose module holds the full weights (ZeRO-3 does not; packed rows change the attention); `option`
-    names the setting that asked for it in the message."""
+    names the setting that asked for it in the message. The dtypes come as the config spells them (cfg.precision's
+    `*_dtype`) or as torch dtypes."""
     if to_dtype(sampler_dtype, "precision.sampler_dtype") == torch.float32:
         raise ValueError(f"{option}: the sampler computes in fp32, so there is no low-precision gap to "
                          "attribute (a bf16 or fp16 sampler: precision=bf16_sampler_fp32_trainer)")
-    if trainer_dtype != "fp32":
+    trainer_dtype = to_dtype(trainer_dtype, "precision.trainer_dtype")
+    if trainer_dtype != torch.float32:
         raise ValueError(f"{option}: the fp32 reference is the trainer in fp32, got "
-                         f"precision.trainer_dtype={trainer_dtype} (precision=bf16_sampler_fp32_trainer)")
+                         f"precision.trainer_dtype={dtype_name(trainer_dtype)} (precision=bf16_sampler_fp32_trainer)")
     if trainer.get("zero_stage", 0) == 3 or trainer.get("padding_free", False):
         raise ValueError(f"{option}: {WHOLE_WEIGHTS}")
 
 
-def attribute(trainer, rollouts, low: str, ratio_cap: float) -> dict:
+def attribute(trainer, rollouts, low: str | torch.dtype, ratio_cap: float) -> dict:
     """The op-class attribution of the `low`-dtype gap on `rollouts` (module docstring), scored by `trainer` (its
     module in fp32, holding the full weights): {"dtype", "classes", "all_low": the gap of every op low,
     "ops": {op: {"raised": gap, "lowered": gap, "share_raised": {measure: share}, "share_lowered": ...}},
@@ -272,7 +275,7 @@ def attribute(trainer, rollouts, low: str, ratio_cap: float) -> dict:
                    "share_lowered": {k: share(lowered[k], all_low[k]) for k in GAPS}}
     interaction = {direction: {k: sum(o[f"share_{direction}"][k] for o in ops.values()) - 1 for k in GAPS}
                    for direction in ("raised", "lowered")}
-    return {"dtype": low, "reference": "fp32", "classes": list(model.classes), "all_low": all_low, "ops": ops,
+    return {"dtype": dtype_name(dtype), "reference": dtype_name(torch.float32), "classes": list(model.classes), "all_low": all_low, "ops": ops,
             "interaction": interaction, "forwards": 2 + 2 * len(model.classes),
             "tokens": int(mask.sum()), "seconds": time.perf_counter() - started}
 
@@ -342,8 +345,9 @@ class TrainingAttribution:
     growing gap (`model_statistics`). Rank 0 measures, as it evaluates (its sampler and trainer replica; the
     other ranks do not wait for it in a collective)."""
 
-    def __init__(self, c, examples: list, every: int, sampler_dtype: str, ratio_cap: float):
-        self.c, self.every, self.dtype, self.ratio_cap = c, every, sampler_dtype, ratio_cap
+    def __init__(self, c, examples: list, every: int, sampler_dtype: str | torch.dtype, ratio_cap: float):
+        self.c, self.every, self.ratio_cap = c, every, ratio_cap
+        self.dtype = to_dtype(sampler_dtype, "precision.sampler_dtype")
         self.prompt_ids = [c.tokenizer(e.prompt).input_ids for e in examples]
 
     def due(self, step: int) -> bool:

@@ -46,7 +46,7 @@ import torch
 from torch import nn
 
 from rlmm.mismatch.routing import decoder_layers, unwrap
-from rlmm.policy.precision import to_dtype
+from rlmm.policy.precision import dtype_name, to_dtype
 
 COMPARISONS = ("kernels", "precision", "total")
 # Inside each decoder layer, in the order they run: the attention's norm, the attention block's output (after o_proj,
@@ -190,21 +190,25 @@ def summarize(compared: dict, sites: list[str], bucket_size: int) -> dict:
             "profile": profile}
 
 
-def check_layers(sampler_dtype: str, trainer_dtype: str, trainer) -> None:
+def check_layers(sampler_dtype: str | torch.dtype, trainer_dtype: str | torch.dtype, trainer) -> None:
     """Before any engine starts: the trainer can compute in the sampler's dtype: it does, or it is fp32 and its
-    module holds the full weights (op attribution's plans cast them)."""
+    module holds the full weights (op attribution's plans cast them). The dtypes come as the config spells them
+    (cfg.precision's `*_dtype`) or as torch dtypes."""
     from rlmm.mismatch.attribution import WHOLE_WEIGHTS
 
-    if trainer_dtype not in (sampler_dtype, "fp32"):
+    sampler_dtype = to_dtype(sampler_dtype, "precision.sampler_dtype")
+    trainer_dtype = to_dtype(trainer_dtype, "precision.trainer_dtype")
+    if trainer_dtype not in (sampler_dtype, torch.float32):
         raise ValueError(f"probe.layers: compares the sampler with the trainer computing in the sampler's dtype: the "
-                         f"sampler computes in {sampler_dtype}, the trainer in {trainer_dtype} (the same dtype on both "
-                         "sides, or an fp32 trainer: precision=bf16_sampler_fp32_trainer)")
+                         f"sampler computes in {dtype_name(sampler_dtype)}, the trainer in {dtype_name(trainer_dtype)} "
+                         "(the same dtype on both sides, or an fp32 trainer: precision=bf16_sampler_fp32_trainer)")
     reduced = trainer_dtype != sampler_dtype  # an fp32 trainer computes in the sampler's dtype through op attribution
     if reduced and (trainer.get("zero_stage", 0) == 3 or trainer.get("padding_free", False)):
-        raise ValueError(f"probe.layers: with an fp32 trainer and a {sampler_dtype} sampler, {WHOLE_WEIGHTS}")
+        raise ValueError(f"probe.layers: with an fp32 trainer and a {dtype_name(sampler_dtype)} sampler, "
+                         f"{WHOLE_WEIGHTS}")
 
 
-def compare_layers(trainer, rollouts, sampler_dtype: str, bucket_size: int) -> dict:
+def compare_layers(trainer, rollouts, sampler_dtype: str | torch.dtype, bucket_size: int) -> dict:
     """The layer attribution of `rollouts` (captured with the sampler's `capturing_layers`): the module docstring's
     comparisons, {"sites", "dtype", "trainer_dtype", "tokens", "prompt_tokens", "response_tokens", "comparisons":
     {name: figures}, "bucket_size", "seconds"}."""
@@ -231,7 +235,7 @@ def compare_layers(trainer, rollouts, sampler_dtype: str, bucket_size: int) -> d
         compared["precision"] = relative_errors(at_low, fp32, lengths)
         compared["total"] = relative_errors(rollouts.layer_states, fp32, lengths)
     prompt = compared["kernels"]["prompt"]
-    return {"sites": sites, "dtype": sampler_dtype, "trainer_dtype": str(trainer_dtype).removeprefix("torch."),
+    return {"sites": sites, "dtype": dtype_name(low), "trainer_dtype": str(trainer_dtype).removeprefix("torch."),
             "tokens": len(prompt), "prompt_tokens": int(prompt.sum()), "response_tokens": int((~prompt).sum()),
             "bucket_size": bucket_size,
             "comparisons": {name: summarize(c, sites, bucket_size) for name, c in compared.items()},

@@ -29,7 +29,7 @@ def load_causal_lm(path: str, side: SidePrecision, *, trainable: bool = False, l
     its own, untied from the input embedding, with `untie_head` or an fp32 head)."""
     from transformers import AutoModelForCausalLM
 
-    dtype = side.torch_dtype
+    dtype = side.dtype
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32 if side.fp32_head else dtype)
     fp32_head = model.get_output_embeddings().weight.detach().clone() if side.fp32_head else None
     cast_parameters(model, dtype)
@@ -63,7 +63,7 @@ def load_value_model(path: str, side: SidePrecision, *, device: torch.device | s
     verbosity = transformers.logging.get_verbosity()
     transformers.logging.set_verbosity_error()  # the LM head left out and the new value head are expected
     try:
-        model = AutoModelForTokenClassification.from_pretrained(path, config=config, dtype=side.torch_dtype)
+        model = AutoModelForTokenClassification.from_pretrained(path, config=config, dtype=side.dtype)
     finally:
         transformers.logging.set_verbosity(verbosity)
     model.to(device)

@@ -16,35 +16,55 @@ import torch
 
 log = logging.getLogger(__name__)
 
+# The config's spelling of each dtype (conf/precision/*.yaml, `precision.*_dtype=` overrides) and back. Past the
+# config's edge a dtype is a `torch.dtype`: `to_dtype` reads a name once, where a precision object is built, and
+# `dtype_name` writes one wherever a report, record or message shows it.
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
 
 
-def to_dtype(name: str, what: str = "dtype") -> torch.dtype:
-    """Map 'fp32' | 'bf16' | 'fp16' to a torch dtype, with a one-line error naming the choices."""
+def to_dtype(name: str | torch.dtype, what: str = "dtype") -> torch.dtype:
+    """Map 'fp32' | 'bf16' | 'fp16' to a torch dtype (one of those three torch dtypes passes as it is), with a
+    one-line error naming `what`, the bad value and the choices."""
+    if isinstance(name, torch.dtype) and name in DTYPE_NAMES:
+        return name
     try:
         return DTYPES[name]
-    except KeyError:
-        raise ValueError(f"{what}: unknown precision '{name}' (allowed: {', '.join(DTYPES)})") from None
+    except (KeyError, TypeError):
+        shown = dtype_name(name) if isinstance(name, torch.dtype) else name
+        raise ValueError(f"{what}: unknown precision '{shown}' (allowed: {', '.join(DTYPES)})") from None
 
 
 def dtype_name(dtype: torch.dtype) -> str:
+    """The name a report, record or message writes for `dtype`: the config's ('fp32', 'bf16', 'fp16'), torch's
+    own for any other ('float64', 'float8_e4m3fn')."""
     return DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
 
 
 @dataclass(frozen=True)
 class SidePrecision:
-    """The format one engine computes in: body dtype, and whether the LM head runs in fp32."""
+    """The format one engine computes in: body dtype, and whether the LM head runs in fp32.
 
-    dtype: str
+    `dtype` may be given by its config name ("bf16"); it is a `torch.dtype` once built, and every comparison
+    downstream is on it (`side.dtype == torch.float16`); `name` is what a report writes."""
+
+    dtype: torch.dtype
     fp32_head: bool
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", to_dtype(self.dtype, "precision"))  # frozen: set once, here
+
+    @property
+    def name(self) -> str:
+        return dtype_name(self.dtype)
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return to_dtype(self.dtype)
+        """`dtype` under the name the samplers (rlmm/samplers/) and benchmarks read."""
+        return self.dtype
 
     def __str__(self) -> str:
-        return self.dtype + ("+fp32head" if self.fp32_head and self.dtype != "fp32" else "")
+        return self.name + ("+fp32head" if self.fp32_head and self.dtype != torch.float32 else "")
 
 
 class PrecisionPolicy:
@@ -63,10 +83,8 @@ class PrecisionPolicy:
 
     def __init__(self, sampler_dtype: str, trainer_dtype: str, sampler_fp32_head: bool, trainer_fp32_head: bool,
                  tf32: bool):
-        to_dtype(sampler_dtype, "precision.sampler_dtype")
-        to_dtype(trainer_dtype, "precision.trainer_dtype")
-        self.sampler = SidePrecision(sampler_dtype, bool(sampler_fp32_head))
-        self.trainer = SidePrecision(trainer_dtype, bool(trainer_fp32_head))
+        self.sampler = SidePrecision(to_dtype(sampler_dtype, "precision.sampler_dtype"), bool(sampler_fp32_head))
+        self.trainer = SidePrecision(to_dtype(trainer_dtype, "precision.trainer_dtype"), bool(trainer_fp32_head))
         self.tf32 = bool(tf32)
 
     @property
@@ -103,9 +121,10 @@ def check_precision(policy, sampler_actual: dict, trainer_actual: dict) -> dict:
         report["silent_casts"].append(f"fp32 matmul precision: asked for {policy.fp32_matmul}, "
                                       f"in force {report['actual']['fp32_matmul']}")
     for side, asked, actual in (("sampler", policy.sampler, sampler_actual), ("trainer", policy.trainer, trainer_actual)):
-        if actual["dtype"] != asked.dtype:
-            report["silent_casts"].append(f"{side}: asked for {asked.dtype}, engine runs {actual['dtype']}")
-        if asked.fp32_head and actual["head_dtype"] != "fp32":
+        # The engines report names (`dtype_name`; a mixed body as "bf16/fp32"), so the asked side is named too.
+        if actual["dtype"] != asked.name:
+            report["silent_casts"].append(f"{side}: asked for {asked.name}, engine runs {actual['dtype']}")
+        if asked.fp32_head and actual["head_dtype"] != dtype_name(torch.float32):
             report["silent_casts"].append(f"{side}: asked for an fp32 LM head, engine computes it in {actual['head_dtype']}")
     for line in report["silent_casts"]:
         log.warning("precision mismatch: %s", line)
@@ -115,6 +134,7 @@ def check_precision(policy, sampler_actual: dict, trainer_actual: dict) -> dict:
 def nonfinite_cause(dtypes) -> str:
     """The known cause of non-finite log-probs when a side runs in fp16 (`dtypes`: the dtypes the engines
     really run), as a clause to append to the error or warning that reports them; "" otherwise. One text for
-    the probe's error (rlmm/probe) and the training step's bad-step warning (rlmm/run/step.py)."""
+    the probe's error (rlmm/probe) and the training step's bad-step warning (rlmm/run/step.py); the dtypes are
+    the names the precision report holds."""
     return ("; fp16 activations overflow in some models (Qwen2 is known to): use precision=bf16 or fp32"
-            if "fp16" in set(dtypes) else "")
+            if dtype_name(torch.float16) in set(dtypes) else "")

@@ -15,7 +15,7 @@ import torch
 
 from rlmm.models.head import install_output_head
 from rlmm.models.loading import load_value_model, model_precision, padding_id
-from rlmm.policy.precision import SidePrecision, dtype_name
+from rlmm.policy.precision import SidePrecision, dtype_name, to_dtype
 from rlmm.policy.rollouts import Rollouts, SamplingOptions
 from rlmm.runtime import cpu
 from rlmm.runtime.devices import init_process_group, select_device
@@ -104,14 +104,14 @@ class DeepSpeedTrainer:
         prepare_jit_ops()  # its own build folder, no dead process's lock to wait on (deepspeed_ops)
         deepspeed.init_distributed(verbose=False)  # DeepSpeed's handle on the group just made (or vLLM's)
         if value_head:  # PPO's critic: the policy's body with a scalar head (rlmm/run/critic.py)
-            model, self.head, fp32_head = load_value_model(model_path, SidePrecision("fp32", False)), None, None
+            model, self.head, fp32_head = load_value_model(model_path, SidePrecision(torch.float32, False)), None, None
         else:
             model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
             fp32_head = model.get_output_embeddings().weight.detach().clone() if precision.fp32_head else None
             self.head = install_output_head(model, fp32=precision.fp32_head, chunk_size=logits_chunk_size,
                                             fp32_weight=fp32_head)
         if padding_free:
-            use_varlen_attention(model, self.device, precision.torch_dtype)
+            use_varlen_attention(model, self.device, precision.dtype)
         prepare_for_training(model, gradient_checkpointing)
         if config_file:
             config = merge_user_config(config, config_file)
@@ -127,8 +127,8 @@ class DeepSpeedTrainer:
             self.head_optimizer = FP32HeadOptimizer(self.head.weight, lr, weight_decay, warmup_steps, grad_clip)
             keep_out_of_zero0_reduction(self.engine, self.head.weight)
         # fp16/bf16 optimizers check for overflow and skip the step themselves (dynamic loss scaling).
-        self.loss_scaled = precision.dtype in ("fp16", "bf16")
-        self.fp16 = precision.dtype == "fp16"
+        self.loss_scaled = precision.dtype in (torch.float16, torch.bfloat16)
+        self.fp16 = precision.dtype == torch.float16
         if self.fp16:
             skip_at_min_scale(self.engine)
         self.scales_loss = self.fp16 and loss_left_unscaled(self.engine)  # ZeRO-0: rlmm scales the loss
@@ -138,9 +138,9 @@ class DeepSpeedTrainer:
         # backward, in the order of the last forward: several forwards before the first backward gave wrong
         # gradients (relative error 0.65 against the hand-computed step, tests/test_update.py), so under
         # ZeRO-3 the one-pass step always scores first.
-        self.budget = ActivationBudget(model.config, precision.torch_dtype, self.engine.device, gradient_checkpointing,
+        self.budget = ActivationBudget(model.config, precision.dtype, self.engine.device, gradient_checkpointing,
                                        optimizer_state_bytes(parameters // dist.get_world_size() if zero_stage
-                                                             else parameters, precision.torch_dtype),
+                                                             else parameters, precision.dtype),
                                        one_pass=zero_stage != 3)
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.pad_id = padding_id(tokenizer, model_path)
@@ -153,9 +153,9 @@ class DeepSpeedTrainer:
     @staticmethod
     def unsupported(precision: SidePrecision) -> str | None:
         """Why DeepSpeed's accelerator on this machine cannot run `precision` (None when it can)."""
-        supported = cpu.deepspeed_dtypes()
-        if precision.dtype not in supported:
-            return (f"precision: trainer=deepspeed cannot run {precision.dtype} on this machine's "
+        supported = cpu.deepspeed_dtypes()  # names: rlmm/runtime/ sits below the precision objects
+        if precision.dtype not in [to_dtype(name) for name in supported]:
+            return (f"precision: trainer=deepspeed cannot run {precision.name} on this machine's "
                     f"{cpu.deepspeed_device_name()} accelerator (allowed here: {', '.join(supported)}; "
                     f"trainer=torch scores in any)")
         return None

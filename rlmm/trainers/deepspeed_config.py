@@ -11,7 +11,9 @@ import json
 import math
 from pathlib import Path
 
-from rlmm.policy.precision import SidePrecision
+import torch
+
+from rlmm.policy.precision import SidePrecision, to_dtype
 
 GRAD_ACCUM_DTYPES = (None, "fp32")
 REDUCE_DTYPES = (None, "fp32", "bf16", "fp16")
@@ -36,7 +38,7 @@ def engine_config(precision: SidePrecision, micro_batch_size: int, zero_stage: i
         "gradient_accumulation_steps": 1,
         "gradient_clipping": grad_clip,
         "optimizer": {"type": "AdamW", "params": {"lr": lr, "weight_decay": weight_decay, "torch_adam": True}},
-        "bf16": {"enabled": precision.dtype == "bf16"},
+        "bf16": {"enabled": precision.dtype == torch.bfloat16},
         "fp16": fp16,
         "zero_optimization": {"stage": zero_stage},
         "steps_per_print": 1 << 30,
@@ -49,7 +51,7 @@ def fp16_config(precision: SidePrecision, initial_loss_scale: float, growth_inte
     """DeepSpeed's `fp16` node: off, or dynamic loss scaling from 2^k = `initial_loss_scale`. `hysteresis`
     1, so every overflow lowers the scale at once on every ZeRO stage, as ZeRO-0 and GradScaler do
     (DeepSpeed's ZeRO default, 2, skipped one overflow without lowering it)."""
-    if precision.dtype != "fp16":
+    if precision.dtype != torch.float16:
         return {"enabled": False}
     mantissa, exponent = math.frexp(initial_loss_scale) if math.isfinite(initial_loss_scale) else (0.0, 0)
     if mantissa != 0.5:
@@ -66,8 +68,8 @@ def check_dtypes(precision: SidePrecision, zero_stage: int, grad_accum_dtype: st
     """Raise ValueError for a `grad_accum_dtype` / `reduce_dtype` DeepSpeed cannot run at this stage."""
     if grad_accum_dtype not in GRAD_ACCUM_DTYPES:
         raise ValueError(f"trainer.grad_accum_dtype: unknown dtype '{grad_accum_dtype}' (allowed: null, fp32)")
-    if grad_accum_dtype is not None and grad_accum_dtype != precision.dtype and zero_stage == 0:
-        raise ValueError(f"trainer.grad_accum_dtype: {grad_accum_dtype} with a {precision.dtype} body needs "
+    if grad_accum_dtype is not None and to_dtype(grad_accum_dtype) != precision.dtype and zero_stage == 0:
+        raise ValueError(f"trainer.grad_accum_dtype: {grad_accum_dtype} with a {precision.name} body needs "
                          f"zero_stage 1, 2 or 3, got 0 (DeepSpeed's ZeRO-0 sums gradients in the module's dtype "
                          f"only; or trainer.grad_accum_dtype=null)")
     if reduce_dtype not in REDUCE_DTYPES:

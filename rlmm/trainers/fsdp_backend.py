@@ -28,7 +28,7 @@ import torch
 
 from rlmm.models.head import install_output_head
 from rlmm.models.loading import load_value_model, padding_id
-from rlmm.policy.precision import SidePrecision, dtype_name
+from rlmm.policy.precision import SidePrecision, dtype_name, to_dtype
 from rlmm.policy.rollouts import Rollouts, SamplingOptions
 from rlmm.runtime.devices import init_process_group, select_device
 from rlmm.trainers.loss_scale import MIN_LOSS_SCALE, grad_scaler, skip_metrics
@@ -96,9 +96,9 @@ class FSDPTrainer:
         warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
         world = dist.get_world_size()
         mesh = init_device_mesh(self.device.type, (world,))
-        compute = precision.torch_dtype
+        compute = precision.dtype
         if value_head:  # PPO's critic: the policy's body with a scalar head (rlmm/run/critic.py)
-            model, self.head = load_value_model(model_path, SidePrecision("fp32", False)), None
+            model, self.head = load_value_model(model_path, SidePrecision(torch.float32, False)), None
         else:
             model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
             # An fp32 head is a copy of the checkpoint's (untied from the input embedding, as on every backend).
@@ -108,7 +108,7 @@ class FSDPTrainer:
         if padding_free:
             use_varlen_attention(model, self.device, compute)
         prepare_for_training(model, gradient_checkpointing)
-        reduce = SidePrecision(reduce_dtype, False).torch_dtype
+        reduce = to_dtype(reduce_dtype, "trainer.reduce_dtype")
         policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=reduce)
         for layer in decoder_layers(model):
             fully_shard(layer, mesh=mesh, mp_policy=policy)

@@ -33,12 +33,12 @@ def skip_metrics(skipped: bool, loss_scale: float | None, min_loss_scale: float)
     return {"skipped": float(skipped and not normal), "loss_scale_skipped": float(normal)}
 
 
-def grad_scaler(device: torch.device, dtype: str, initial_loss_scale: float,
+def grad_scaler(device: torch.device, dtype: torch.dtype, initial_loss_scale: float,
                 growth_interval: int) -> torch.amp.GradScaler:
     """The torch and FSDP trainers' loss scaler: dynamic from `initial_loss_scale` in fp16, a no-op otherwise
     (`enabled=False`: `scale` returns the loss, `step` steps)."""
-    if dtype == "fp16" and not (initial_loss_scale > 0 and growth_interval >= 1):
+    if dtype == torch.float16 and not (initial_loss_scale > 0 and growth_interval >= 1):
         raise ValueError(f"trainer.initial_loss_scale must be > 0 and trainer.loss_scale_growth_interval >= 1, "
                          f"got {initial_loss_scale} and {growth_interval}")
     return torch.amp.GradScaler(device.type, init_scale=initial_loss_scale, growth_interval=growth_interval,
-                                enabled=dtype == "fp16")
+                                enabled=dtype == torch.float16)

@@ -23,7 +23,7 @@ import math
 import torch
 
 from rlmm.models.loading import load_causal_lm, load_value_model, model_precision, padding_id
-from rlmm.policy.precision import SidePrecision
+from rlmm.policy.precision import SidePrecision, dtype_name
 from rlmm.policy.rollouts import Rollouts, SamplingOptions
 from rlmm.runtime.collectives import average_over_ranks
 from rlmm.runtime.devices import select_device
@@ -82,7 +82,7 @@ class TorchTrainer:
                                         device=self.device)
             self.head = self.model.get_output_embeddings()
         if padding_free:
-            use_varlen_attention(self.model, self.device, precision.torch_dtype)
+            use_varlen_attention(self.model, self.device, precision.dtype)
         prepare_for_training(self.model, gradient_checkpointing)
         params = list(self.model.parameters())
         # fp32 weights are their own master copy; 16-bit ones get one in fp32 for AdamW to update.
@@ -94,12 +94,12 @@ class TorchTrainer:
         self.optimizer = torch.optim.AdamW(self.optimized_params, lr=lr, weight_decay=weight_decay)
         self.grad_scaler = grad_scaler(self.device, precision.dtype, initial_loss_scale, loss_scale_growth_interval)
         self.lr_schedule = linear_warmup(self.optimizer, warmup_steps)
-        self.budget = ActivationBudget(self.model.config, precision.torch_dtype, self.device, gradient_checkpointing,
-                                       optimizer_state_bytes(sum(p.numel() for p in params), precision.torch_dtype))
+        self.budget = ActivationBudget(self.model.config, precision.dtype, self.device, gradient_checkpointing,
+                                       optimizer_state_bytes(sum(p.numel() for p in params), precision.dtype))
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.pad_id = padding_id(tokenizer, model_path)
         body = model_precision(self.model)
-        summed = "fp32" if self.accumulate_in_master else body["dtype"]
+        summed = dtype_name(torch.float32) if self.accumulate_in_master else body["dtype"]
         # grad_accum_dtype: the dtype a minibatch's micro-batch gradients are summed in (an fp32 head's: fp32);
         # reduce_dtype: the dtype the ranks average them in (`average_over_ranks`, before the step).
         self.actual_precision = {**body, "grad_accum_dtype": summed, "reduce_dtype": summed}
