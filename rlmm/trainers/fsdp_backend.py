@@ -22,8 +22,6 @@ body's gradients are summed in fp32 (`actual_precision["grad_accum_dtype"]`).
 """
 from __future__ import annotations
 
-import math
-
 import torch
 
 from rlmm.models.head import install_output_head
@@ -31,9 +29,9 @@ from rlmm.models.loading import load_value_model, padding_id
 from rlmm.policy.precision import SidePrecision, dtype_name, to_dtype
 from rlmm.policy.rollouts import Rollouts, SamplingOptions
 from rlmm.runtime.devices import init_process_group, select_device
-from rlmm.trainers.loss_scale import MIN_LOSS_SCALE, grad_scaler, skip_metrics
+from rlmm.trainers.loss_scale import grad_scaler, grad_scaler_step
 from rlmm.trainers.memory import ActivationBudget, optimizer_state_bytes, prepare_for_training
-from rlmm.trainers.optim import linear_warmup, scaled_lr
+from rlmm.trainers.optim import linear_warmup
 from rlmm.trainers.packing import Batch, MicroBatching, use_varlen_attention
 from rlmm.trainers.scoring import model_scores, score_rollouts, score_with_entropy
 from rlmm.trainers.update import MicroBatchedUpdate
@@ -220,25 +218,9 @@ class FSDPUpdate(MicroBatchedUpdate):
         self.trainer.grad_scaler.scale(loss).backward()
 
     def step(self) -> dict[str, float]:
-        trainer, metrics = self.trainer, {}
-        scaler = trainer.grad_scaler
+        trainer = self.trainer
         self._settled()
-        loss_scale = scaler.get_scale() if scaler.is_enabled() else None  # the scale this step's backward used
-        if loss_scale is not None:
-            metrics["loss_scale"] = loss_scale
-        scaler.unscale_(trainer.optimizer)
-        max_norm = trainer.grad_clip if trainer.grad_clip > 0 else float("inf")
-        norm = torch.nn.utils.clip_grad_norm_(trainer.model.parameters(), max_norm)
-        metrics["grad_norm"] = (norm.full_tensor() if hasattr(norm, "full_tensor") else norm).item()
-        metrics["lr"] = trainer.lr_schedule.get_last_lr()[0] * self.lr_scale
-        nonfinite = not math.isfinite(metrics["grad_norm"])
-        metrics.update(skip_metrics(nonfinite, loss_scale, MIN_LOSS_SCALE))
-        if not nonfinite:
-            with scaled_lr(trainer.optimizer.param_groups, self.lr_scale):  # a correction's factor, this step only
-                scaler.step(trainer.optimizer) if scaler.is_enabled() else trainer.optimizer.step()
-            trainer.lr_schedule.step()
-        scaler.update()
-        if loss_scale is not None and scaler.get_scale() < MIN_LOSS_SCALE:
-            scaler.update(MIN_LOSS_SCALE)  # DeepSpeed's floor: an overflow there is a fault, not a lower scale
-        trainer.optimizer.zero_grad(set_to_none=True)
-        return metrics
+        scaler, optimizer = trainer.grad_scaler, trainer.optimizer
+        return grad_scaler_step(scaler, optimizer, trainer.lr_schedule, trainer.model.parameters(), trainer.grad_clip,
+                                self.lr_scale,
+                                lambda: scaler.step(optimizer) if scaler.is_enabled() else optimizer.step())

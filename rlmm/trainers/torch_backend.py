@@ -18,8 +18,6 @@ the step), and the ranks average the fp32 sums.
 """
 from __future__ import annotations
 
-import math
-
 import torch
 
 from rlmm.models.loading import load_causal_lm, load_value_model, model_precision, padding_id
@@ -27,9 +25,9 @@ from rlmm.policy.precision import SidePrecision, dtype_name
 from rlmm.policy.rollouts import Rollouts, SamplingOptions
 from rlmm.runtime.collectives import average_over_ranks
 from rlmm.runtime.devices import select_device
-from rlmm.trainers.loss_scale import MIN_LOSS_SCALE, grad_scaler, skip_metrics
+from rlmm.trainers.loss_scale import grad_scaler, grad_scaler_step
 from rlmm.trainers.memory import ActivationBudget, optimizer_state_bytes, prepare_for_training
-from rlmm.trainers.optim import linear_warmup, scaled_lr
+from rlmm.trainers.optim import linear_warmup
 from rlmm.trainers.packing import Batch, MicroBatching, use_varlen_attention
 from rlmm.trainers.scoring import model_scores, score_rollouts, score_with_entropy
 from rlmm.trainers.update import MicroBatchedUpdate
@@ -189,8 +187,7 @@ class TorchUpdate(MicroBatchedUpdate):
                 param.grad = None
 
     def step(self) -> dict[str, float]:
-        trainer, metrics = self.trainer, {}
-        scaler = trainer.grad_scaler
+        trainer = self.trainer
         self._settled()
         if trainer.accumulate_in_master:
             average_over_ranks([p.grad for p in trainer.master_params if p.grad is not None])
@@ -198,25 +195,14 @@ class TorchUpdate(MicroBatchedUpdate):
             average_over_ranks([p.grad for p in trainer.model.parameters() if p.grad is not None])
             if trainer.master_params is not None:  # the 16-bit gradients move to the fp32 master copy
                 self._to_master(accumulate=False)
-        loss_scale = scaler.get_scale() if scaler.is_enabled() else None  # the scale this step's backward used
-        if loss_scale is not None:
-            metrics["loss_scale"] = loss_scale
-        scaler.unscale_(trainer.optimizer)
-        max_norm = trainer.grad_clip if trainer.grad_clip > 0 else float("inf")
-        metrics["grad_norm"] = torch.nn.utils.clip_grad_norm_(trainer.optimized_params, max_norm).item()
-        metrics["lr"] = trainer.lr_schedule.get_last_lr()[0] * self.lr_scale
-        nonfinite = not math.isfinite(metrics["grad_norm"])
-        metrics.update(skip_metrics(nonfinite, loss_scale, MIN_LOSS_SCALE))
-        if not nonfinite:  # a NaN/Inf gradient never reaches the weights or AdamW's moments
-            with scaled_lr(trainer.optimizer.param_groups, self.lr_scale):  # a correction's factor, this step only
-                trainer.optimizer.step()
-            trainer.lr_schedule.step()
-            if trainer.master_params is not None:
-                with torch.no_grad():
-                    for master, param in zip(trainer.master_params, trainer.model.parameters()):
-                        param.copy_(master)
-        scaler.update()  # fp16: halve the scale after an overflow, double it after growth_interval clean steps
-        if loss_scale is not None and scaler.get_scale() < MIN_LOSS_SCALE:
-            scaler.update(MIN_LOSS_SCALE)  # DeepSpeed's floor: an overflow there is a fault, not a lower scale
-        trainer.optimizer.zero_grad(set_to_none=True)
-        return metrics
+        return grad_scaler_step(trainer.grad_scaler, trainer.optimizer, trainer.lr_schedule, trainer.optimized_params,
+                                trainer.grad_clip, self.lr_scale, self._step_master)
+
+    def _step_master(self) -> None:
+        """AdamW's step on the fp32 master copy (the weights themselves when they are fp32), cast into the model."""
+        trainer = self.trainer
+        trainer.optimizer.step()
+        if trainer.master_params is not None:
+            with torch.no_grad():
+                for master, param in zip(trainer.master_params, trainer.model.parameters()):
+                    param.copy_(master)
