@@ -23,8 +23,10 @@ from scripts import generated_part  # noqa: E402
 
 DOC = ROOT / "docs" / "algorithms.md"
 BEGIN, END = generated_part.markers("algorithms_table.py")
-# The values that tell the algorithms apart, in the table's column order (a YAML without one shows –).
-COLUMNS = ("normalize_std", "clip_low", "clip_high", "loss_aggregation", "objective", "minibatches", "kl_coef")
+# The values that tell the algorithms apart, in the table's column order (a YAML without one shows –); a dotted
+# name is a key of a nested option (the objective's clip range), a nested option itself shows its class.
+COLUMNS = ("normalize_std", "objective", "objective.clip_low", "objective.clip_high", "loss_aggregation", "minibatches",
+           "kl_coef")
 
 
 def summary(option: str) -> str:
@@ -39,14 +41,23 @@ def summary(option: str) -> str:
     return (text if end is None else text[:end.start() + 1]).replace("|", "\\|")
 
 
+def cell(node: dict, column: str) -> str:
+    """The YAML's value at `column` as the table shows it."""
+    value = node
+    for key in column.split("."):
+        value = value.get(key, "–") if isinstance(value, dict) else "–"
+    if isinstance(value, dict):
+        return f"`{value['_target_'].rsplit('.', 1)[1]}`"
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
 def generated() -> str:
     lines = [BEGIN, "", "| `algo=` | what it is | class | " + " | ".join(f"`{c}`" for c in COLUMNS) + " |",
              "|---|---|---|" + "---|" * len(COLUMNS)]
     for option in group_options("algo"):
         node = OmegaConf.to_container(OmegaConf.load(CONF_DIR / "algo" / f"{option}.yaml"))
         cls = node["_target_"].rsplit(".", 1)[1]
-        values = " | ".join(str(node[c]).lower() if isinstance(node.get(c), bool) else str(node.get(c, "–"))
-                            for c in COLUMNS)
+        values = " | ".join(cell(node, c) for c in COLUMNS)
         lines.append(f"| `{option}` | {summary(option)} | `{cls}` | {values} |")
     return "\n".join([*lines, "", END])
 

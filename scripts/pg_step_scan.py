@@ -24,7 +24,7 @@ set_runtime_env()
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
-from rlmm.algos import GRPO  # noqa: E402
+from rlmm.algos import GRPO, ClippedSurrogate  # noqa: E402
 from rlmm.config.options import from_yaml  # noqa: E402
 from rlmm.policy.precision import SidePrecision  # noqa: E402
 from rlmm.policy.rollouts import SamplingOptions  # noqa: E402
@@ -41,9 +41,8 @@ options = SamplingOptions(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=8,
 task = from_yaml("task", "arithmetic", seed=0)
 tokenizer = AutoTokenizer.from_pretrained(args.model)
 model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
-algo = GRPO(group_size=8, normalize_std=True, clip_low=0.2, clip_high=0.28, loss_aggregation="token",
-            kl_coef=0.0, kl_estimator="k3", entropy_coef=0.0, objective="clip", dual_clip=None,
-                count_rejected=False, epochs=1, minibatches=1)
+algo = GRPO(group_size=8, normalize_std=True, objective=ClippedSurrogate(0.2, 0.28, None), loss_aggregation="token",
+            kl_coef=0.0, kl_estimator="k3", entropy_coef=0.0, count_rejected=False, epochs=1, minibatches=1)
 batch, held_out = task.examples("train", args.prompts), task.examples("test", args.held_out)
 
 rollouts = from_yaml("sampler", "hf", model_path=args.model, precision=SidePrecision("fp32", False), sampling=options,

@@ -7,7 +7,7 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from rlmm.algos import GRPO, per_token_entropy
-from rlmm.algos.surrogate import METRIC_KEYS
+from rlmm.algos.surrogate import METRIC_KEYS, ClippedSurrogate
 from rlmm.config.options import CONF_DIR, ConfigError, validate_node
 from rlmm.run.interfaces import Algorithm
 
@@ -22,10 +22,10 @@ def assert_close(actual, expected, rtol=1.3e-6, atol=1e-5):
     assert actual.shape == expected.shape and torch.allclose(actual, expected, rtol=rtol, atol=atol), (actual, expected)
 
 
-def make(**overrides) -> GRPO:
-    args = dict(group_size=4, normalize_std=True, clip_low=0.2, clip_high=0.5, loss_aggregation="token",
-                kl_coef=0.0, kl_estimator="k3", entropy_coef=0.0, objective="clip", dual_clip=None,
-                count_rejected=False, epochs=1, minibatches=1)
+def make(clip_low=0.2, clip_high=0.5, dual_clip=None, **overrides) -> GRPO:
+    args = dict(group_size=4, normalize_std=True, objective=ClippedSurrogate(clip_low, clip_high, dual_clip),
+                loss_aggregation="token", kl_coef=0.0, kl_estimator="k3", entropy_coef=0.0, count_rejected=False,
+                epochs=1, minibatches=1)
     return GRPO(**(args | overrides))
 
 
@@ -46,7 +46,8 @@ def test_every_algo_yaml_validates_and_builds(path):
 
 def test_dr_grpo_yaml_is_dr_grpo():
     algo = instantiate(OmegaConf.load(CONF_DIR / "algo" / "dr_grpo.yaml"))
-    assert (algo.normalize_std, algo.loss.loss_aggregation, algo.loss.clip_low, algo.loss.clip_high) == (
+    objective = algo.loss.objective
+    assert (algo.normalize_std, algo.loss.loss_aggregation, objective.clip_low, objective.clip_high) == (
         False, "constant", 0.2, 0.2)
 
 
@@ -331,12 +332,11 @@ def test_per_token_entropy_upcasts_low_precision():
     ({"loss_aggregation": "tokens"}, "algo.loss_aggregation: unknown mode 'tokens' (allowed: token, sequence, constant)"),
     ({"kl_estimator": "k4"}, "algo.kl_estimator: unknown estimator 'k4' (allowed: k1, k2, k3)"),
     ({"group_size": 1}, "algo.group_size: must be >= 2, got 1 (a group of one has advantage 0)"),
-    ({"clip_low": 1.5}, "algo.clip_low: must be in (0, 1] (1: no lower bound), got 1.5"),
-    ({"objective": "ppo"}, "algo.objective: unknown objective 'ppo' (allowed: clip, cispo)"),
-    ({"dual_clip": 1.0}, "algo.dual_clip: must be > 1 or null (off), got 1.0"),
-    ({"objective": "cispo", "dual_clip": 3.0}, "algo.dual_clip: PPO's dual clip bounds the clipped surrogate; "
-                                                "objective 'cispo' has none (set algo.dual_clip=null)"),
-    ({"clip_high": 0.0}, "algo.clip_high: must be > 0, got 0.0"),
+    ({"clip_low": 1.5}, "algo.objective.clip_low: must be in (0, 1] (1: no lower bound), got 1.5"),
+    ({"objective": "cispo"}, "algo.objective: 'cispo' is not a loss objective: it is a node naming its class (CISPO: "
+                             "algo=cispo; the clip range: algo.objective.clip_low=..., algo.objective.clip_high=...)"),
+    ({"dual_clip": 1.0}, "algo.objective.dual_clip: must be > 1 or null (off), got 1.0"),
+    ({"clip_high": 0.0}, "algo.objective.clip_high: must be > 0, got 0.0"),
     ({"kl_coef": -0.1}, "algo.kl_coef: must be >= 0, got -0.1"),
     ({"entropy_coef": NAN}, "algo.entropy_coef: must be >= 0, got nan"),
     ({"epochs": 0}, "algo.epochs: must be >= 1, got 0"),
@@ -376,12 +376,12 @@ GSPO_GRAD = torch.tensor([[-2 * S0 / 4, -0.5 * S0 / 4, 0, 0],
                           [2 * 1 * S1 / 6, 2 * 0.5 * S1 / 6, 2 * 2 * S1 / 6, 0]], dtype=torch.float64)
 
 
-def make_gspo(**overrides):
+def make_gspo(clip_high=0.5, **overrides):
     from rlmm.algos import GSPO
 
-    args = dict(group_size=4, normalize_std=True, clip_low=0.2, clip_high=0.5, loss_aggregation="sequence",
-                kl_coef=0.0, kl_estimator="k3", entropy_coef=0.0, objective="clip", dual_clip=None,
-                count_rejected=False, epochs=1, minibatches=1)
+    args = dict(group_size=4, normalize_std=True, objective=ClippedSurrogate(0.2, clip_high, None),
+                loss_aggregation="sequence", kl_coef=0.0, kl_estimator="k3", entropy_coef=0.0, count_rejected=False,
+                epochs=1, minibatches=1)
     return GSPO(**(args | overrides))
 
 

@@ -70,9 +70,15 @@ TRAIN_CASES = [
     (["correction=seq_veto+tis", "correction.stages.tis.cap=0.5"],
      "correction.stages.tis.cap: must be a finite number >= 1, got 0.5"),
     (["correction=seq_veto+tis", "correction.stages.tis.capp=3"], "Key 'capp' is not in struct (allowed: cap)"),
-    (["algo.objective=ppo2"], "algo.objective: unknown objective 'ppo2' (allowed: clip, cispo)"),
-    (["algo=cispo", "algo.dual_clip=3"], "algo.dual_clip: PPO's dual clip bounds the clipped surrogate; objective "
-                                         "'cispo' has none (set algo.dual_clip=null)"),
+    # the objective is a node of its own (issue 51); the old spellings point at the new ones
+    (["algo.objective=cispo"], "algo.objective: 'cispo' is not a loss objective: it is a node naming its class "
+                               "(CISPO: algo=cispo; the clip range: algo.objective.clip_low=..., "
+                               "algo.objective.clip_high=...)"),
+    (["algo.clip_high=0.3"], "Key 'clip_high' is not in struct (allowed: group_size, normalize_std, objective, "
+                             "loss_aggregation, kl_coef, kl_estimator, entropy_coef, count_rejected, epochs, "
+                             "minibatches; clip_high is algo.objective.clip_high)"),
+    (["algo.objective.clip_low=1.5"], "algo.objective.clip_low: must be in (0, 1] (1: no lower bound), got 1.5"),
+    (["algo=cispo", "algo.objective.dual_clip=3"], "Key 'dual_clip' is not in struct (allowed: clip_low, clip_high)"),
     (["-m", "correction=tis,bypas"], "unknown correction 'bypas'"),
     (["correction.cap=-1"], "correction.cap: must be a finite number >= 1, got -1"),
     (["algo.group_size=0"], "algo.group_size: must be >= 2, got 0"),
@@ -135,7 +141,7 @@ def test_train_bad_input_one_line_error(args, message, in_one_process):
 # The `rlmm` command itself, one process a case: the exit code and a stderr of one line with nothing before
 # it (no import's warning), for a case of each kind: a group, a sweep, a path, a key, a rule between keys.
 AS_A_COMMAND = [("probe", CASES[0]), ("probe", CASES[4]), ("probe", CASES[9]), ("train", TRAIN_CASES[3]),
-                ("train", TRAIN_CASES[17])]
+                ("train", TRAIN_CASES[19])]
 
 
 @pytest.mark.parametrize("app,case", AS_A_COMMAND, ids=[f"{app} {' '.join(c[0])}" for app, c in AS_A_COMMAND])

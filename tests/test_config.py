@@ -70,6 +70,20 @@ def test_unknown_key_is_rejected_with_the_allowed_ones():
         validate(cfg, choices)
 
 
+@pytest.mark.parametrize("override,message", [
+    ("+algo.objective.dual_clip=3", "algo.objective: unknown key 'dual_clip' (allowed: clip_low, clip_high)"),
+    ("algo.objective.clip_high=wide", "algo.objective: Value 'wide' of type 'str' could not be converted to Float"),
+    ("algo.objective.clip_high=???", "algo.objective: missing required key(s) clip_high"),
+])
+def test_an_option_nested_in_an_option_is_validated_against_its_own_class(override, message):
+    """An option held by another (an algorithm's `objective`, its own `_target_`) is checked as every option is, and
+    the one line names the nested node (CISPO has no dual clip)."""
+    cfg, choices = _compose("train", ["algo=cispo", override])
+    with pytest.raises(ConfigError) as err:
+        validate(cfg, choices)
+    assert str(err.value) == message
+
+
 def test_wrong_type_is_rejected():
     node = OmegaConf.create({"_target_": "rlmm.trainers.torch_backend.TorchTrainer", "micro_batch_size": "big"})
     with pytest.raises(ConfigError, match="^trainer: micro_batch_size: Value 'big' of type 'str' could not be "

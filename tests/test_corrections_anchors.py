@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from rlmm.algos.grpo import GRPO
+from rlmm.algos.surrogate import CISPO, ClippedSurrogate
 from rlmm.corrections.dppo_tv import ProximalTVTrustRegion
 from rlmm.corrections.tv_trust import TVTrustRegion
 
@@ -27,9 +28,10 @@ def batch():
 
 
 def algo(objective="clip", clip_low=0.2, clip_high=0.2, dual_clip=None, aggregation="token", count_rejected=False):
-    return GRPO(group_size=2, normalize_std=True, clip_low=clip_low, clip_high=clip_high, loss_aggregation=aggregation,
-                kl_coef=0.0, kl_estimator="k3", entropy_coef=0.0, objective=objective, dual_clip=dual_clip,
-                count_rejected=count_rejected, epochs=1, minibatches=1)
+    """GRPO with PPO's clipped surrogate ("clip") or CISPO's ("cispo") objective."""
+    built = ClippedSurrogate(clip_low, clip_high, dual_clip) if objective == "clip" else CISPO(clip_low, clip_high)
+    return GRPO(group_size=2, normalize_std=True, objective=built, loss_aggregation=aggregation, kl_coef=0.0,
+                kl_estimator="k3", entropy_coef=0.0, count_rejected=count_rejected, epochs=1, minibatches=1)
 
 
 def step_loss(correction, algorithm, old=None, mu=None, theta=None, advantages=None, mask=None):
@@ -76,7 +78,7 @@ VERL_DPPO_TV = {
 def test_dppo_tv_is_verls_loss_with_either_anchor(anchor):
     """verl's DPPO-Binary-TV with old = pi_old (decoupled mode) is ``correction=dppo_tv``, with old = mu (bypass mode)
     ``correction=tv_trust correction.kl_coef=0`` (prime-rl's sampler anchor, without its penalty); both with
-    ``algo=cispo algo.clip_low=1 algo.clip_high=2``: verl's truncated weight sg(min(r, c)) at c = 3 is CISPO's over
+    ``algo=cispo algo.objective.clip_low=1 algo.objective.clip_high=2``: verl's truncated weight sg(min(r, c)) at c = 3 is CISPO's over
     [0, c]. Figures: verl-project/verl at 1dda039b9c6311889a9c9a26040677e1254814f9 (VERL_DPPO_TV). Token 0 of row 0
     has r = 4 > c (weight 3, kept: it moved 0.15 <= eps); four tokens leave the region (one high, three low, one of
     them with A = 0). Token 2 of row 0 moved 0.05 from pi_old and 0.25 from mu: the sampler's region drops it,
@@ -108,7 +110,7 @@ TRL_CISPO = {
 def test_cispo_with_trls_absolute_cap_below_one(epsilon_high):
     """TRL's CISPO weights a token by sg(min(r, epsilon_high)), an absolute cap that may be below 1 (TRL's default
     0.2): rlmm's CISPO weight is sg(clip(r, 1 - clip_low, 1 + clip_high)), so TRL's cap is ``algo=cispo
-    algo.clip_low=1 algo.clip_high=<epsilon_high - 1>`` (-0.8 for TRL's default), which rlmm refused before issue 49.
+    algo.objective.clip_low=1 algo.objective.clip_high=<epsilon_high - 1>`` (-0.8 for TRL's default), which rlmm refused before issue 49.
     Figures: TRL at f2cd57710ae345ea6428ae95363267fcf38a3dc8 (TRL_CISPO). TRL's ``cispo_clip_ratio`` counts the
     capped tokens with A > 0 only (rlmm's clipfrac_high counts every capped token)."""
     from rlmm.corrections.none import NoCorrection
@@ -124,8 +126,8 @@ def test_cispo_with_trls_absolute_cap_below_one(epsilon_high):
 
 
 @pytest.mark.parametrize(("clip_low", "clip_high", "message"), [
-    (1.0, -1.0, "algo.clip_high: CISPO's cap 1 + clip_high must be > 0, got clip_high -1.0"),
-    (0.2, -0.5, "algo.clip_high: CISPO's range [1 - clip_low, 1 + clip_high] is empty: [0.8, 0.5]"),
+    (1.0, -1.0, "algo.objective.clip_high: CISPO's cap 1 + clip_high must be > 0, got clip_high -1.0"),
+    (0.2, -0.5, "algo.objective.clip_high: CISPO's range [1 - clip_low, 1 + clip_high] is empty: [0.8, 0.5]"),
 ])
 def test_cispo_refuses_a_cap_that_is_no_range(clip_low, clip_high, message):
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]").replace("+", r"\+")):
@@ -133,7 +135,7 @@ def test_cispo_refuses_a_cap_that_is_no_range(clip_low, clip_high, message):
 
 
 def test_the_clipped_surrogate_still_refuses_clip_high_at_or_below_zero():
-    with pytest.raises(ValueError, match="algo.clip_high: must be > 0, got -0.8"):
+    with pytest.raises(ValueError, match="algo.objective.clip_high: must be > 0, got -0.8"):
         algo("clip", clip_high=-0.8)
 
 
@@ -152,7 +154,7 @@ VERL_BYPASS = {
 
 
 def REINFORCE():  # noqa: N802
-    """-w A log pi_theta: CISPO's weight held in [1 - 0, 1 + 0] (algo=cispo algo.clip_low=0 algo.clip_high=0)."""
+    """-w A log pi_theta: CISPO's weight held in [1 - 0, 1 + 0] (algo=cispo algo.objective.clip_low=0 algo.objective.clip_high=0)."""
     return algo("cispo", clip_low=0.0, clip_high=0.0)
 
 
@@ -165,7 +167,7 @@ BYPASS_STAGES = {"bypass_pg_is": {"seq_tis": {}},  # rollout_is sequence, thresh
 def test_bypass_is_with_reinforce_is_verls_bypass_mode(preset):
     """verl's bypass mode with loss_type reinforce: old = mu, the IS weights and rejection computed under no_grad from
     pi_theta against mu (not pi_old), and -A * log pi_theta * w over the kept tokens, the rejected ones in the divisor.
-    ``correction=bypass_is algo=cispo algo.clip_low=0 algo.clip_high=0`` (CISPO's weight held at 1: REINFORCE)
+    ``correction=bypass_is algo=cispo algo.objective.clip_low=0 algo.objective.clip_high=0`` (CISPO's weight held at 1: REINFORCE)
     is verl's ``bypass_pg_is``; with ``correction.stages`` {tis, geo_rs} its ``bypass_pg_geo_rs_token_tis``. Figures: verl-project/verl at 1dda039b9c6311889a9c9a26040677e1254814f9
     (VERL_BYPASS). Row 0's geometric-mean ratio pi_theta / mu is 2.29 (rejected at 2); on pi_old / mu it is 1.37, so a
     rejection on the trainer's recomputation would keep it: the stages must read pi_theta."""
@@ -325,7 +327,7 @@ VERL_VANILLA = (0.017999338624338612, [0.0, 0.0, -0.09722222222222222, -0.087962
 def test_ppo_kl_clipfrac_and_clipfrac_dual_are_verls_ppo_kl_pg_clipfrac_and_pg_clipfrac_lower():
     """verl's PPO logs ``actor/ppo_kl`` = mean(log pi_old - log pi_theta) (k1 of KL(pi_old || pi_theta)),
     ``pg_clipfrac`` and ``pg_clipfrac_lower`` (the dual clip's share: A < 0 and r > c); rlmm's loss/ppo_kl,
-    loss/clipfrac and loss/clipfrac_dual with ``algo.dual_clip=3``. Figures: verl at
+    loss/clipfrac and loss/clipfrac_dual with ``algo.objective.dual_clip=3``. Figures: verl at
     1dda039b9c6311889a9c9a26040677e1254814f9 (VERL_VANILLA)."""
     import math
 

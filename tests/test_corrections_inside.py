@@ -11,6 +11,7 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
+from rlmm.algos.surrogate import CISPO, ClippedSurrogate
 from rlmm.config.options import CONF_DIR, from_yaml
 from rlmm.corrections.base import METRIC_KEYS, Anchor, Correction, MicroBatchView
 from rlmm.corrections.m2po import SecondMomentMask
@@ -366,7 +367,7 @@ def grpo(**values):
 
 def test_cispo_loss_and_gradient_by_hand():
     """loss = -Σ sg(clip(r, 1 - low, 1 + high)) A log π / n: the clipped weight never removes a gradient."""
-    cispo = from_yaml("algo", "cispo", clip_low=0.2, clip_high=0.2)
+    cispo = from_yaml("algo", "cispo", objective=CISPO(clip_low=0.2, clip_high=0.2))
     old = torch.tensor([[-1.0, -1.0, -1.0]])
     logprobs = (old + torch.tensor([[LOG(1.5), LOG(0.5), 0.0]])).requires_grad_()  # r = 1.5, 0.5, 1
     advantages = torch.tensor([1.0])
@@ -378,7 +379,7 @@ def test_cispo_loss_and_gradient_by_hand():
     (grad,) = torch.autograd.grad(loss, logprobs)
     assert grad[0].tolist() == pytest.approx([-w / 3 for w in weights])  # PPO's clip would zero token 0's
     assert metrics["clipfrac_high"] == pytest.approx(1 / 3) and metrics["clipfrac_low"] == pytest.approx(1 / 3)
-    clipped, _ = grpo(clip_low=0.2, clip_high=0.2).policy_loss(logprobs, old, advantages, mask, torch.ones(1, 3))
+    clipped, _ = grpo(objective=ClippedSurrogate(0.2, 0.2, None)).policy_loss(logprobs, old, advantages, mask, torch.ones(1, 3))
     (ppo_grad,) = torch.autograd.grad(clipped, logprobs)
     assert ppo_grad[0, 0] == 0  # the ratio 1.5 > 1.2 with A > 0: PPO's clip removes it
 
@@ -391,7 +392,7 @@ def test_dual_clip_bounds_a_negative_advantages_loss_by_c_times_its_size():
     advantages = torch.tensor([[-1.0, 1.0]])
     mask = torch.ones(1, 2, dtype=torch.bool)
     plain, _ = grpo().policy_loss(logprobs, old, advantages, mask, torch.ones(1, 2))
-    dual, metrics = grpo(dual_clip=3.0).policy_loss(logprobs, old, advantages, mask, torch.ones(1, 2))
+    dual, metrics = grpo(objective=ClippedSurrogate(0.2, 0.28, dual_clip=3.0)).policy_loss(logprobs, old, advantages, mask, torch.ones(1, 2))
     assert plain.item() == pytest.approx((5.0 - 1.28) / 2)  # -A r for A < 0; -clip(r) A for A > 0
     assert dual.item() == pytest.approx((3.0 - 1.28) / 2)
     (grad,) = torch.autograd.grad(dual, logprobs)

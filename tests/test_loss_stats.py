@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from rlmm.algos.surrogate import ClippedSurrogate
 from rlmm.config.options import CONF_DIR, from_yaml
 from rlmm.mismatch.loss_stats import Combine, PolicyLossStats, ValueLossStats, combine_ranks, combined_metrics, reductions
 
@@ -94,8 +95,10 @@ def test_every_algorithm_reports_the_names_of_its_records(name):
     """Every algo option's `policy_loss` (with a reference, the entropy, a correction's penalty and, where the
     objective has a clip, PPO's dual clip: so every optional name is there too) gives exactly `PolicyLossStats`'s
     names, and a critic's `value_loss` `ValueLossStats`'s."""
-    clipped = from_yaml("algo", name, group_size=2).loss.objective == "clip"
-    algo = from_yaml("algo", name, group_size=2, **({"dual_clip": 3.0} if clipped else {}))
+    objective = from_yaml("algo", name, group_size=2).loss.objective
+    clipped = isinstance(objective, ClippedSurrogate)
+    with_dual_clip = {"objective": ClippedSurrogate(objective.clip_low, objective.clip_high, 3.0)} if clipped else {}
+    algo = from_yaml("algo", name, group_size=2, **with_dual_clip)
     generator = torch.Generator().manual_seed(0)
     logprobs = -torch.rand(4, 5, generator=generator)
     mask = torch.ones(4, 5, dtype=torch.bool)

@@ -122,16 +122,15 @@ def test_tied_and_untied_twins_train_identically_with_an_fp32_head(small_model_p
     from omegaconf import OmegaConf
     from transformers import AutoTokenizer
 
-    from rlmm.algos import GRPO
+    from rlmm.algos import GRPO, ClippedSurrogate
     from rlmm.config.options import CONF_DIR, from_yaml
     from rlmm.run.components import Components
     from rlmm.run.step import rl_step
 
     policy = instantiate(OmegaConf.load(CONF_DIR / "precision" / "bf16_fp32head.yaml"))
     options = sampling(max_new_tokens=6)
-    algo = dict(group_size=4, normalize_std=True, clip_low=0.2, clip_high=0.28, loss_aggregation="token",
-                kl_coef=0.0, kl_estimator="k3", entropy_coef=0.1, objective="clip", dual_clip=None,
-                count_rejected=False, epochs=1, minibatches=1)
+    algo = dict(group_size=4, normalize_std=True, objective=ClippedSurrogate(0.2, 0.28, None), loss_aggregation="token",
+                kl_coef=0.0, kl_estimator="k3", entropy_coef=0.1, count_rejected=False, epochs=1, minibatches=1)
     curves = {}
     for name, path in zip(("tied", "untied"), tied_twins(small_model_path, tmp_path)):
         sampler = from_yaml("sampler", "vllm", model_path=path, precision=policy.sampler, sampling=options, seed=0,

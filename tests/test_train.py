@@ -9,6 +9,7 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
+from rlmm.algos.surrogate import ClippedSurrogate
 from rlmm.config.options import CONF_DIR, from_yaml, group_options
 from rlmm.policy.precision import SidePrecision
 from rlmm.run.components import Components
@@ -16,9 +17,8 @@ from rlmm.run.step import rl_step
 from tests.conftest import build_trainer, sampling, subprocess_env
 
 CORRECTIONS = sorted(p.stem for p in (CONF_DIR / "correction").glob("*.yaml"))
-ALGO = dict(group_size=4, normalize_std=True, clip_low=0.2, clip_high=0.28, loss_aggregation="token", kl_coef=0.0,
-            kl_estimator="k3", entropy_coef=0.0, objective="clip", dual_clip=None,
-                count_rejected=False, epochs=1, minibatches=1)
+ALGO = dict(group_size=4, normalize_std=True, objective=ClippedSurrogate(0.2, 0.28, None), loss_aggregation="token",
+            kl_coef=0.0, kl_estimator="k3", entropy_coef=0.0, count_rejected=False, epochs=1, minibatches=1)
 
 
 def make_components(model_path, task, sampler_name, trainer_name, precision_name):

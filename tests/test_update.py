@@ -51,12 +51,12 @@ NEVER_DROPS = ("none", "tis", "seq_tis", "normalize", "seq_normalize", "bypass",
                "mismatch_decay", "dppo_tv")
 
 
-def algo(**overrides):
-    from rlmm.algos import GRPO
+def algo(clip_low=0.2, clip_high=0.28, **overrides):
+    from rlmm.algos import GRPO, ClippedSurrogate
 
-    values = dict(group_size=GROUP, normalize_std=True, clip_low=0.2, clip_high=0.28, loss_aggregation="token",
-                  kl_coef=0.0, kl_estimator="k3", entropy_coef=0.0, objective="clip", dual_clip=None,
-                count_rejected=False, epochs=1, minibatches=1)
+    values = dict(group_size=GROUP, normalize_std=True, objective=ClippedSurrogate(clip_low, clip_high, None),
+                  loss_aggregation="token", kl_coef=0.0, kl_estimator="k3", entropy_coef=0.0, count_rejected=False,
+                  epochs=1, minibatches=1)
     return GRPO(**{**values, **overrides})
 
 

@@ -2,8 +2,9 @@
 
     .venv/bin/python experiments/tis_under_mismatch/analyze_clip.py SWEEP [SWEEP ...]
 
-The sweeps' PPO runs (`algo=ppo`) are grouped into arms by correction and clip range (`algo.clip_low`,
-`algo.clip_high`; a run without them has conf/algo/ppo.yaml's). Per arm: mean over seeds of the run's mean share of tokens
+The sweeps' PPO runs (`algo=ppo`) are grouped into arms by correction and clip range (`algo.objective.clip_low`,
+`algo.objective.clip_high`, or `algo.clip_low`, `algo.clip_high` as runs before issue 51 spelled them; a run without
+them has conf/algo/ppo.yaml's). Per arm: mean over seeds of the run's mean share of tokens
 whose gradient the clip removed (`loss/clipfrac`), of the mean sampled reward, and of the trained weights'
 mean held-out accuracy; then each bypass arm's per-seed difference from `correction=none` and from
 `bypass` at the default clip, mean and 95% paired-t interval with its p (scipy), as in analyze.py.
@@ -29,10 +30,12 @@ def main(sweeps: list[str]) -> None:
     runs = load_runs(sweeps)
     runs = runs[(runs.status == "complete") & (runs.algo == "ppo")]
     ppo = OmegaConf.load(CONF_DIR / "algo" / "ppo.yaml")  # the clip a run without the override had
+    unset = pd.Series("(default)", index=runs.index)
     for key in ("clip_low", "clip_high"):
-        runs[key] = runs.get(f"algo.{key}", pd.Series("(default)", index=runs.index)).replace("(default)", str(ppo[key]))
+        new, old = runs.get(f"algo.objective.{key}", unset), runs.get(f"algo.{key}", unset)  # old: before issue 51
+        runs[key] = new.where(new != "(default)", old).replace("(default)", str(ppo.objective[key]))
     runs["arm"] = runs.correction + " clip " + runs.clip_low + "/" + runs.clip_high
-    default_clip = f"clip {ppo.clip_low}/{ppo.clip_high}"
+    default_clip = f"clip {ppo.objective.clip_low}/{ppo.objective.clip_high}"
     arms = {arm: group.set_index("seed") for arm, group in runs.groupby("arm", sort=False)}
     print("| arm | n | " + " | ".join(METRICS.values()) + " |")
     print("| --- | --- | " + " | ".join("---" for _ in METRICS) + " |")

@@ -1,7 +1,7 @@
 """DAPO (Yu et al. 2025, "DAPO: An Open-Source LLM Reinforcement Learning System at Scale"): GRPO with
 four changes; two are settings of the clipped surrogate (conf/algo/dapo.yaml), two live here.
 
-1. Clip-higher: eps_low 0.2, eps_high 0.28 (`clip_low`, `clip_high`).
+1. Clip-higher: eps_low 0.2, eps_high 0.28 (`objective.clip_low`, `objective.clip_high`).
 2. Token-level loss: sum over all kept tokens / their number (`loss_aggregation: token`).
 3. Dynamic sampling: a group whose rewards are all equal (all right or all wrong) has advantage 0 and no
    gradient; DAPO drops such groups and samples more prompts until the batch is full. `keep_groups`
@@ -29,7 +29,7 @@ from torch import Tensor
 
 from rlmm.algos.grpo import group_advantages, loss_settings
 from rlmm.algos.schedule import check_schedule
-from rlmm.algos.surrogate import SurrogateLoss
+from rlmm.algos.surrogate import Objective, SurrogateLoss
 
 __all__ = ["DAPO"]
 
@@ -46,13 +46,11 @@ class DAPO:
 
     critic = None
 
-    def __init__(self, group_size: int, normalize_std: bool, clip_low: float, clip_high: float,
-                 loss_aggregation: str, kl_coef: float, kl_estimator: str, entropy_coef: float, objective: str,
-                 dual_clip: float | None, count_rejected: bool, epochs: int,
+    def __init__(self, group_size: int, normalize_std: bool, objective: Objective, loss_aggregation: str,
+                 kl_coef: float, kl_estimator: str, entropy_coef: float, count_rejected: bool, epochs: int,
                  minibatches: int, max_sampling_rounds: int, overlong_buffer: float, overlong_penalty: float):
         check_schedule(group_size, epochs, minibatches, min_group_size=2)
-        self.loss = SurrogateLoss(clip_low, clip_high, loss_aggregation, kl_coef, kl_estimator, entropy_coef, objective,
-                                  dual_clip, count_rejected)
+        self.loss = SurrogateLoss(objective, loss_aggregation, kl_coef, kl_estimator, entropy_coef, count_rejected)
         self.policy_loss, self.loss_normalizer = self.loss, self.loss.normalizer  # the Algorithm's two loss calls
         if max_sampling_rounds < 0:
             raise ValueError(f"algo.max_sampling_rounds: must be >= 0, got {max_sampling_rounds}")

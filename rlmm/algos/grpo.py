@@ -45,12 +45,13 @@ How this departs from the papers:
     pi_theta; as a gradient, k1 has zero expectation on-policy, k2 gives the gradient of
     KL(pi_theta || pi_ref), and k3 (GRPO's choice) that of KL(pi_ref || pi_theta).
     DAPO and Dr.GRPO drop the KL term (kl_coef 0).
-  * The dual clip is off by default (`dual_clip: null`) and logratio is not clamped: for A < 0 the surrogate is
-    unbounded in ratio, as in PPO; the metrics ratio_max and clipfrac_low show when that matters.
-  * `objective: cispo` (algo=cispo, MiniMax 2025 "MiniMax-M1") replaces the clipped surrogate by
-    -w_t * sg(clip(ratio_t, 1 - clip_low, 1 + clip_high)) * A_i * log pi_theta(y_t), same advantages.
-The loss is `rlmm.algos.surrogate.SurrogateLoss` (the clipped surrogate every algorithm calls), the KL
-estimators rlmm/mismatch/kl.py's. See docs/algorithms.md for the derivations and for every metric returned.
+  * The dual clip is off by default (`objective.dual_clip: null`) and logratio is not clamped: for A < 0 the
+    surrogate is unbounded in ratio, as in PPO; the metrics ratio_max and clipfrac_low show when that matters.
+  * The per-token term is the YAML's `objective` node: `ClippedSurrogate` above, or `CISPO` (algo=cispo, MiniMax
+    2025 "MiniMax-M1"): -w_t * sg(clip(ratio_t, 1 - clip_low, 1 + clip_high)) * A_i * log pi_theta(y_t), same
+    advantages.
+The loss is `rlmm.algos.surrogate.SurrogateLoss` (the policy loss every algorithm calls, its objective a strategy
+it holds), the KL estimators rlmm/mismatch/kl.py's. See docs/algorithms.md for the derivations and for every metric returned.
 """
 from __future__ import annotations
 
@@ -58,7 +59,7 @@ import torch
 from torch import Tensor
 
 from rlmm.algos.schedule import check_schedule
-from rlmm.algos.surrogate import SurrogateLoss
+from rlmm.algos.surrogate import Objective, SurrogateLoss
 
 __all__ = ["GRPO", "group_advantages"]
 
@@ -87,8 +88,9 @@ class GRPO:
     Args:
         group_size: responses sampled per prompt (G); rewards come grouped, prompt 0's first.
         normalize_std: divide the centred rewards by the group std + 1e-6 (GRPO) or not (Dr.GRPO).
-        clip_low, clip_high, loss_aggregation, kl_coef, kl_estimator, entropy_coef, objective, dual_clip,
-            count_rejected: the loss's (`rlmm.algos.surrogate.SurrogateLoss`, held as `loss`).
+        objective, loss_aggregation, kl_coef, kl_estimator, entropy_coef, count_rejected: the loss's
+            (`rlmm.algos.surrogate.SurrogateLoss`, held as `loss`; `objective` is the per-token term,
+            `rlmm.algos.surrogate.ClippedSurrogate` or `CISPO`, with its clip range).
         epochs: passes over each batch of rollouts (read by the RL loop).
         minibatches: optimizer steps per epoch, each on 1/minibatches of the batch (RL loop).
     """
@@ -98,13 +100,11 @@ class GRPO:
     max_sampling_rounds = 0
     critic = None
 
-    def __init__(self, group_size: int, normalize_std: bool, clip_low: float, clip_high: float,
-                 loss_aggregation: str, kl_coef: float, kl_estimator: str, entropy_coef: float, objective: str,
-                 dual_clip: float | None, count_rejected: bool, epochs: int,
+    def __init__(self, group_size: int, normalize_std: bool, objective: Objective, loss_aggregation: str,
+                 kl_coef: float, kl_estimator: str, entropy_coef: float, count_rejected: bool, epochs: int,
                  minibatches: int):
         check_schedule(group_size, epochs, minibatches, min_group_size=2)
-        self.loss = SurrogateLoss(clip_low, clip_high, loss_aggregation, kl_coef, kl_estimator, entropy_coef, objective,
-                                  dual_clip, count_rejected)
+        self.loss = SurrogateLoss(objective, loss_aggregation, kl_coef, kl_estimator, entropy_coef, count_rejected)
         self.policy_loss, self.loss_normalizer = self.loss, self.loss.normalizer  # the Algorithm's two loss calls
         self.group_size, self.normalize_std = group_size, bool(normalize_std)
         self.epochs, self.minibatches = epochs, minibatches
@@ -128,7 +128,7 @@ class GRPO:
 def loss_settings(algo) -> str:
     """The loss's and the schedule's settings, as every algorithm's repr shows them."""
     loss = algo.loss
-    return (f"clip=[{1 - loss.clip_low:g}, {1 + loss.clip_high:g}], loss_aggregation={loss.loss_aggregation}, "
+    return (f"objective={loss.objective}, loss_aggregation={loss.loss_aggregation}, "
             f"kl_coef={loss.kl_coef:g} ({loss.kl_estimator}), entropy_coef={loss.entropy_coef:g}, "
-            f"objective={loss.objective}, dual_clip={loss.dual_clip}, count_rejected={loss.count_rejected}, "
+            f"count_rejected={loss.count_rejected}, "
             f"epochs={algo.epochs}, minibatches={algo.minibatches}")

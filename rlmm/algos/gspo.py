@@ -26,12 +26,11 @@ s_i <= e^10; here nothing is clamped (a mean log-ratio above ~88 would overflow 
 """
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
-from rlmm.algos.grpo import group_advantages, loss_settings
+from rlmm.algos.grpo import GRPO, loss_settings
 from rlmm.algos.schedule import check_schedule
-from rlmm.algos.surrogate import SurrogateLoss
+from rlmm.algos.surrogate import Objective, SurrogateLoss
 
 __all__ = ["GSPO", "sequence_ratio"]
 
@@ -49,29 +48,19 @@ class GSPO:
     max_sampling_rounds = 0
     critic = None
 
-    def __init__(self, group_size: int, normalize_std: bool, clip_low: float, clip_high: float,
-                 loss_aggregation: str, kl_coef: float, kl_estimator: str, entropy_coef: float, objective: str,
-                 dual_clip: float | None, count_rejected: bool, epochs: int,
+    def __init__(self, group_size: int, normalize_std: bool, objective: Objective, loss_aggregation: str,
+                 kl_coef: float, kl_estimator: str, entropy_coef: float, count_rejected: bool, epochs: int,
                  minibatches: int):
         check_schedule(group_size, epochs, minibatches, min_group_size=2)
-        self.loss = SurrogateLoss(clip_low, clip_high, loss_aggregation, kl_coef, kl_estimator, entropy_coef, objective,
-                                  dual_clip, count_rejected,
+        self.loss = SurrogateLoss(objective, loss_aggregation, kl_coef, kl_estimator, entropy_coef, count_rejected,
                                   ratio=sequence_ratio)  # the clip acts on the sequence's ratio s_i
         self.policy_loss, self.loss_normalizer = self.loss, self.loss.normalizer  # the Algorithm's two loss calls
         self.group_size, self.normalize_std = group_size, bool(normalize_std)
         self.epochs, self.minibatches = epochs, minibatches
 
-    def keep_groups(self, rewards: Tensor) -> Tensor:
-        """Every group."""
-        return torch.ones(rewards.numel() // self.group_size, dtype=torch.bool)
-
-    def shape_rewards(self, rewards: Tensor, lengths: Tensor, max_length: int) -> Tensor:
-        """The task's rewards as they are."""
-        return rewards
-
-    def advantages(self, rewards: Tensor, mask: Tensor | None = None, values: Tensor | None = None) -> Tensor:
-        """GRPO's `group_advantages`."""
-        return group_advantages(rewards, self.group_size, self.normalize_std)
+    # GRPO's own methods, not copies (no inheritance: only these three are shared): every group is kept, the
+    # rewards are the task's, the advantages `group_advantages`.
+    keep_groups, shape_rewards, advantages = GRPO.keep_groups, GRPO.shape_rewards, GRPO.advantages
 
     def __repr__(self) -> str:
         return f"GSPO(group_size={self.group_size}, normalize_std={self.normalize_std}, {loss_settings(self)})"

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from rlmm.algos.schedule import check_schedule
-from rlmm.algos.surrogate import SurrogateLoss
+from rlmm.algos.surrogate import Objective, SurrogateLoss
 from rlmm.runtime.collectives import rows_of_every_rank
 
 __all__ = ["PPO", "gae"]
@@ -69,8 +69,8 @@ def check_right_padded(mask: Tensor) -> None:
 
 
 class PPO:
-    """The clipped surrogate's arguments (clip_low, clip_high, loss_aggregation, kl_coef, kl_estimator,
-    entropy_coef, objective, dual_clip, count_rejected: `rlmm.algos.surrogate.SurrogateLoss`), epochs, minibatches (no normalize_std: advantages come
+    """The policy loss's arguments (objective, loss_aggregation, kl_coef, kl_estimator, entropy_coef,
+    count_rejected: `rlmm.algos.surrogate.SurrogateLoss`), epochs, minibatches (no normalize_std: advantages come
     from the critic), and:
 
     Args:
@@ -85,14 +85,12 @@ class PPO:
 
     max_sampling_rounds = 0  # every sampled group is trained on
 
-    def __init__(self, group_size: int, clip_low: float, clip_high: float, loss_aggregation: str, kl_coef: float,
-                 kl_estimator: str, entropy_coef: float, objective: str,
-                 dual_clip: float | None, count_rejected: bool, epochs: int, minibatches: int, gamma: float, lam: float,
-                 whiten_advantages: bool, value_clip: float, critic_lr: float, critic_warmup_steps: int):
+    def __init__(self, group_size: int, objective: Objective, loss_aggregation: str, kl_coef: float,
+                 kl_estimator: str, entropy_coef: float, count_rejected: bool, epochs: int, minibatches: int,
+                 gamma: float, lam: float, whiten_advantages: bool, value_clip: float, critic_lr: float, critic_warmup_steps: int):
         # The critic gives every response its own baseline: one response per prompt is enough.
         check_schedule(group_size, epochs, minibatches, min_group_size=1)
-        self.loss = SurrogateLoss(clip_low, clip_high, loss_aggregation, kl_coef, kl_estimator, entropy_coef, objective,
-                                  dual_clip, count_rejected)
+        self.loss = SurrogateLoss(objective, loss_aggregation, kl_coef, kl_estimator, entropy_coef, count_rejected)
         self.policy_loss, self.loss_normalizer = self.loss, self.loss.normalizer  # the Algorithm's two loss calls
         self.group_size, self.epochs, self.minibatches = group_size, epochs, minibatches
         for name, value in (("gamma", gamma), ("lam", lam)):
@@ -153,7 +151,7 @@ class PPO:
         return loss, {"loss": loss.item(), "value_clipfrac": clipfrac, "num_tokens": int(m.sum().item())}
 
     def __repr__(self) -> str:
-        return (f"PPO(group_size={self.group_size}, clip=[{1 - self.loss.clip_low:g}, {1 + self.loss.clip_high:g}], "
+        return (f"PPO(group_size={self.group_size}, objective={self.loss.objective}, "
                 f"gamma={self.gamma:g}, lam={self.lam:g}, whiten={self.whiten}, value_clip={self.value_clip:g}, "
                 f"critic={self.critic}, loss_aggregation={self.loss.loss_aggregation}, epochs={self.epochs}, "
                 f"minibatches={self.minibatches})")

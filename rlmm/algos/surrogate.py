@@ -1,25 +1,26 @@
-"""PPO's clipped surrogate, the policy loss every algorithm of rlmm/algos/ calls (a component, not a base class).
+"""The policy loss every algorithm of rlmm/algos/ calls (a component, not a base class), and its objectives.
 
-`clipped_surrogate` is the per-token term; `SurrogateLoss` adds the mismatch correction's weights, the KL
-penalty and the entropy bonus, aggregates over the kept tokens and returns the metrics. An algorithm holds
-one (`self.loss`), built with its importance ratio, as its `policy_loss`: per token (`token_ratio`: GRPO, DAPO, PPO) or per
-sequence (GSPO's `sequence_ratio`). The equations are in rlmm/algos/grpo.py's docstring and
-docs/algorithms.md.
+The per-token term is an `Objective`, a strategy the algorithm's YAML names in its `objective:` node
+(`_target_` and the objective's own settings): `ClippedSurrogate` (PPO's, with its dual clip) or `CISPO`. Each
+owns its formula, the checks of its clip range and which tokens its clip fractions count. `SurrogateLoss` adds
+the mismatch correction's weights, the KL penalty and the entropy bonus, aggregates over the kept tokens and
+returns the metrics. An algorithm holds one (`self.loss`), built with its importance ratio, as its
+`policy_loss`: per token (`token_ratio`: GRPO, DAPO, PPO) or per sequence (GSPO's `sequence_ratio`). The
+equations are in rlmm/algos/grpo.py's docstring and docs/algorithms.md.
 """
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
 
 from rlmm.mismatch.kl import ESTIMATORS, k3, kl_estimate
 
-__all__ = ["AGGREGATIONS", "METRIC_KEYS", "OBJECTIVES", "SurrogateLoss", "cispo_surrogate", "clipped_surrogate",
-           "dual_clipped", "token_ratio"]
+__all__ = ["AGGREGATIONS", "CISPO", "METRIC_KEYS", "ClippedSurrogate", "Objective", "SurrogateLoss", "token_ratio"]
 
 AGGREGATIONS = ("token", "sequence", "constant")
-OBJECTIVES = ("clip", "cispo")
 
 # Always returned by the loss; "kl" is added when ref_logprobs is given, "entropy" when entropy is.
 METRIC_KEYS = (
@@ -39,95 +40,149 @@ METRIC_KEYS = (
 RatioFn = Callable[[Tensor, Tensor], Tensor]  # masked [B, T] log-ratios and mask -> [B, T] ratio
 
 
-def clipped_surrogate(ratio: Tensor, advantages: Tensor, clip_low: float, clip_high: float) -> Tensor:
-    """Per-token loss of PPO's clipped surrogate with a decoupled clip range:
+def token_ratio(logratio: Tensor, mask: Tensor) -> Tensor:
+    """Each token's own ratio pi_theta / pi_old = exp(logratio) (PPO's)."""
+    return logratio.exp()
+
+
+@runtime_checkable
+class Objective(Protocol):
+    """The per-token policy-gradient term that `SurrogateLoss` weights, aggregates and reports (`algo.objective`, a
+    node whose `_target_` names the class): its formula, the checks of its own settings, and the tokens its clip
+    acts on. `ratio` is the importance ratio the algorithm's loss gives (per token, or GSPO's per sequence),
+    `advantages` broadcasts against it ([B, 1] or [B, T]), `logprobs` is the differentiable log pi_theta; padding
+    is 0 in all three."""
+
+    clip_low: float
+    clip_high: float
+
+    def per_token(self, logprobs: Tensor, ratio: Tensor, advantages: Tensor) -> Tensor:
+        """[B, T] loss term pg_t (before the correction's weights and the aggregation)."""
+
+    def clipped(self, ratio: Tensor, advantages: Tensor, mask: Tensor) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+        """[B, T] bool: the kept tokens the clip's lower and upper bound act on (logged as clipfrac_low and
+        clipfrac_high, their union as clipfrac), and any further such set under its metric's name."""
+
+
+class ClippedSurrogate:
+    """PPO's clipped surrogate with a decoupled clip range, and PPO's dual clip for A < 0 when asked:
 
         pg_t = -min(ratio_t * A_t, clip(ratio_t, 1 - clip_low, 1 + clip_high) * A_t)
              =  max(-A_t * ratio_t, -A_t * clip(ratio_t, 1 - clip_low, 1 + clip_high))
+        dual clip c:  pg_t = min(pg_t, -c * A_t)  where A_t < 0
 
     Sources: Schulman et al. 2017, "Proximal Policy Optimization Algorithms" (eq. 7, one epsilon); Yu et al.
-    2025, "DAPO" (clip-higher: epsilon_low and epsilon_high apart). No dual clip and no clamp of the ratio:
-    for A < 0 the term is unbounded in ratio, as in PPO. `advantages` broadcasts against `ratio` ([B, 1]
-    per sequence or [B, T] per token)."""
-    return torch.maximum(-advantages * ratio, -advantages * ratio.clamp(1 - clip_low, 1 + clip_high))
+    2025, "DAPO" (clip-higher: epsilon_low and epsilon_high apart); Ye et al. 2020, "Mastering Complex Control in
+    MOBA Games with Deep Reinforcement Learning" (the dual clip; verl's `clip_ratio_c`, 3 by default there): a token
+    whose ratio grew far above 1 under a negative advantage stops pushing its probability down without bound;
+    tokens with A >= 0 are unchanged. Without the dual clip (null, the default) nothing clamps the ratio: for A < 0
+    the term is unbounded in ratio, as in PPO.
+
+    Args:
+        clip_low: epsilon_low; ratios below 1 - clip_low stop pushing down tokens with A < 0; in (0, 1] (1: no
+            lower bound).
+        clip_high: epsilon_high; ratios above 1 + clip_high stop pushing up tokens with A > 0; > 0 (inf: none).
+        dual_clip: c > 1, or None (off).
+
+    Its clip fractions count the tokens whose gradient the clip removes; clipfrac_dual (only with the dual clip)
+    those the dual clip bounds.
+    """
+
+    def __init__(self, clip_low: float, clip_high: float, dual_clip: float | None):
+        if not 0 < clip_low <= 1:
+            raise ValueError(f"algo.objective.clip_low: must be in (0, 1] (1: no lower bound), got {clip_low}")
+        if not clip_high > 0:
+            raise ValueError(f"algo.objective.clip_high: must be > 0, got {clip_high}")
+        if dual_clip is not None and not dual_clip > 1:
+            raise ValueError(f"algo.objective.dual_clip: must be > 1 or null (off), got {dual_clip}")
+        self.clip_low, self.clip_high, self.dual_clip = float(clip_low), float(clip_high), dual_clip
+
+    def per_token(self, logprobs: Tensor, ratio: Tensor, advantages: Tensor) -> Tensor:
+        pg = torch.maximum(-advantages * ratio, -advantages * ratio.clamp(1 - self.clip_low, 1 + self.clip_high))
+        if self.dual_clip is None:
+            return pg
+        return torch.where(advantages < 0, torch.minimum(pg, -self.dual_clip * advantages), pg)
+
+    def clipped(self, ratio: Tensor, advantages: Tensor, mask: Tensor) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+        low = mask & (advantages < 0) & (ratio < 1 - self.clip_low)
+        high = mask & (advantages > 0) & (ratio > 1 + self.clip_high)
+        if self.dual_clip is None:
+            return low, high, {}
+        return low, high, {"clipfrac_dual": mask & (advantages < 0) & (ratio > self.dual_clip)}
+
+    def __repr__(self) -> str:
+        return f"ClippedSurrogate(clip=[{1 - self.clip_low:g}, {1 + self.clip_high:g}], dual_clip={self.dual_clip})"
 
 
-def dual_clipped(per_token: Tensor, advantages: Tensor, c: float) -> Tensor:
-    """PPO's dual clip for A < 0: the clipped surrogate's per-token loss bounded by c * |A| (Ye et al. 2020,
-    "Mastering Complex Control in MOBA Games with Deep Reinforcement Learning"; verl's `clip_ratio_c`, 3 by default
-    there): pg_t = min(pg_t, -c * A_t) where A_t < 0, so a token whose ratio grew far above 1 under a negative
-    advantage stops pushing its probability down without bound. Tokens with A >= 0 are unchanged."""
-    return torch.where(advantages < 0, torch.minimum(per_token, -c * advantages), per_token)
-
-
-def cispo_surrogate(logprobs: Tensor, ratio: Tensor, advantages: Tensor, clip_low: float, clip_high: float) -> Tensor:
+class CISPO:
     """CISPO's per-token loss (MiniMax 2025, "MiniMax-M1", eq. 4): the importance-sampling weight clipped and
     detached, times the REINFORCE term,
 
         pg_t = -sg(clip(ratio_t, 1 - clip_low, 1 + clip_high)) * A_t * log pi_theta(y_t),
 
     so the clip bounds a token's weight but never removes its gradient (PPO's clip zeroes it). Its gradient is
-    -sg(clip(r)) * A * grad log pi, which at r inside the range is PPO's. `clip_low` 1 is no lower bound. The cap
-    1 + clip_high may be below 1 (clip_high in (-1, 0]): TRL's CISPO caps at an absolute epsilon_high, 0.2 by
-    default (`GRPOTrainer._compute_loss`: ``clamp(coef_1, max=epsilon_high)``), here ``clip_low 1, clip_high
-    epsilon_high - 1``."""
-    return -ratio.detach().clamp(1 - clip_low, 1 + clip_high) * advantages * logprobs
+    -sg(clip(r)) * A * grad log pi, which at r inside the range is PPO's. No dual clip: there is no clip to bound.
 
+    Args:
+        clip_low: the weight's floor is 1 - clip_low; in [0, 1] (1: no lower bound; 0 with clip_high 0 holds the
+            weight at 1: REINFORCE).
+        clip_high: the weight's cap is 1 + clip_high, > 0 and at least the floor. A cap on a weight, not a clip
+            range around 1, so it may be below 1 (clip_high in (-1, 0]): TRL's CISPO caps at an absolute
+            epsilon_high, 0.2 by default (`GRPOTrainer._compute_loss`: ``clamp(coef_1, max=epsilon_high)``), here
+            ``clip_low 1, clip_high epsilon_high - 1``.
 
-def token_ratio(logratio: Tensor, mask: Tensor) -> Tensor:
-    """Each token's own ratio pi_theta / pi_old = exp(logratio) (PPO's)."""
-    return logratio.exp()
+    Its clip fractions count the tokens whose weight the clip bounds (their gradient stays).
+    """
+
+    def __init__(self, clip_low: float, clip_high: float):
+        if not 0 <= clip_low <= 1:
+            raise ValueError(f"algo.objective.clip_low: must be in [0, 1] (1: no lower bound), got {clip_low}")
+        if not 1 + clip_high > 0:
+            raise ValueError(f"algo.objective.clip_high: CISPO's cap 1 + clip_high must be > 0, got clip_high "
+                             f"{clip_high}")
+        if not 1 - clip_low <= 1 + clip_high:
+            raise ValueError(f"algo.objective.clip_high: CISPO's range [1 - clip_low, 1 + clip_high] is empty: "
+                             f"[{1 - clip_low:g}, {1 + clip_high:g}]")
+        self.clip_low, self.clip_high = float(clip_low), float(clip_high)
+
+    def per_token(self, logprobs: Tensor, ratio: Tensor, advantages: Tensor) -> Tensor:
+        return -ratio.detach().clamp(1 - self.clip_low, 1 + self.clip_high) * advantages * logprobs
+
+    def clipped(self, ratio: Tensor, advantages: Tensor, mask: Tensor) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+        return mask & (ratio < 1 - self.clip_low), mask & (ratio > 1 + self.clip_high), {}
+
+    def __repr__(self) -> str:
+        return f"CISPO(weight in [{1 - self.clip_low:g}, {1 + self.clip_high:g}])"
 
 
 class SurrogateLoss:
-    """The clipped-surrogate policy loss of one micro-batch with its penalties, aggregation and metrics.
+    """The policy loss of one micro-batch: the objective's per-token term with the correction's weights, the
+    penalties, the aggregation and the metrics.
 
     Args:
-        clip_low: epsilon_low; ratios below 1 - clip_low stop pushing down tokens with A < 0; in (0, 1] (with
-            CISPO in [0, 1]: the weight's floor 1 - clip_low, and with clip_high 0 the weight is 1, REINFORCE).
-        clip_high: epsilon_high; ratios above 1 + clip_high stop pushing up tokens with A > 0 (> 0; with CISPO the
-            weight's cap 1 + clip_high, > 0 and at least 1 - clip_low, so TRL's absolute cap below 1 is spelled).
+        objective: the per-token term (`ClippedSurrogate`: PPO's clipped surrogate, with its dual clip; `CISPO`: the
+            clipped ratio as a detached weight on A * log pi_theta), built from ``algo.objective``'s node.
         loss_aggregation: "token", "sequence" or "constant" (rlmm/algos/grpo.py's docstring).
         kl_coef: weight of the KL penalty to the reference policy; 0 turns it off.
         kl_estimator: "k1", "k2" or "k3" (rlmm/mismatch/kl.py), per token, of KL(pi_theta || pi_ref).
         entropy_coef: weight of the entropy bonus (subtracted from the loss); 0 turns it off.
-        objective: "clip" (PPO's clipped surrogate, `clipped_surrogate`) or "cispo" (`cispo_surrogate`: the
-            clipped ratio as a detached weight on A * log pi_theta).
-        dual_clip: c > 1, PPO's dual clip for A < 0 (`dual_clipped`), or None (off). With "clip" only.
         count_rejected: whether the tokens a correction rejected still count in the loss's divisor (AReaL's
             rejection sampling, slime, TRL, prime-rl, SkyRL, NeMo-RL: a rejected token loses its gradient, the
             others keep their per-token step) or not (False: verl's decoupled mode, ROLL; rlmm's default since it
             began). Either way the tokens a correction drops inside the update (OPSM, tv_trust) stay in it: the
             divisor is fixed before the update's forwards.
-        ratio: the importance ratio the clip acts on, from the masked ``[B, T]`` log-ratios and the mask
+        ratio: the importance ratio the objective acts on, from the masked ``[B, T]`` log-ratios and the mask
             (``token_ratio``; GSPO's ``sequence_ratio``).
 
     An algorithm's `policy_loss` and `loss_normalizer` are this object's `__call__` and `normalizer`.
     """
 
-    def __init__(self, clip_low: float, clip_high: float, loss_aggregation: str, kl_coef: float, kl_estimator: str,
-                 entropy_coef: float, objective: str, dual_clip: float | None, count_rejected: bool,
-                 ratio: RatioFn = token_ratio):
-        if objective not in OBJECTIVES:
-            raise ValueError(f"algo.objective: unknown objective '{objective}' (allowed: {', '.join(OBJECTIVES)})")
-        if objective == "cispo":  # a floor on a weight: 0 with clip_high 0 holds it at 1 (REINFORCE)
-            if not 0 <= clip_low <= 1:
-                raise ValueError(f"algo.clip_low: must be in [0, 1] (1: no lower bound), got {clip_low}")
-        elif not 0 < clip_low <= 1:
-            raise ValueError(f"algo.clip_low: must be in (0, 1] (1: no lower bound), got {clip_low}")
-        if dual_clip is not None and not dual_clip > 1:
-            raise ValueError(f"algo.dual_clip: must be > 1 or null (off), got {dual_clip}")
-        if dual_clip is not None and objective != "clip":
-            raise ValueError(f"algo.dual_clip: PPO's dual clip bounds the clipped surrogate; objective "
-                             f"'{objective}' has none (set algo.dual_clip=null)")
-        if objective == "cispo":  # a cap on a weight, not a clip range around 1: TRL's absolute cap may be below 1
-            if not 1 + clip_high > 0:
-                raise ValueError(f"algo.clip_high: CISPO's cap 1 + clip_high must be > 0, got clip_high {clip_high}")
-            if not 1 - clip_low <= 1 + clip_high:
-                raise ValueError(f"algo.clip_high: CISPO's range [1 - clip_low, 1 + clip_high] is empty: "
-                                 f"[{1 - clip_low:g}, {1 + clip_high:g}]")
-        elif not clip_high > 0:
-            raise ValueError(f"algo.clip_high: must be > 0, got {clip_high}")
+    def __init__(self, objective: Objective, loss_aggregation: str, kl_coef: float, kl_estimator: str,
+                 entropy_coef: float, count_rejected: bool, ratio: RatioFn = token_ratio):
+        if not isinstance(objective, Objective):  # `algo.objective=cispo`, the spelling before issue 51, gives a str
+            raise ValueError(f"algo.objective: {objective!r} is not a loss objective: it is a node naming its class "
+                             f"(CISPO: algo=cispo; the clip range: algo.objective.clip_low=..., "
+                             f"algo.objective.clip_high=...)")
         if loss_aggregation not in AGGREGATIONS:
             raise ValueError(
                 f"algo.loss_aggregation: unknown mode '{loss_aggregation}' (allowed: {', '.join(AGGREGATIONS)})")
@@ -138,13 +193,12 @@ class SurrogateLoss:
                 f"algo.kl_estimator: unknown estimator '{kl_estimator}' (allowed: {', '.join(ESTIMATORS)})")
         if not entropy_coef >= 0:
             raise ValueError(f"algo.entropy_coef: must be >= 0, got {entropy_coef}")
-        self.clip_low = float(clip_low)
-        self.clip_high = float(clip_high)
+        self.objective = objective
         self.loss_aggregation = loss_aggregation
         self.kl_coef = float(kl_coef)
         self.kl_estimator = kl_estimator
         self.entropy_coef = float(entropy_coef)
-        self.objective, self.dual_clip, self.count_rejected = objective, dual_clip, bool(count_rejected)
+        self.count_rejected = bool(count_rejected)
         self.ratio = ratio
 
     def normalizer(self, mask: Tensor, max_length: int | None = None, response_mask: Tensor | None = None) -> float:
@@ -196,15 +250,14 @@ class SurrogateLoss:
                 penalty reaches the tokens its correction dropped (tv_trust's, over the loss mask as prime-rl's
                 `kl_tau` term in `trainer/rl/loss.py`), so the penalty itself is 0 where it does not apply.
 
-        Loss = agg(w_t * pg_t + kl_coef * k_t - entropy_coef * H_t) + sum_t penalty_t / divisor, with pg_t =
-        `clipped_surrogate` and agg the configured aggregation (CISPO's term in place of pg_t with ``objective:
-        cispo``; pg_t dual-clipped with ``dual_clip``). Padding positions are replaced by 0 with ``torch.where``
+        Loss = agg(w_t * pg_t + kl_coef * k_t - entropy_coef * H_t) + sum_t penalty_t / divisor, with pg_t the
+        objective's `per_token` (`ClippedSurrogate`, `CISPO`) and agg the configured aggregation. Padding positions are replaced by 0 with ``torch.where``
         before any arithmetic, so inf/NaN there reach neither the loss nor the gradient. The loss is float32 (float64
         for float64 inputs). Metrics (docs/algorithms.md): ``loss``, ``pg_loss`` (the aggregated pg
         term, including weights), token means over kept tokens of ``kl``, ``entropy``,
         ``approx_kl`` = mean(ratio - 1 - logratio), ``ppo_kl`` = mean(-logratio) (verl's ``actor/ppo_kl``, k1 of
-        KL(pi_old || pi_theta), unclamped where verl clamps logratio to [-20, 20]), ``clipfrac{,_low,_high}`` = share of tokens whose
-        gradient the clip removes, ``ratio_{mean,min,max}`` and ``num_tokens``. With no kept token
+        KL(pi_old || pi_theta), unclamped where verl clamps logratio to [-20, 20]), ``clipfrac{,_low,_high}`` = share of tokens the objective's
+        clip acts on (`Objective.clipped`; ``clipfrac_dual`` too with the dual clip), ``ratio_{mean,min,max}`` and ``num_tokens``. With no kept token
         the loss is 0 (with a zero gradient) and the token metrics are NaN.
         """
         shape = tuple(logprobs.shape)
@@ -244,12 +297,7 @@ class SurrogateLoss:
         r_theta = self.ratio(logratio, m)
         adv = advantages.detach().to(device, dtype)
         adv = adv[:, None] if adv.dim() == 1 else masked(adv)
-        if self.objective == "cispo":
-            per_token = cispo_surrogate(masked(logprobs), r_theta, adv, self.clip_low, self.clip_high)
-        else:
-            per_token = clipped_surrogate(r_theta, adv, self.clip_low, self.clip_high)
-            if self.dual_clip is not None:
-                per_token = dual_clipped(per_token, adv, self.dual_clip)
+        per_token = self.objective.per_token(masked(logprobs), r_theta, adv)
         pg_loss = aggregate(masked(weights.detach()) * per_token)
         loss = pg_loss
 
@@ -278,14 +326,8 @@ class SurrogateLoss:
                 return torch.where(m, x, zero).sum() / n  # 0 / 0 = NaN on an empty mask
 
             lr, r = logratio.detach(), r_theta.detach()
-            if self.objective == "cispo":  # the tokens whose weight the clip bounds (their gradient stays)
-                clipped_high, clipped_low = m & (r > 1 + self.clip_high), m & (r < 1 - self.clip_low)
-            else:  # the tokens whose gradient the clip removes
-                clipped_high = m & (adv > 0) & (r > 1 + self.clip_high)
-                clipped_low = m & (adv < 0) & (r < 1 - self.clip_low)
-            extra = {}
-            if self.dual_clip is not None:  # the tokens the dual clip bounds (their gradient is removed)
-                extra["clipfrac_dual"] = (m & (adv < 0) & (r > self.dual_clip)).sum().to(dtype) / n
+            clipped_low, clipped_high, more_clipped = self.objective.clipped(r, adv, m)
+            extra = {name: tokens.sum().to(dtype) / n for name, tokens in more_clipped.items()}
             if penalty_loss is not None:
                 extra["penalty"] = penalty_loss.detach()
             values = {

@@ -126,8 +126,10 @@ def validate_node(node: DictConfig, where: str, skip: set[str] = frozenset()) ->
     missing = [k for k in allowed if OmegaConf.is_missing(merged, k)]
     if missing:
         raise ConfigError(f"{where}: missing required key(s) {', '.join(missing)}")
-    for key, value in node.items():  # nested options, each checked against its own class (a stack's stages)
-        if isinstance(value, DictConfig) and "_target_" not in value:
+    for key, value in node.items():  # nested options, each checked against its own class
+        if isinstance(value, DictConfig) and "_target_" in value:  # one option held by another (algo.objective)
+            validate_node(value, f"{where.split('=')[0]}.{key}")
+        elif isinstance(value, DictConfig):  # a dict of them (a stack's stages)
             for name, inner in value.items():
                 if isinstance(inner, DictConfig) and "_target_" in inner:
                     validate_node(inner, f"{where.split('=')[0]}.{key}.{name}")
@@ -218,11 +220,13 @@ def option_node(group: str, option: str) -> DictConfig:
 def from_yaml(group: str, option: str, **values):
     """The component `conf/<group>/<option>.yaml` builds, outside Hydra (scripts, tests): `values` replace the
     YAML's and give the build-time arguments (`BUILD_TIME_ARGS`). Every value not given comes from the YAML,
-    the one place it is written; an interpolation of the app's config (`seed: ${seed}`) must be given."""
-    from hydra.utils import get_class
+    the one place it is written; an interpolation of the app's config (`seed: ${seed}`) must be given. A value that
+    is a node with its own `_target_` (an algorithm's `objective`) is built as Hydra builds it."""
+    from hydra.utils import get_class, instantiate
 
     node = {**OmegaConf.to_container(option_node(group, option)), **values}
     unresolved = sorted(k for k, v in node.items() if isinstance(v, str) and v.startswith("${"))
     if unresolved:
         raise ConfigError(f"{group}={option}: give {', '.join(unresolved)} (the YAML takes them from the app's config)")
+    node = {k: instantiate(v) if isinstance(v, dict) and "_target_" in v else v for k, v in node.items()}
     return get_class(node.pop("_target_"))(**node)

@@ -25,9 +25,9 @@ class ProximalTVTrustRegion(Correction):
     -A_t * sg(min(r_t, clip_ratio_c)) * log pi_theta * valid_t, r_t = exp(clamp(log pi_theta - log pi_old, -20, 20)),
     token-mean over the response mask (dropped tokens stay in the divisor, as here). Its old policy is pi_old in
     decoupled mode (this class) and mu in bypass mode (``tv_trust`` with ``kl_coef: 0``). verl's objective is CISPO's
-    weight with the range [0, c]: ``correction=dppo_tv algo=cispo algo.clip_low=1 algo.clip_high=2`` is verl's loss
-    at its ActorConfig default c = 3 (``clip_ratio_c``; its DPPO example sets 10000: ``algo.clip_high=9999``). eps
-    is verl's ActorConfig ``clip_ratio`` 0.2 (its DPPO example: 0.15); verl's two sides (``clip_ratio_low`` /
+    weight with the range [0, c]: ``correction=dppo_tv algo=cispo algo.objective.clip_low=1
+    algo.objective.clip_high=2`` is verl's loss at its ActorConfig default c = 3 (``clip_ratio_c``; its DPPO example
+    sets 10000: ``algo.objective.clip_high=9999``). eps is verl's ActorConfig ``clip_ratio`` 0.2 (its DPPO example: 0.15); verl's two sides (``clip_ratio_low`` /
     ``_high``) are one eps here. Departures: verl clamps the log-ratio to [-20, 20] before exp, which moves the
     weight only where log r < -20 (e^-20 = 2.1e-9 there, less here) and its ``ppo_kl`` there; verl's probabilities
     are in the input dtype, here float64. Logs, summed over the step's micro-batches: ``frac_tokens_dropped``

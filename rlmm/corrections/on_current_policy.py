@@ -22,7 +22,8 @@ class OnCurrentPolicy(Correction):
 
         delta_t = log pi_theta(y_t) - log mu(y_t)   (not log pi_old - log mu),
 
-    and their weights and mask act on the loss: with ``algo=cispo algo.clip_low=0 algo.clip_high=0`` (CISPO's weight held at 1: REINFORCE)
+    and their weights and mask act on the loss: with ``algo=cispo algo.objective.clip_low=0
+    algo.objective.clip_high=0`` (CISPO's weight held at 1: REINFORCE)
     the per-token loss is verl's term -w_t * A_t * log pi_theta over the tokens the stages keep; the dropped ones stay in the
     divisor. The stages see one micro-batch, as verl's loss sees one (a self-normalisation or M2PO's cut is the
     micro-batch's here).

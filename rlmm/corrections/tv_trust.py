@@ -30,7 +30,8 @@ class TVTrustRegion(Correction):
     tokens kept in the normaliser); SkyRL's `dppo_policy_loss` (`dppo_type: binary_tv`, 0.2, no penalty: kl_coef 0);
     ROLL's probability-difference train-infer filter (on pi_old, not conditioned on the advantage). Departure: prime-rl's loss is A * pi_theta / mu with no ratio clip;
     here the algorithm's clipped surrogate still applies to pi_theta / mu. For prime-rl's loss exactly, lift the
-    clip: ``correction=tv_trust algo.clip_low=1 algo.clip_high=inf``. Logs, summed over the step's micro-batches:
+    clip: ``correction=tv_trust algo.objective.clip_low=1 algo.objective.clip_high=inf``. Logs, summed over the step's
+    micro-batches:
     ``frac_tokens_dropped``, ``frac_dropped_high`` (A > 0, d > eps) and ``frac_dropped_low`` (A <= 0, d < -eps).
 
     Args:

@@ -247,15 +247,18 @@ def _named_where_built(err) -> str:
 
     line = str(err.__cause__ or err).splitlines()[0]
     built = re.search(r"full_key: (\S+)", str(err))
-    if built and "." in built.group(1):
+    if built and "." in built.group(1) and not line.startswith(f"{built.group(1)}."):  # not if it names it already
         group = built.group(1).split(".")[0]
         line = re.sub(rf"^{group}\.", f"{built.group(1)}.", line)
     return line
 
 
 def _allowed_keys_hint(config_name: str, combination: list[str], err: BaseException) -> str:
-    """For `group.key=value` with an unknown key, list the keys the chosen option has."""
+    """For `group.key=value` with an unknown key, list the keys the chosen option has, and name the nested option
+    that has the key (`algo.clip_high`: algo.objective.clip_high)."""
     import re
+
+    from omegaconf import OmegaConf
 
     from rlmm.config.options import BUILD_TIME_ARGS
 
@@ -268,4 +271,8 @@ def _allowed_keys_hint(config_name: str, combination: list[str], err: BaseExcept
         if key not in node:
             return ""
         node = node[key]
-    return f" (allowed: {', '.join(k for k in node if k != '_target_')})"
+    unknown = match.group(2).split(".")[-1]
+    holders = [f"{match.group(1)}.{'.'.join([*path, key, unknown])}" for key, value in node.items()
+               if OmegaConf.is_dict(value) and unknown in value]
+    return (f" (allowed: {', '.join(k for k in node if k != '_target_')}"
+            + (f"; {unknown} is {holders[0]}" if holders else "") + ")")
