@@ -78,6 +78,26 @@ def test_a_run_written_before_the_modules_moved_resumes_and_another_class_does_n
         check_train_dir(run_dir, CONFIG, world=1, resume=True)
 
 
+OBJECTIVES = {  # algo.objective as config.yaml held it before issue 51 made it a node, and as it holds it now
+    "clip": ({"objective": "clip", "clip_low": 0.2, "clip_high": 0.28, "dual_clip": None},
+             {"_target_": "rlmm.algos.surrogate.ClippedSurrogate", "clip_low": 0.2, "clip_high": 0.28,
+              "dual_clip": None}),
+    "cispo": ({"objective": "cispo", "clip_low": 1.0, "clip_high": 4.0, "dual_clip": None},
+              {"_target_": "rlmm.algos.surrogate.CISPO", "clip_low": 1.0, "clip_high": 4.0}),
+}
+
+
+@pytest.mark.parametrize("objective", sorted(OBJECTIVES))
+def test_a_run_written_before_the_objective_was_a_node_resumes_and_another_objective_does_not(tmp_path, objective):
+    """config.yaml of an older run holds `algo.objective: clip` (or cispo) and the clip range beside it, the loss this
+    version writes as a node (resume.MOVED_OBJECTIVES); another clip range is still a difference, named as it is now."""
+    before, now = OBJECTIVES[objective]
+    run_dir = record(tmp_path / "run", config={**CONFIG, "algo": {**CONFIG["algo"], **before}}, checkpoint_world=1)
+    check_train_dir(run_dir, changed(algo__objective=now), world=1, resume=True)
+    with pytest.raises(ResumeRefused, match=r"\(algo.objective.clip_high=[0-9.]+ there, 0.5 here\)"):
+        check_train_dir(run_dir, changed(algo__objective={**now, "clip_high": 0.5}), world=1, resume=True)
+
+
 @pytest.mark.parametrize("values,named", [
     ({"train__staleness": 2}, "train.staleness=1 there, 2 here"),
     ({"choices__sampler": "vllm"}, "choices.sampler=hf there, vllm here"),

@@ -58,6 +58,10 @@ MOVED_MODULES = {
     "rlmm.timing": "rlmm.runtime.timing", "rlmm.train": "rlmm.run.train",
     "rlmm.train_report": "rlmm.run.train_report",
 }
+# Issue 51 also made the loss's objective a node of its own (algo.objective: {_target_, clip_low, ...}): config.yaml of
+# a run written before holds `algo.objective: clip` or `cispo` and the objective's keys beside it, the same loss.
+MOVED_OBJECTIVES = {"clip": ("rlmm.algos.surrogate.ClippedSurrogate", ("clip_low", "clip_high", "dual_clip")),
+                    "cispo": ("rlmm.algos.surrogate.CISPO", ("clip_low", "clip_high"))}
 
 
 class ResumeRefused(ConfigError):
@@ -134,6 +138,19 @@ def differences(saved: dict, current: dict, app: str = "train") -> list[str]:
         if saved_value != new.get(key, missing):
             shown.append(f"{name}={_shown(old.get(key, missing))} there, {_shown(new.get(key, missing))} here")
     return shown
+
+
+def objective_as_a_node(saved: dict) -> dict:
+    """`saved` with an `algo.objective` string (MOVED_OBJECTIVES) as the node it is now; any other config as it is.
+    CISPO had a `dual_clip` that had to be null: it goes too."""
+    algo = saved.get("algo")
+    named = algo.get("objective") if isinstance(algo, dict) else None
+    if not isinstance(named, str) or named not in MOVED_OBJECTIVES:  # a node (or nothing): as this version writes it
+        return saved
+    target, keys = MOVED_OBJECTIVES[named]
+    algo = {k: v for k, v in algo.items() if k not in keys and not (k == "dual_clip" and v is None)}
+    algo["objective"] = {"_target_": target, **{k: saved["algo"][k] for k in keys if k in saved["algo"]}}
+    return {**saved, "algo": algo}
 
 
 def current_target(value):
@@ -286,7 +303,7 @@ def check_train_dir(run_dir: Path, config: dict, world: int, resume: bool) -> No
     if not isinstance(saved, dict):
         raise ResumeRefused(f"train.resume: {saved_config} is not readable YAML ({why}), so whether this is that run "
                             f"cannot be told: restore it, or give this run another hydra.run.dir")
-    changed = differences(saved, config)
+    changed = differences(objective_as_a_node(saved), config)
     if changed:
         raise ResumeRefused(f"train.resume: {run_dir} holds a run with other settings ({listed(changed)}): resume it "
                             f"with its own settings, or give this run another hydra.run.dir")
