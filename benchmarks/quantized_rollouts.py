@@ -1,5 +1,5 @@
 """What quantized rollouts buy on this machine: decode throughput, weight-sync cost and the sampler's memory of each
-`sampler.quantization` x `sampler.kv_cache_dtype` mode against bf16, through rlmm's own `VLLMSampler`.
+`quantization=` x `sampler.kv_cache_dtype` mode against bf16, through rlmm's own `VLLMSampler`.
 
     .venv/bin/python -m benchmarks.quantized_rollouts [--model large] [--rows 64] [--new-tokens 64] \
         [--repeats 3] [--calls 3] [--modes bf16,int8,fp8kv,int8_fp8kv,fp8] [--out FILE.json]
@@ -63,7 +63,8 @@ def worker(job: dict) -> dict:
     started = time.perf_counter()
     try:
         sampler = from_yaml("sampler", "vllm", model_path=job["path"], precision=SidePrecision("bf16", False),
-                            sampling=sampling, seed=0, quantization=quantization, kv_cache_dtype=kv_cache,
+                            sampling=sampling, seed=0, quantization=from_yaml("quantization", quantization),
+                            kv_cache_dtype=kv_cache,
                             prompt_tokens=job["prompt_tokens"], max_rows=job["rows"])
     except ValueError as error:
         return {"mode": job["mode"], "refused": str(error)}

@@ -22,7 +22,7 @@ EXTRA = [  # bad input caught later than composition, or tested elsewhere (file 
     ("rlmm train hydra.run.dir=/proc/rlmm-run", "tests/test_faults.py"),
     ("rlmm train hydra.run.dir=", "tests/test_validation.py"),
     ("rlmm train hydra.run.dir=null", "tests/test_validation.py"),
-    ("rlmm train sampler.quantization=fp8", "tests/test_quantized_rollouts.py"),
+    ("rlmm train quantization=fp8", "tests/test_quantized_rollouts.py"),
     ("rlmm train task=gsm8k task.path=/no/such.jsonl", "tests/test_tasks.py"),
     ("rlmm train task=gsm8k task.path=tests/data/gsm8k_latin1.jsonl", "tests/test_validation.py"),
     ("rlmm table /no/such/sweep", "tests/test_table.py"),

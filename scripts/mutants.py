@@ -119,16 +119,18 @@ MUTANTS = [
            [("rlmm/samplers/quantize.py", "            if leaf == \"weight\" and module in self.modules:\n                quantized",
              "            if False:\n                quantized")], tests=("tests/test_quantized_rollouts.py",)),
     Mutant("sync_keeps_first_scales", "the int8 sampler quantizes each sync with the scales of the first weights it "
-           "saw", [("rlmm/samplers/quantize.py", "                quantized, scale = quantize(tensor)\n",
-                    "                quantized, scale = quantize(tensor)\n                scale = self.__dict__.setdefault("
+           "saw", [("rlmm/samplers/quantize.py", "                quantized, scale = self.mode.quantize(tensor)\n",
+                    "                quantized, scale = self.mode.quantize(tensor)\n"
+                    "                scale = self.__dict__.setdefault("
                     "'first', {}).setdefault(name, scale)\n                quantized = torch.round(tensor.float() / "
                     "scale).clamp(-127, 127).to(torch.int8)\n")], tests=("tests/test_quantized_rollouts.py",)),
     Mutant("int8_scale_by_127_5", "int8 weights scaled by amax/127.5 (compressed-tensors' calculate_qparams) instead "
-           "of amax/127", [("rlmm/samplers/quantize.py", "scale = (weight.abs().amax(dim=1, keepdim=True) / INT8_MAX)",
+           "of amax/127", [("rlmm/policy/quantization.py",
+                            "scale = (weight.abs().amax(dim=1, keepdim=True) / INT8_MAX)",
                             "scale = (weight.abs().amax(dim=1, keepdim=True) / 127.5)")],
            tests=("tests/test_quantized_rollouts.py",)),
     Mutant("hf_emulation_without_activations", "sampler=hf's int8 emulation leaves each linear layer's input "
-           "unrounded", [("rlmm/samplers/quantize.py", "        if mode == \"int8\":\n            for name, module",
+           "unrounded", [("rlmm/samplers/quantize.py", "        if mode.rounds_inputs:\n            for name, module",
                           "        if False:\n            for name, module")], tests=("tests/test_quantized_rollouts.py",)),
     Mutant("gae_without_lambda", "PPO's GAE drops lambda (A_t = delta_t + gamma A_{t+1})",
            [("rlmm/algos/ppo.py", "running = delta + gamma * lam * torch.where(following[:, t], running, 0.0)",
@@ -184,8 +186,8 @@ MUTANTS = [
            "position", [("rlmm/samplers/hf.py", "response[row, :length - 1]", "response[row, 1:length]")],
            tests=("tests/test_layer_attribution.py",)),
     Mutant("fp8_weights_without_amx", "vLLM-CPU's FP8 weights are refused on AMX CPUs and allowed elsewhere",
-           [("rlmm/samplers/quantize.py", 'if quantization.weights == "fp8" and not cpu.features().amx:',
-             'if quantization.weights == "fp8" and cpu.features().amx:')],
+           [("rlmm/policy/quantization.py", "        if not cpu.features().amx:\n",
+             "        if cpu.features().amx:\n")],
            tests=("tests/test_cpu.py",)),
     Mutant("sampler_support_ignored", "support=sampler scores the whole vocabulary, not the sampler's kept set",
            [("rlmm/policy/support.py", 'return z.masked_fill(~with_sampled(kept, tokens), float("-inf"))', "return z")],

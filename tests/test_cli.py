@@ -30,11 +30,15 @@ CASES = [
     (["support=nucleus"], "unknown support 'nucleus' (allowed: full, sampler, trainer)"),
     (["support.max_kept=0"], "support.max_kept: a count of tokens >= 1, got 0"),
     (["sampler.kv_cache=2"], "(allowed: batch_invariant, kv_cache_gb,"),
-    (["sampler.quantization=int4"], "sampler.quantization: unknown mode 'int4' (allowed: none, int8, fp8)"),
+    (["quantization=int4"], f"unknown quantization 'int4' (allowed: {', '.join(group_options('quantization'))})"),
+    (["sampler.quantization=int8"], "sampler.quantization=int8: sampler.quantization is the config group quantization "
+                                    f"now: write quantization=int8 (allowed: {', '.join(group_options('quantization'))})"),
+    (["-m", "+sampler.quantization=none,int8"], "sampler.quantization=none,int8: sampler.quantization is the config "
+                                                "group quantization now: write quantization=none,int8"),
     (["-m", "sampler.kv_cache_dtype=auto,fp8"],
      "sampler.kv_cache_dtype: unknown dtype 'fp8' (allowed: auto, fp8_e4m3, fp8_e5m2)"),
     (["sampler=hf", "sampler.kv_cache_dtype=fp8_e4m3"], "Key 'kv_cache_dtype' is not in struct (allowed: batch_size, "
-                                                         "quantization, perturb)"),
+                                                         "perturb)"),
     (["+trainer.zero=3"], "trainer=deepspeed: unknown key 'zero' (allowed: micro_batch_size, zero_stage, lr,"),
     (["trainer.zero_stage=three"], "trainer=deepspeed: zero_stage: Value 'three' of type 'str' could not be converted "
                                    "to Integer"),

@@ -115,12 +115,12 @@ def refused(app: str, overrides: list[str], capsys) -> str | None:
 def test_each_machine_type_refuses_what_it_cannot_run_before_any_work(machine, capsys):
     expected = EXPECTED[machine]
     with cpu.simulated(machine):
-        fp8 = refused("probe", ["sampler.quantization=fp8"], capsys)
-        kv = refused("train", ["sampler.quantization=int8", "sampler.kv_cache_dtype=fp8_e5m2"], capsys)
+        fp8 = refused("probe", ["quantization=fp8"], capsys)
+        kv = refused("train", ["quantization=int8", "sampler.kv_cache_dtype=fp8_e5m2"], capsys)
         fp16 = refused("probe", ["precision=fp16", "trainer=deepspeed"], capsys)
-        emulated = refused("probe", ["sampler=hf", "sampler.quantization=fp8"], capsys)
+        emulated = refused("probe", ["sampler=hf", "quantization=fp8"], capsys)
     assert (fp8 is None) == expected["fp8_weights"], fp8
-    assert fp8 is None or fp8 == ("rlmm: error: sampler.quantization=fp8: vLLM-CPU's only FP8 weight kernel needs "
+    assert fp8 is None or fp8 == ("rlmm: error: quantization=fp8: vLLM-CPU's only FP8 weight kernel needs "
                                   "AMX (Sapphire Rapids or newer); this CPU has none (runs here: none, int8; fp8 "
                                   "weights run on CUDA)")
     assert (kv is None) == expected["fp8_kv_cache"], kv
@@ -159,7 +159,7 @@ def test_each_machine_type_narrows_each_experiment_grid_as_rlmm_refuses_it(machi
     (the grids no machine narrows are validated as they are by tests/test_experiments.py)."""
     expected = EXPECTED[machine]
     kv = [] if expected["fp8_kv_cache"] else ["sampler.kv_cache_dtype=auto"]
-    fp8 = [] if expected["fp8_weights"] else ["sampler.quantization=none,int8"]
+    fp8 = [] if expected["fp8_weights"] else ["quantization=none,int8"]
     torch_pin = [] if expected["deepspeed_fp16"] else ["trainer=torch"]
     narrowed = narrowing_by_machine()[machine]
     assert narrowed == {"quantized_rollouts": kv, "quantized_rollouts_gpu": fp8 + kv,

@@ -132,7 +132,7 @@ def test_one_pass_fallback_and_gradient_checkpointing_leave_the_update_unchanged
         trainer._forward = lambda *args: forwards.append(1) or forward(*args)
         before = {k: v.clone() for k, v in trainer.state_dict().items()}
         c = Components(task=OddLengthReward(arithmetic_task), tokenizer=AutoTokenizer.from_pretrained(small_model_path),
-                       sampler=HFSampler(small_model_path, fp32, options, seed=0, batch_size=0, perturb=0.0, quantization="none"),
+                       sampler=HFSampler(small_model_path, fp32, options, seed=0, batch_size=0, perturb=0.0),
                        trainer=trainer,
                        correction=NoCorrection(), algo=algo(), sampling=options)
         metrics = rl_step(c, arithmetic_task.examples("train", 4), ratio_cap=2.0, reuse_training_forward=True)

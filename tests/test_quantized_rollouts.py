@@ -1,6 +1,7 @@
-"""Quantized rollouts (`sampler.quantization`, `sampler.kv_cache_dtype`; rlmm/samplers/quantize.py): the
-quantizers' formulas, the engine serving exactly quantize(W_trainer) after a sync (read back from vLLM and
-compared bit for bit with this file's own quantization), the FP8 KV cache, the hf emulation, and the refusals."""
+"""Quantized rollouts (`quantization=`, `sampler.kv_cache_dtype`; rlmm/policy/quantization.py's modes,
+rlmm/samplers/quantize.py): the quantizers' formulas, the engine serving exactly quantize(W_trainer) after a sync
+(read back from vLLM and compared bit for bit with this file's own quantization), the FP8 KV cache, the hf
+emulation, and the refusals."""
 from __future__ import annotations
 
 import json
@@ -10,6 +11,8 @@ import sys
 import pytest
 import torch
 
+from rlmm.config.options import from_yaml
+from rlmm.policy import quantization as modes
 from rlmm.policy.precision import SidePrecision
 from rlmm.samplers import quantize
 from rlmm.samplers.perturb import checkpoint_tensors
@@ -68,34 +71,34 @@ def served_differences(sampler, state: dict[str, torch.Tensor]) -> list[str]:
 def test_int8_per_channel_is_the_formula_and_its_error_is_half_a_step():
     weight = torch.randn(48, 96) * torch.logspace(-3, 1, 48)[:, None]  # rows of very different sizes
     weight[5] = 0.0  # an all-zero row keeps a positive scale and zero weights
-    quantized, scale = quantize.int8_per_channel(weight.to(torch.bfloat16))
+    quantized, scale = modes.int8_per_channel(weight.to(torch.bfloat16))
     expected, expected_scale = hand_int8(weight.to(torch.bfloat16))
     live = torch.arange(48) != 5
     assert torch.equal(quantized[live], expected[live]) and torch.equal(scale[live], expected_scale[live])
     assert quantized.dtype == torch.int8 and scale.dtype == torch.float32 and scale.shape == (48, 1)
     assert (quantized[live].abs().amax(dim=1) == 127).all() and (quantized[5] == 0).all() and scale[5] > 0
-    error = (quantize.dequantize(quantized, scale) - weight.to(torch.bfloat16).float()).abs()
+    error = (modes.dequantize(quantized, scale) - weight.to(torch.bfloat16).float()).abs()
     assert (error <= scale / 2 + 1e-6 * weight.abs()).all()  # half a step, and fp32 rounding of w / s
 
 
 def test_fp8_blocks_scale_each_128_block_to_e4m3s_largest_value():
     weight = torch.randn(200, 300)  # partial blocks on both edges
     weight[128:, :128] *= 100  # one block far larger than the rest
-    quantized, scale = quantize.fp8_blockwise(weight)
+    quantized, scale = modes.fp8_blockwise(weight)
     assert quantized.dtype == torch.float8_e4m3fn and quantized.shape == weight.shape and scale.shape == (2, 3)
     for i in range(2):
         for j in range(3):
             block = quantized[i * 128:(i + 1) * 128, j * 128:(j + 1) * 128].float()
             assert block.abs().max() == 448.0
             assert scale[i, j] == weight[i * 128:(i + 1) * 128, j * 128:(j + 1) * 128].abs().max() / 448
-    relative = (quantize.dequantize(quantized, scale) - weight).abs() / weight.abs()
-    normal = weight.abs() >= 2 ** -6 * quantize.dequantize(torch.ones(weight.shape), scale)  # e4m3's normal range
+    relative = (modes.dequantize(quantized, scale) - weight).abs() / weight.abs()
+    normal = weight.abs() >= 2 ** -6 * modes.dequantize(torch.ones(weight.shape), scale)  # e4m3's normal range
     assert relative[normal].max() <= 2 ** -4  # 3 mantissa bits: half a step
 
 
 def test_int8_per_token_rounds_each_row_on_its_own_scale():
     x = torch.randn(6, 64) * torch.tensor([1e-3, 1, 10, 100, 1e3, 1e4])[:, None]
-    rounded = quantize.int8_per_token(x)
+    rounded = modes.int8_per_token(x)
     step = x.abs().amax(dim=1, keepdim=True) / 127
     assert ((rounded - x).abs() <= step / 2 * (1 + 1e-6)).all()
     assert torch.equal(rounded.abs().amax(dim=1), x.abs().amax(dim=1))  # the largest value is on the grid
@@ -107,7 +110,7 @@ def test_the_quantizer_replaces_targeted_weights_and_passes_the_rest(small_model
     projections = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
     assert {name.rpartition(".")[2] for name in modules} == projections and len(modules) == 2 * len(projections)
     state = dict(checkpoint_tensors(small_model_path))
-    out = dict(quantize.WeightQuantizer("int8", modules)(state.items()))
+    out = dict(quantize.WeightQuantizer(modes.Int8W8A8(), modules)(state.items()))
     for name, tensor in state.items():
         module = name.rpartition(".")[0]
         if name.endswith(".weight") and module in modules:
@@ -115,14 +118,14 @@ def test_the_quantizer_replaces_targeted_weights_and_passes_the_rest(small_model
         else:
             assert out[name] is tensor  # the LM head, the embedding, norms and biases untouched
     assert "lm_head.weight" in out and out["lm_head.weight"].is_floating_point()
-    assert dict(quantize.WeightQuantizer("none", modules)(state.items())) == state
+    assert dict(quantize.WeightQuantizer(modes.NoQuantization(), modules)(state.items())) == state
 
 
 # -- vLLM serves quantize(W_trainer) ------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def int8_sampler(small_model_path):
-    sampler = build_sampler("vllm", small_model_path, BF16, sampling(max_new_tokens=8), seed=0, quantization="int8",
-                            kv_cache_dtype=KV_HERE)
+    sampler = build_sampler("vllm", small_model_path, BF16, sampling(max_new_tokens=8), seed=0,
+                            quantization=from_yaml("quantization", "int8"), kv_cache_dtype=KV_HERE)
     yield sampler
     sampler.close()
 
@@ -154,14 +157,14 @@ def test_every_sync_serves_exactly_the_trainers_weights_quantized(int8_sampler, 
 
 def test_a_sync_that_reuses_the_first_scales_is_caught(int8_sampler, small_model_path, monkeypatch):
     checkpoint = dict(checkpoint_tensors(small_model_path))
-    first = {name: quantize.int8_per_channel(tensor)[1] for name, tensor in checkpoint.items() if tensor.dim() == 2}
+    first = {name: modes.int8_per_channel(tensor)[1] for name, tensor in checkpoint.items() if tensor.dim() == 2}
     by_shape = {tuple(s.shape): s for s in first.values()}  # good enough to pick a stale scale of the right size
 
     def stale(weight):
         scale = by_shape[(weight.shape[0], 1)]
         return torch.round(weight.float() / scale).clamp(-127, 127).to(torch.int8), scale
 
-    monkeypatch.setitem(quantize.QUANTIZERS, "int8", (stale, "weight_scale"))
+    monkeypatch.setattr(int8_sampler.quantizer.mode, "quantize", stale)
     state = trained(checkpoint, 3)
     int8_sampler.load_weights(state)
     assert served_differences(int8_sampler, state) != []
@@ -173,7 +176,7 @@ def test_a_sync_that_reuses_the_first_scales_is_caught(int8_sampler, small_model
 def test_a_sync_that_skips_the_quantization_is_refused(int8_sampler, small_model_path, monkeypatch):
     """Unquantized weights into the int8 engine: vLLM would copy bf16 values into its int8 storage and sample
     on; the sync's check that every parameter was reached (the scales were not) refuses it instead."""
-    monkeypatch.setattr(int8_sampler.quantizer, "mode", "none")
+    monkeypatch.setattr(int8_sampler.quantizer, "mode", modes.NoQuantization())
     with pytest.raises(RuntimeError, match="weight_scale"):
         int8_sampler.load_weights(trained(dict(checkpoint_tensors(small_model_path)), 4))
 
@@ -205,14 +208,15 @@ def test_an_fp8_kv_cache_changes_the_log_probs_a_little(small_model_path, prompt
 
 # -- sampler=hf emulates it -------------------------------------------------------------------------------------
 def test_hf_emulation_serves_the_dequantized_weights_and_rounds_the_activations(small_model_path, prompts):
-    sampler = build_sampler("hf", small_model_path, BF16, sampling(max_new_tokens=4), seed=0, quantization="int8")
+    sampler = build_sampler("hf", small_model_path, BF16, sampling(max_new_tokens=4), seed=0,
+                            quantization=from_yaml("quantization", "int8"))
     params = dict(sampler.model.named_parameters())
     checkpoint = dict(checkpoint_tensors(small_model_path))
     for sync, state in enumerate((checkpoint, trained(checkpoint, 5))):
         if sync:
             sampler.load_weights(state)
         for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.down_proj.weight"):
-            expected = quantize.dequantize(*hand_int8(state[name].to(torch.bfloat16))).to(torch.bfloat16)
+            expected = modes.dequantize(*hand_int8(state[name].to(torch.bfloat16))).to(torch.bfloat16)
             assert torch.equal(params[name], expected)
         assert torch.equal(params["lm_head.weight"], state["lm_head.weight"].to(torch.bfloat16))
     raw, seen = [], []
@@ -222,40 +226,42 @@ def test_hf_emulation_serves_the_dequantized_weights_and_rounds_the_activations(
     sampler.generate(prompts[:2], greedy=True)
     for handle in handles:
         handle.remove()
-    assert raw and all(torch.equal(s, quantize.int8_per_token(r)) and not torch.equal(s, r) for r, s in zip(raw, seen))
+    assert raw and all(torch.equal(s, modes.int8_per_token(r)) and not torch.equal(s, r) for r, s in zip(raw, seen))
     assert "emulated" in sampler.actual_precision["quantization"]["weights"]
 
 
 # -- refusals ------------------------------------------------------------------------------------------------------
-def test_bad_quantization_values_are_one_line_errors():
-    with pytest.raises(ValueError, match=r"sampler.quantization: unknown mode 'int4' \(allowed: none, int8, fp8\)"):
-        quantize.Quantization("int4")
-    with pytest.raises(ValueError, match=r"sampler.kv_cache_dtype: unknown dtype 'fp8' \(allowed: auto, fp8_e4m3"):
-        quantize.Quantization("none", "fp8")
+def test_bad_kv_cache_dtypes_are_one_line_errors():
+    with pytest.raises(ValueError, match=r"^sampler.kv_cache_dtype: unknown dtype 'fp8' \(allowed: auto, fp8_e4m3"):
+        quantize.check_kv_cache_dtype("fp8")
 
 
 def test_fp8_weights_are_refused_where_vllm_cpu_has_no_kernel(tmp_path, small_model_path):
-    why = quantize.weights_refusal("fp8", small_model_path, cuda=False, moe=False)
+    fp8, int8 = from_yaml("quantization", "fp8"), from_yaml("quantization", "int8")
+    why = quantize.vllm_refusal(fp8, "auto", small_model_path, cuda=False, moe=False)
     if fp8_weights_here():
         assert "whole 128-blocks" in why and "the k/v width 64" in why  # 1 KV head of 64
     else:
         assert "needs AMX" in why
-    assert why.endswith("(runs here: none, int8; fp8 weights run on CUDA)") and "\n" not in why
-    assert quantize.weights_refusal("fp8", small_model_path, cuda=True, moe=False) is None
-    assert "mixture of experts" in quantize.weights_refusal("int8", small_model_path, cuda=False, moe=True)
+    assert why.startswith("quantization=fp8: ") and why.endswith("(runs here: none, int8; fp8 weights run on CUDA)")
+    assert "\n" not in why
+    assert quantize.vllm_refusal(fp8, "auto", small_model_path, cuda=True, moe=False) is None
+    assert "mixture of experts" in quantize.vllm_refusal(int8, "auto", small_model_path, cuda=False, moe=True)
+    assert "mixture of experts" in int8.refusal(small_model_path, moe=True)  # sampler=hf's emulation refuses it too
+    assert fp8.refusal(small_model_path, moe=False) is None  # emulated: no kernel needed
     (tmp_path / "config.json").write_text(json.dumps({  # block-aligned widths, no bias: vLLM-CPU's kernel ran it
         "model_type": "qwen3", "hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 2,
         "num_key_value_heads": 1, "head_dim": 128}))
-    assert (quantize.fp8_refusal(str(tmp_path), cuda=False) is None) == fp8_weights_here()
+    assert (fp8.cpu_kernel_refusal(str(tmp_path)) is None) == fp8_weights_here()
 
 
 def test_rlmm_train_refuses_fp8_weights_on_the_builtin_model_in_one_line(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "rlmm.cli", "train", "sampler.quantization=fp8",
+    result = subprocess.run([sys.executable, "-m", "rlmm.cli", "train", "quantization=fp8",
                              f"hydra.run.dir={tmp_path}"], capture_output=True, text=True, timeout=300,
                             env=subprocess_env())
     output = result.stdout + result.stderr
     assert result.returncode == 2, output[-2000:]
-    lines = [line for line in output.splitlines() if "sampler.quantization=fp8" in line]
+    lines = [line for line in output.splitlines() if "quantization=fp8" in line]
     assert len(lines) == 1 and lines[0].startswith("rlmm: error: ") and "runs here: none, int8" in lines[0]
     assert "Traceback" not in output
 
@@ -263,7 +269,7 @@ def test_rlmm_train_refuses_fp8_weights_on_the_builtin_model_in_one_line(tmp_pat
 # -- rlmm train ----------------------------------------------------------------------------------------------------
 def test_rlmm_train_runs_int8_weights_with_an_fp8_kv_cache(tmp_path):
     """With the FP8 KV cache where this CPU keeps one (FP8_KV_HERE), else int8 weights alone."""
-    result = subprocess.run([sys.executable, "-m", "rlmm.cli", "train", "sampler.quantization=int8",
+    result = subprocess.run([sys.executable, "-m", "rlmm.cli", "train", "quantization=int8",
                              f"sampler.kv_cache_dtype={KV_HERE}", "train.steps=2", "train.eval_every=0",
                              "train.eval_prompts=8", "train.prompts_per_step=4", f"hydra.run.dir={tmp_path}"],
                             capture_output=True, text=True, timeout=900, env=subprocess_env())

@@ -10,18 +10,18 @@ from rlmm.runtime import cpu
 
 def fp8_kv_cache_here() -> bool:
     """vLLM keeps an FP8 KV cache on this machine (AVX-512 or AMX on a CPU)."""
-    from rlmm.samplers.quantize import Quantization
+    from rlmm.policy.quantization import NoQuantization
     from rlmm.samplers.vllm import VLLMSampler
 
-    return VLLMSampler.refused_here(Quantization("none", "fp8_e4m3")) is None
+    return VLLMSampler.refused_here(NoQuantization(), "fp8_e4m3") is None
 
 
 def fp8_weights_here() -> bool:
     """vLLM runs FP8 weights on this machine, whatever the model's shapes (AMX on a CPU)."""
-    from rlmm.samplers.quantize import Quantization
+    from rlmm.policy.quantization import Fp8Blockwise
     from rlmm.samplers.vllm import VLLMSampler
 
-    return VLLMSampler.refused_here(Quantization("fp8")) is None
+    return VLLMSampler.refused_here(Fp8Blockwise(), "auto") is None
 
 
 def deepspeed_runs(dtype: str) -> bool:
@@ -48,18 +48,20 @@ def experiment_pins(name: str, app: str, cfg) -> list[str]:
 
 
 def experiment_refusals(grid, sampler_target: str) -> list[str]:
-    """The grid's values of `sampler.quantization` and `sampler.kv_cache_dtype` that the sampler refuses on this
-    machine (its `refused_here`, the check `rlmm <app> -m` runs), as overrides of the grid without them (empty
-    where it runs every value)."""
+    """The grid's values of `quantization` and `sampler.kv_cache_dtype` that the sampler refuses on this machine (its
+    `refused_here`, the check `rlmm <app> -m` runs), as overrides of the grid without them (empty where it runs every
+    value)."""
     from hydra.utils import get_class
 
-    from rlmm.samplers.quantize import Quantization
+    from rlmm.config.options import from_yaml
 
     engine = get_class(sampler_target)
+    refused = {"quantization": lambda option: engine.refused_here(from_yaml("quantization", option), "auto"),
+               "sampler.kv_cache_dtype": lambda dtype: engine.refused_here(from_yaml("quantization", "none"), dtype)}
     narrowed = []
-    for key, field in (("sampler.quantization", "weights"), ("sampler.kv_cache_dtype", "kv_cache")):
+    for key, refusal in refused.items():
         values = str(grid[key]).split(",") if key in grid else []
-        kept = [v for v in values if engine.refused_here(Quantization(**{field: v})) is None]
+        kept = [v for v in values if refusal(v) is None]
         if kept != values:
             narrowed.append(f"{key}={','.join(kept)}")
     return narrowed

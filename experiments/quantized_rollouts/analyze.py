@@ -36,7 +36,9 @@ def runs_of(sweep: str) -> tuple[pd.DataFrame, pd.DataFrame]:
     rows, curves = [], []
     for run in sorted(p for p in Path(sweep).iterdir() if (p / "summary.json").exists()):
         overrides = read_overrides(run)
-        mode = MODES[(overrides["sampler.quantization"], overrides["sampler.kv_cache_dtype"])]
+        # `quantization=` since issue 51; the sweep in README.md ran before, as `sampler.quantization=`
+        weights = overrides["quantization"] if "quantization" in overrides else overrides["sampler.quantization"]
+        mode = MODES[(weights, overrides["sampler.kv_cache_dtype"])]
         summary = json.loads((run / "summary.json").read_text())
         steps = pd.DataFrame([s for s in read_steps(run) if s["step"] > 0]).set_index("step")
         row = {"mode": mode, "correction": overrides["correction"], "seed": int(overrides["seed"])}

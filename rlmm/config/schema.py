@@ -73,6 +73,7 @@ class ProbeConfig:
     precision: Any = MISSING
     routing: Any = MISSING
     support: Any = MISSING
+    quantization: Any = MISSING
     logger: Any = MISSING
     seed: int = MISSING
     sampling: SamplingOptions = MISSING
@@ -128,6 +129,7 @@ class TrainConfig:
     algo: Any = MISSING
     routing: Any = MISSING
     support: Any = MISSING
+    quantization: Any = MISSING
     logger: Any = MISSING
     seed: int = MISSING
     sampling: SamplingOptions = MISSING

@@ -27,6 +27,7 @@ def check_overrides(config_name: str, overrides: list[str]) -> None:
     except HydraException as err:
         fail(str(err).splitlines()[0])
     fail_on_unknown_options(parsed + hydra_groups, config_name)
+    fail_on_keys_now_groups(ours)
     from rlmm.launch.launcher import launcher_target
 
     elsewhere = runs_on_another_machine(launcher_target(config_name, overrides) or "")
@@ -34,17 +35,18 @@ def check_overrides(config_name: str, overrides: list[str]) -> None:
     combinations = with_config_sweep_params(config_name, combinations)
     composed_groups = {} if len(combinations) > 1 else None  # a sweep's combinations share their composes
     for combination in combinations:
+        fail_on_keys_now_groups(combination)  # an experiment's grid too
         try:
             cfg, _ = composed_and_validated(config_name, combination, composed_groups)
             # These constructors only check their arguments (paths, dtype names, ranges), so bad
             # values surface here, before a sweep is submitted or an engine starts.
-            built = {group: instantiate(cfg[group]) for group in ("model", "precision", "correction", "algo", "support")
-                     if group in cfg}
+            built = {group: instantiate(cfg[group]) for group in ("model", "precision", "correction", "algo", "support",
+                                                                  "quantization") if group in cfg}
             SamplingOptions(**cfg.sampling, support=built["support"]).check_vocabulary(built["model"].known_vocab_size())
             if "sampler" in cfg:
                 from rlmm.samplers.quantize import check_sampler_options
 
-                check_sampler_options(cfg.sampler, this_machine=not elsewhere)
+                check_sampler_options(cfg.sampler, built["quantization"], this_machine=not elsewhere)
             if not elsewhere:  # a SLURM job asks its own node's hardware when it starts
                 check_engines_support(cfg, built["precision"])
             if "probe" in cfg:
@@ -102,6 +104,19 @@ def fail_on_unknown_options(parsed: list, app: str | None = None) -> None:
                     fail(f"{group} '{value}' is not one of rlmm {app}'s but rlmm {other_app}'s: run rlmm {other_app} "
                          f"{group}={value} (rlmm {app}'s: {', '.join(options)})")
                 fail(f"unknown {group} '{value}' (allowed: {', '.join(options)})")
+
+
+def fail_on_keys_now_groups(overrides: list[str]) -> None:
+    """An override of a key that became a config group of its own (KEYS_NOW_GROUPS: `sampler.quantization=int8`, from
+    before issue 51) fails in one line naming the spelling that works (`quantization=int8`)."""
+    from rlmm.config.options import KEYS_NOW_GROUPS, group_options
+
+    for override in overrides:
+        key, _, value = override.lstrip("+~").partition("=")
+        if key in KEYS_NOW_GROUPS:
+            group = KEYS_NOW_GROUPS[key]
+            fail(f"{key}={value}: {key} is the config group {group} now: write {group}={value} "
+                 f"(allowed: {', '.join(group_options(group))})")
 
 
 def _other_app_of(group: str, value: str, app: str | None) -> str | None:

@@ -34,6 +34,7 @@ from rlmm.config.options import build, to_container
 from rlmm.mismatch.attribution import attribute, plot_attribution
 from rlmm.mismatch.layer_attribution import compare_layers, plot_layers
 from rlmm.mismatch.metrics import early_vs_late, entropy_profile, mismatch_metrics, position_profile
+from rlmm.policy.quantization import NoQuantization
 from rlmm.policy.support import recorded as support_recorded
 from rlmm.policy.support import support_metrics
 from rlmm.probe.checks import check_finite, check_options
@@ -150,10 +151,11 @@ def run_probe(cfg: DictConfig, run_dir: Path, choices: dict[str, str]) -> dict:
 
 def stand_in_gap(cfg: DictConfig, engine_args: dict, perturb: float, prompt_ids: list[list[int]], trainer,
                  options) -> dict:
-    """The probe's sampler-vs-trainer metrics for the same engine, unquantized, with `sampler.perturb` = ε on the
-    same prompts with the same seed (the simulated stand-in for a quantized sampler: rlmm/samplers/perturb.py)."""
-    plain = {key: value for key, value in (("quantization", "none"), ("kv_cache_dtype", "auto")) if key in cfg.sampler}
-    sampler = build(cfg.sampler, **engine_args, **plain, perturb=perturb)
+    """The probe's sampler-vs-trainer metrics for the same engine, unquantized (`quantization=none`, a KV cache in
+    the sampler's dtype), with `sampler.perturb` = ε on the same prompts with the same seed (the simulated stand-in
+    for a quantized sampler: rlmm/samplers/perturb.py)."""
+    plain = {"kv_cache_dtype": "auto"} if "kv_cache_dtype" in cfg.sampler else {}
+    sampler = build(cfg.sampler, **{**engine_args, "quantization": NoQuantization()}, **plain, perturb=perturb)
     try:
         rollouts = sampler.generate(prompt_ids, n=options.samples_per_prompt)
     finally:

@@ -1,5 +1,6 @@
 """What every app builds from its config, in one place: the task, the model checkpoint, the precision
-policy, the sampler and the trainer (and, for `rlmm train`, the correction and the algorithm).
+policy, the sampler (given its `quantization=` mode) and the trainer (and, for `rlmm train`, the correction and
+the algorithm).
 
 Order matters and is the same for every app: each rank's device and the process group first (in-process
 vLLM joins a group that exists instead of making its own), then the sampler, then the trainer; a trainer
@@ -78,7 +79,8 @@ def build_components(cfg: DictConfig, prompts: Callable[[object], list], max_row
         # A trainer with an fp32 head trains it apart from a tied input embedding: the sampler must hold both.
         engine_args = dict(model_path=model_path, precision=precision.sampler, sampling=sampling, seed=cfg.seed,
                            prompt_tokens=longest_prompt(tokenizer, prompts(task)), max_rows=max_rows,
-                           untie_head=precision.trainer.fp32_head, capture_routing=routing.capture)
+                           untie_head=precision.trainer.fp32_head, capture_routing=routing.capture,
+                           quantization=instantiate(cfg.quantization))
         if sampler_factory is not None:  # e.g. the engine built in a process of its own while the trainer is here
             sampler = sampler_factory(cfg, engine_args)
         else:

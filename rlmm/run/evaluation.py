@@ -11,6 +11,7 @@ import torch
 from omegaconf import OmegaConf
 
 from rlmm.config.options import CONF_DIR
+from rlmm.policy.quantization import NoQuantization
 from rlmm.policy.rollouts import Rollouts
 from rlmm.run.components import Components
 from rlmm.run.step import reward
@@ -158,11 +159,10 @@ def generating(model: torch.nn.Module):
 
 class TrainedCopyEngine(TrainedWeights):
     """Greedy generation with a copy of the trainer's weights (`sampler=hf`'s class, built here with its YAML's
-    batch size, no perturbation, in the trainer side's precision `Components.trainer_precision`), for a trainer
-    whose module cannot generate as it is: its weights sharded over ranks (ZeRO-3, FSDP over several ranks) or
-    its attention set for packed rows (`padding_free`). The copy is built
-    on rank 0 at the first evaluation and loaded at each; every rank reads the weights (a collective when they
-    are gathered from shards)."""
+    batch size, no perturbation, no quantization, in the trainer side's precision `Components.trainer_precision`),
+    for a trainer whose module cannot generate as it is: its weights sharded over ranks (ZeRO-3, FSDP over several
+    ranks) or its attention set for packed rows (`padding_free`). The copy is built on rank 0 at the first
+    evaluation and loaded at each; every rank reads the weights (a collective when they are gathered from shards)."""
 
     def __init__(self, c: Components):
         self.c, self.sampler = c, None
@@ -177,7 +177,7 @@ class TrainedCopyEngine(TrainedWeights):
             from rlmm.samplers.hf import HFSampler
 
             self.sampler = HFSampler(self.c.model_path, self.c.trainer_precision, self.c.sampling, seed=0,
-                                     batch_size=hf_batch_size(), perturb=0.0, quantization="none")
+                                     batch_size=hf_batch_size(), perturb=0.0, quantization=NoQuantization())
         self.sampler.load_weights(weights)
 
     def generate(self, prompt_ids: list[list[int]], *, n: int = 1, greedy: bool = False) -> Rollouts:

