@@ -98,6 +98,30 @@ def test_a_run_written_before_the_objective_was_a_node_resumes_and_another_objec
         check_train_dir(run_dir, changed(algo__objective={**now, "clip_high": 0.5}), world=1, resume=True)
 
 
+def test_a_run_written_before_quantization_was_a_group_resumes_with_its_mode_and_not_another(tmp_path):
+    """Issue 51 made `sampler.quantization: X` the config group `quantization=X`: config.yaml of an older run holds
+    the key, which is no difference to the same mode chosen by the group; another mode still is."""
+    from omegaconf import OmegaConf
+
+    from rlmm.config.options import option_node
+
+    def now(option: str) -> dict:  # this run's config with `quantization=option`
+        return changed(choices__quantization=option, sampler__kv_cache_dtype="auto",
+                       quantization=OmegaConf.to_container(option_node("quantization", option)))
+
+    for option in ("none", "int8"):
+        before = changed(sampler__quantization=option, sampler__kv_cache_dtype="auto")
+        run_dir = record(tmp_path / option, config=before, checkpoint_world=1)
+        check_train_dir(run_dir, now(option), world=1, resume=True)
+    with pytest.raises(ResumeRefused, match=r"choices.quantization=int8 there, fp8 here; "
+                                            r"quantization._target_=rlmm.policy.quantization.Int8W8A8 there, "
+                                            r"rlmm.policy.quantization.Fp8Blockwise here\)"):
+        check_train_dir(tmp_path / "int8", now("fp8"), world=1, resume=True)
+    unknown = record(tmp_path / "int4", config=changed(sampler__quantization="int4"), checkpoint_world=1)
+    with pytest.raises(ResumeRefused, match=r"choices.quantization=int4 there, none here"):
+        check_train_dir(unknown, now("none"), world=1, resume=True)
+
+
 @pytest.mark.parametrize("values,named", [
     ({"train__staleness": 2}, "train.staleness=1 there, 2 here"),
     ({"choices__sampler": "vllm"}, "choices.sampler=hf there, vllm here"),

@@ -16,7 +16,9 @@ module reads what is there and decides, from files alone (no engine started, no 
                                       other settings                               -> refused
 
 "The run's own settings": its config.yaml (or probe.json's "config" and "choices") equals this run's, leaf by
-leaf, except the keys in MAY_DIFFER, which change how a run is watched or saved, not what it computes.
+leaf, except the keys in MAY_DIFFER, which change how a run is watched or saved, not what it computes; a key that
+became a config group since the run was written (`sampler.quantization: int8`) counts as that group's choice
+(`quantization=int8`).
 """
 from __future__ import annotations
 
@@ -121,9 +123,33 @@ def groups_added_since(saved: dict, current: dict, app: str) -> tuple[str, ...]:
     return tuple(added)
 
 
+def with_keys_now_groups(saved: dict) -> dict:
+    """`saved` with each key that has become a config group since it was written (KEYS_NOW_GROUPS) as that group's
+    choice and node: a run written with `sampler.quantization: int8` chose what `quantization=int8` chooses now, and
+    conf/quantization/int8.yaml builds what it computed."""
+    import copy
+
+    from omegaconf import OmegaConf
+
+    from rlmm.config.options import KEYS_NOW_GROUPS, group_options, option_node
+
+    saved = copy.deepcopy(saved)
+    for key, group in KEYS_NOW_GROUPS.items():
+        node, _, leaf = key.partition(".")
+        if not isinstance(saved.get(node), dict) or leaf not in saved[node] or group in saved.get("choices", {}):
+            continue
+        option = saved[node].pop(leaf)
+        saved.setdefault("choices", {})[group] = option
+        if option in group_options(group):  # else no node: the difference names the choice
+            saved[group] = OmegaConf.to_container(option_node(group, option))
+    return saved
+
+
 def differences(saved: dict, current: dict, app: str = "train") -> list[str]:
     """`key=saved there, current here` for every leaf that differs, keys of MAY_DIFFER and groups added since the
-    run was written at their default (`groups_added_since`) aside."""
+    run was written at their default (`groups_added_since`) aside; a key that has become a group since is compared
+    as that group's choice (`with_keys_now_groups`)."""
+    saved = with_keys_now_groups(saved)
     # Through YAML, as config.yaml was written: 1e-3 and tuples come back as what the file holds.
     old, new = leaves(yaml.safe_load(yaml.safe_dump(saved))), leaves(yaml.safe_load(yaml.safe_dump(current)))
     skipped = MAY_DIFFER + tuple(name for group in groups_added_since(saved, current, app)
