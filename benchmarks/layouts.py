@@ -121,7 +121,7 @@ def main(argv=None) -> None:
     def update(name: str, rollouts) -> dict:
         layout = trainer.batching = layouts[name]
         if layout.padding_free:
-            attention = use_varlen_attention(model, device, precision.torch_dtype)
+            attention = use_varlen_attention(model, device, precision.dtype)
         else:
             model.set_attn_implementation("sdpa")
             attention = "sdpa"

@@ -72,7 +72,8 @@ def test_unknown_key_is_rejected_with_the_allowed_ones():
 
 @pytest.mark.parametrize("override,message", [
     ("+algo.objective.dual_clip=3", "algo.objective: unknown key 'dual_clip' (allowed: clip_low, clip_high)"),
-    ("algo.objective.clip_high=wide", "algo.objective: Value 'wide' of type 'str' could not be converted to Float"),
+    ("algo.objective.clip_high=wide",
+     "algo.objective: clip_high: Value 'wide' of type 'str' could not be converted to Float"),
     ("algo.objective.clip_high=???", "algo.objective: missing required key(s) clip_high"),
 ])
 def test_an_option_nested_in_an_option_is_validated_against_its_own_class(override, message):

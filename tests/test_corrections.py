@@ -318,7 +318,7 @@ def test_unknown_and_mistyped_yaml_keys_are_rejected():
     node = OmegaConf.load(CONF_DIR / "correction" / "tis.yaml")
     with pytest.raises(ConfigError, match=r"correction=tis: unknown key 'clip' \(allowed: cap\)"):
         validate_node(OmegaConf.merge(node, {"clip": 2.0}), "correction=tis")
-    with pytest.raises(ConfigError, match="correction=tis: Value 'big'"):
+    with pytest.raises(ConfigError, match="correction=tis: cap: Value 'big'"):
         validate_node(OmegaConf.merge(node, {"cap": "big"}), "correction=tis")
 
 

@@ -26,7 +26,8 @@ def table_rows() -> dict[str, str]:
 
 # Groups whose options the README does not list one by one: a generated table elsewhere lists them (a new option is
 # its class and its YAML, nothing else to edit by hand).
-GENERATED_ELSEWHERE = {"correction": "docs/corrections.md", "algo": "docs/algorithms.md"}
+GENERATED_ELSEWHERE = {"correction": "docs/corrections.md", "algo": "docs/algorithms.md",
+                       "quantization": "docs/precision.md"}
 
 
 @pytest.mark.parametrize("group", sorted(p.name for p in CONF_DIR.iterdir() if p.is_dir()
@@ -43,11 +44,12 @@ def test_the_readme_table_lists_every_option_of_every_group(group):
 
 
 @pytest.mark.parametrize("script,doc", [("corrections_table", "docs/corrections.md"),
-                                        ("algorithms_table", "docs/algorithms.md")])
+                                        ("algorithms_table", "docs/algorithms.md"),
+                                        ("quantization_table", "docs/precision.md")])
 def test_each_generated_table_is_what_the_classes_and_yamls_say(script, doc):
-    """docs/corrections.md's methods table and reference entries, and docs/algorithms.md's table of algorithms, are
-    written by their scripts from every option's YAML (and a correction's class docstring): stale (a new option, a
-    changed docstring or value), this fails until it is written again."""
+    """docs/corrections.md's methods table and reference entries, docs/algorithms.md's table of algorithms and
+    docs/precision.md's of quantization modes are written by their scripts from every option's YAML (and its
+    class): stale (a new option, a changed docstring or value), this fails until it is written again."""
     import importlib
     import sys
 

@@ -58,11 +58,6 @@ class SidePrecision:
     def name(self) -> str:
         return dtype_name(self.dtype)
 
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        """`dtype` under the name the samplers (rlmm/samplers/) and benchmarks read."""
-        return self.dtype
-
     def __str__(self) -> str:
         return self.name + ("+fp32head" if self.fp32_head and self.dtype != torch.float32 else "")
 

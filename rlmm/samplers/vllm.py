@@ -160,7 +160,7 @@ class VLLMSampler:
         self.masked = sampling.returns_kept_tokens and cuda and sampling.top_k > 0
         self.listed = min(sampling.support.max_kept, self.vocab) \
             if sampling.returns_kept_tokens and not self.masked else 0
-        kwargs = dict(model=model_path, dtype=str(precision.torch_dtype).removeprefix("torch."),
+        kwargs = dict(model=model_path, dtype=str(precision.dtype).removeprefix("torch."),
                       seed=engine_seed(seed, global_rank()), logprobs_mode=VLLM_LOGPROBS_MODE[sampling.logprobs],
                       max_logprobs=max(1, self.listed), **engine)
         if self.masked:
@@ -419,7 +419,7 @@ def kv_cache_size(model_path: str, precision: SidePrecision, max_model_len: int 
     if kv_cache_gb is not None:
         return int(kv_cache_gb * 2**30)
     floor = None if cuda else 2**30  # what an unknown size falls back to, and a CPU's least
-    element = torch.float8_e4m3fn if kv_cache_dtype.startswith("fp8") else precision.torch_dtype
+    element = torch.float8_e4m3fn if kv_cache_dtype.startswith("fp8") else precision.dtype
     per_token = kv_bytes_per_token(model_path, element) if max_model_len and max_rows else None
     if per_token is None:
         return floor
