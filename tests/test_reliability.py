@@ -107,6 +107,9 @@ def test_ctrl_c_is_a_stop_signal_and_twice_stops_at_once():
 
     from rlmm.run.preemption import StopSignals
 
+    # Python's own handler, as an interactive start installs it: a pytest started in the background by a
+    # non-interactive shell inherits SIGINT ignored, and StopSignals gives back what it found.
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
     with pytest.raises(SystemExit) as exited:
         with StopSignals() as stop:
             os.kill(os.getpid(), signal.SIGINT)
@@ -116,6 +119,7 @@ def test_ctrl_c_is_a_stop_signal_and_twice_stops_at_once():
             stop.hand_over()
     assert exited.value.code == 128 + signal.SIGINT
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    signal.signal(signal.SIGINT, before)
 
 
 def test_sigterm_right_after_step_zero_still_checkpoints(small_model_path, tmp_path):
