@@ -11,6 +11,7 @@ equations are in rlmm/algos/grpo.py's docstring and docs/algorithms.md.
 from __future__ import annotations
 
 from collections.abc import Callable
+from enum import Enum
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -20,7 +21,45 @@ from rlmm.mismatch.kl import ESTIMATORS, k3, kl_estimate
 
 __all__ = ["AGGREGATIONS", "CISPO", "METRIC_KEYS", "ClippedSurrogate", "Objective", "SurrogateLoss", "token_ratio"]
 
-AGGREGATIONS = ("token", "sequence", "constant")
+
+
+def _token_rows(per_token: Tensor, m: Tensor) -> Tensor:
+    return per_token
+
+
+def _sequence_rows(per_token: Tensor, m: Tensor) -> Tensor:
+    return per_token.sum(dim=1) / m.sum(dim=1).clamp_min(1)  # each sequence's token mean; empty ones give 0
+
+
+def _kept_tokens(m: Tensor, max_length: int | None) -> Tensor | int:
+    return m.sum().clamp_min(1)
+
+
+def _sequences(m: Tensor, max_length: int | None) -> Tensor | int:
+    return m.any(dim=1).sum().clamp_min(1)
+
+
+def _rows_times_length(m: Tensor, max_length: int | None) -> Tensor | int:
+    batch, width = m.shape
+    return max(batch * (max_length if max_length is not None else width), 1)
+
+
+class Aggregation(Enum):
+    """`algo.loss_aggregation`: how a micro-batch's masked per-token terms become the loss, sum(rows(x)) / divisor
+    (rlmm/algos/grpo.py's docstring): token (sum over the kept tokens / their number: DAPO), sequence (each
+    sequence's token mean, summed / the non-empty sequences: GRPO's paper) or constant (sum over the kept tokens /
+    B * L: Dr.GRPO)."""
+
+    # (what is summed of a [B, T] term, the divisor of a [B, T] mask and L)
+    token = (_token_rows, _kept_tokens)
+    sequence = (_sequence_rows, _sequences)
+    constant = (_token_rows, _rows_times_length)
+
+    def __init__(self, rows, divisor):
+        self.rows, self.divisor = rows, divisor
+
+
+AGGREGATIONS = tuple(Aggregation.__members__)
 
 # Always returned by the loss; "kl" is added when ref_logprobs is given, "entropy" when entropy is.
 METRIC_KEYS = (
@@ -195,6 +234,7 @@ class SurrogateLoss:
             raise ValueError(f"algo.entropy_coef: must be >= 0, got {entropy_coef}")
         self.objective = objective
         self.loss_aggregation = loss_aggregation
+        self.aggregation = Aggregation[loss_aggregation]
         self.kl_coef = float(kl_coef)
         self.kl_estimator = kl_estimator
         self.entropy_coef = float(entropy_coef)
@@ -215,14 +255,10 @@ class SurrogateLoss:
         return float(self.denominator(counted != 0, max_length))
 
     def denominator(self, m: Tensor, max_length: int | None) -> Tensor | int:
-        batch, width = m.shape
+        width = m.shape[1]
         if max_length is not None and not max_length >= max(width, 1):
             raise ValueError(f"policy_loss: max_length {max_length} is less than the padded width {width}")
-        if self.loss_aggregation == "token":
-            return m.sum().clamp_min(1)
-        if self.loss_aggregation == "sequence":
-            return m.any(dim=1).sum().clamp_min(1)
-        return max(batch * (max_length if max_length is not None else width), 1)
+        return self.aggregation.divisor(m, max_length)
 
     def __call__(self, logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, weights: Tensor,
                  ref_logprobs: Tensor | None = None, entropy: Tensor | None = None, *,
@@ -288,10 +324,7 @@ class SurrogateLoss:
             return torch.where(m, x.to(device, dtype), zero)
 
         def aggregate(per_token: Tensor) -> Tensor:
-            x = masked(per_token)
-            if self.loss_aggregation == "sequence":
-                x = x.sum(dim=1) / m.sum(dim=1).clamp_min(1)  # empty sequences contribute 0
-            return x.sum() / denominator
+            return self.aggregation.rows(masked(per_token), m).sum() / denominator
 
         logratio = masked(logprobs) - masked(old_logprobs.detach())
         r_theta = self.ratio(logratio, m)
