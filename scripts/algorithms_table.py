@@ -31,12 +31,7 @@ COLUMNS = ("normalize_std", "objective", "objective.clip_low", "objective.clip_h
 
 def summary(option: str) -> str:
     """The first sentence of the YAML's opening comment (the lines before its first key)."""
-    comment = []
-    for line in (CONF_DIR / "algo" / f"{option}.yaml").read_text().splitlines():
-        if not line.startswith("#"):
-            break
-        comment.append(line.lstrip("#").strip())
-    text = " ".join(comment)
+    text = generated_part.opening_comment(CONF_DIR / "algo" / f"{option}.yaml")
     end = re.search(r"(?<!\bal)(?<!e\.g)(?<!i\.e)\.(\s|$)", text)  # "et al." ends no sentence
     return (text if end is None else text[:end.start() + 1]).replace("|", "\\|")
 

@@ -24,13 +24,9 @@ BEGIN, END = generated_part.markers("quantization_table.py")
 
 
 def opening_comment(option: str) -> str:
-    """The YAML's comment lines before its first key, joined."""
-    comment = []
-    for line in (CONF_DIR / "quantization" / f"{option}.yaml").read_text().splitlines():
-        if not line.startswith("#"):
-            break
-        comment.append(line.lstrip("#").strip())
-    return " ".join(comment).removesuffix(" rlmm/policy/quantization.py").replace("|", "\\|")
+    """The YAML's opening comment, without the module path it ends with."""
+    text = generated_part.opening_comment(CONF_DIR / "quantization" / f"{option}.yaml")
+    return text.removesuffix(" rlmm/policy/quantization.py").replace("|", "\\|")
 
 
 def generated() -> str:
