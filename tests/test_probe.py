@@ -157,7 +157,7 @@ def test_entropy_edges_are_checked_before_any_engine_starts():
 def test_token_agreement_counts_tokens_scored_to_the_same_bits():
     import torch
 
-    from rlmm.probe.measurements import token_agreement
+    from rlmm.mismatch.metrics import token_agreement
     from rlmm.probe.report import agreement_verdict
 
     train = torch.tensor([[-0.5, -1.0, -2.0], [-0.25, -3.0, 0.0]])

@@ -42,11 +42,14 @@ def check_overrides(config_name: str, overrides: list[str]) -> None:
             # values surface here, before a sweep is submitted or an engine starts.
             built = {group: instantiate(cfg[group]) for group in ("model", "precision", "correction", "algo", "support",
                                                                   "quantization") if group in cfg}
-            SamplingOptions(**cfg.sampling, support=built["support"]).check_vocabulary(built["model"].known_vocab_size())
+            sampling = SamplingOptions(**cfg.sampling, support=built["support"])
+            sampling.check_vocabulary(built["model"].known_vocab_size())
             if "sampler" in cfg:
+                from rlmm.samplers.bitwise import check_bitwise_arm
                 from rlmm.samplers.quantize import check_sampler_options
 
                 check_sampler_options(cfg.sampler, built["quantization"], this_machine=not elsewhere)
+                check_bitwise_arm(cfg, built["precision"], built["quantization"], sampling)
             if not elsewhere:  # a SLURM job asks its own node's hardware when it starts
                 check_engines_support(cfg, built["precision"])
             if "probe" in cfg:

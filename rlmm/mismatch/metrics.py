@@ -216,6 +216,28 @@ def mismatch_metrics(
     return {"num_tokens": num_tokens, "num_sequences": num_sequences} | dict(zip(stats, values))
 
 
+def token_agreement(train_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, mask: torch.Tensor) -> dict:
+    """The share of response tokens whose log-prob the trainer and the sampler give to the same bits, and whether
+    that is every token: a sampler and a trainer in exact agreement ("bitwise on-policy", as slime and the
+    vLLM + TorchTitan work build on GPUs with batch-invariant kernels) have no mismatch to correct. Whether two
+    engines get there depends on the CPU's kernels (docs/precision.md), not only on the settings."""
+    same = (train_logprobs == sampler_logprobs)[mask]
+    return {"num_tokens": int(same.numel()),
+            "frac_tokens_identical": same.double().mean().item() if same.numel() else 0.0,
+            "bitwise_identical": bool(same.numel()) and bool(same.all())}
+
+
+def first_difference(trainer_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor,
+                     mask: torch.Tensor) -> tuple[int, int] | None:
+    """(row, position) of the first response token (row-major over [B, T] under `mask`) whose two log-probs differ in
+    their bits, or None where every token agrees. NaN never equals itself: a NaN on either side differs."""
+    differ = (trainer_logprobs != sampler_logprobs) & mask
+    if not differ.any():
+        return None
+    row, position = differ.nonzero()[0].tolist()
+    return row, position
+
+
 def staleness_decomposition(
     train_logprobs: torch.Tensor,
     stale_train_logprobs: torch.Tensor,

@@ -21,6 +21,12 @@ TRL's `selective_log_softmax` gathers before the softmax but keeps the model's f
 With `fp32=True` it is the fp32 LM head of MiniMax-M1 (2025): its weight is a separate fp32 copy (which
 unties a head tied to the input embedding) and the hidden state is upcast before the projection, so the
 logits carry no 16-bit rounding from the head.
+
+With `positions_alone` (the bitwise arm, `sampler=bitwise`: rlmm/samplers/bitwise.py) every position is projected
+on its own from a fresh copy of its hidden state ([1, H], 64-byte aligned like any new tensor): a GEMM's result may
+depend on its row count and its operands' alignment (MKL documents both), so a position's log-prob then has the
+same bits whichever positions are scored beside it, and the sampler, which decodes one position at a time, computes
+them with the same `score` on the same shapes.
 """
 from __future__ import annotations
 
@@ -54,6 +60,7 @@ class OutputHead(nn.Module):
             weight = nn.Parameter(weight.detach().to(torch.float32).clone(), requires_grad=weight.requires_grad)
         self.weight = weight
         self._aim = None
+        self.positions_alone = False  # one position a projection, from its own copy (module docstring)
         self.support_record: SupportRecord | None = None  # set by rlmm/policy/support.py's `recorded`
 
     def project(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -84,15 +91,17 @@ class OutputHead(nn.Module):
         flat_hidden, flat_tokens = chosen.reshape(rows * length, -1), tokens.reshape(-1)
         kept = kept if options.logprobs == "processed" else None  # raw log-probs: no support (rlmm/policy/support.py)
         chunks = []
-        for start in range(0, rows * length, self.chunk_size):
-            end = min(start + self.chunk_size, rows * length)
+        step = 1 if self.positions_alone else self.chunk_size
+        for start in range(0, rows * length, step):
+            end = min(start + step, rows * length)
             masks = kept.mask(start, end, self.weight.size(0), device=hidden.device) \
                 if kept is not None and options.support.needs_kept_tokens else None
-            args = (flat_hidden[start:end], flat_tokens[start:end], masks)
+            chunk = flat_hidden[start:end].clone() if self.positions_alone else flat_hidden[start:end]
+            args = (chunk, flat_tokens[start:end], masks)
             if torch.is_grad_enabled() and flat_hidden.requires_grad:
-                chunks.append(checkpoint(self._score, *args, options, entropy, use_reentrant=False))
+                chunks.append(checkpoint(self.score, *args, options, entropy, use_reentrant=False))
             else:
-                chunks.append(self._score(*args, options, entropy))
+                chunks.append(self.score(*args, options, entropy))
         if self.support_record is not None and kept is not None and batch_rows is not None:
             self.support_record.add(batch_rows, self._statistics(flat_hidden, flat_tokens, kept, options)
                                     .view(rows, length, -1))
@@ -112,8 +121,11 @@ class OutputHead(nn.Module):
                                     kept.capped[start:end].to(hidden.device), options))
         return torch.cat(parts) if parts else hidden.new_zeros(0, len(STATISTICS), dtype=torch.float32)
 
-    def _score(self, hidden: torch.Tensor, tokens: torch.Tensor, kept: torch.Tensor | None, options,
-               entropy: bool) -> torch.Tensor:
+    def score(self, hidden: torch.Tensor, tokens: torch.Tensor, kept: torch.Tensor | None, options,
+              entropy: bool) -> torch.Tensor:
+        """[n, 2] (log π(tokens), entropy or 0) of hidden states [n, H] and tokens [n], normalised over the
+        support (`options.support.restrict`, given the sampler's kept sets `kept` [n, V] where the support needs
+        them). What scoring computes of each chunk; the bitwise sampler's log-prob of its own draw, too."""
         logits = self.project(hidden)
         if options.logprobs == "processed":
             logits = options.support.restrict(tempered(logits, options), tokens, kept, options)

@@ -33,13 +33,14 @@ from omegaconf import DictConfig
 from rlmm.config.options import build, to_container
 from rlmm.mismatch.attribution import attribute, plot_attribution
 from rlmm.mismatch.layer_attribution import compare_layers, plot_layers
-from rlmm.mismatch.metrics import early_vs_late, entropy_profile, mismatch_metrics, position_profile
+from rlmm.mismatch.metrics import (early_vs_late, entropy_profile, mismatch_metrics, position_profile,
+                                  token_agreement)
 from rlmm.policy.quantization import NoQuantization
 from rlmm.policy.support import recorded as support_recorded
 from rlmm.policy.support import support_metrics
 from rlmm.probe.checks import check_finite, check_options
 from rlmm.probe.measurements import (batch_invariance, decode_vs_prefill, real_vs_simulated, routing_decomposition,
-                                     token_agreement, trainer_across_layouts, trainer_against_itself)
+                                     trainer_across_layouts, trainer_against_itself)
 from rlmm.probe.plot import plot_probe
 from rlmm.probe.report import print_probe
 from rlmm.run.components import build_components

@@ -1,32 +1,21 @@
 """The probe's measurements of each engine against itself (the sampler against the trainer is
 rlmm/mismatch/metrics.py's, called from `run_probe`): the trainer at two micro-batch sizes (`trainer_against_itself`)
 and across micro-batch layouts (`trainer_across_layouts`), the sampler greedy inside batches of different
-sizes and alone (`batch_invariance`), the sampler's decoding against its own prefill (`decode_vs_prefill`); how
-many tokens the sampler and the trainer score to the same bits (`token_agreement`); and where a real (quantized)
-sampler's gap sits among `sampler.perturb` stand-ins (`real_vs_simulated`)."""
+sizes and alone (`batch_invariance`), the sampler's decoding against its own prefill (`decode_vs_prefill`, with
+rlmm/mismatch/metrics.py's `token_agreement`); and where a real (quantized) sampler's gap sits among `sampler.perturb`
+stand-ins (`real_vs_simulated`)."""
 from __future__ import annotations
 
 import math
 
 import torch
 
-from rlmm.mismatch.metrics import mismatch_metrics, position_profile
+from rlmm.mismatch.metrics import mismatch_metrics, position_profile, token_agreement
 from rlmm.mismatch.routing import differing_decisions, routing_disagreement, scored_both_ways
 from rlmm.policy.rollouts import Rollouts, pad_right
 from rlmm.probe.checks import check_micro_batch_sizes
 from rlmm.trainers.packing import MicroBatching
 from rlmm.trainers.scoring import row_tokens
-
-
-def token_agreement(train_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, mask: torch.Tensor) -> dict:
-    """The share of response tokens whose log-prob the trainer and the sampler give to the same bits, and whether
-    that is every token: a sampler and a trainer in exact agreement ("bitwise on-policy", as slime and the
-    vLLM + TorchTitan work build on GPUs with batch-invariant kernels) have no mismatch to correct. Whether two
-    engines get there depends on the CPU's kernels (docs/precision.md), not only on the settings."""
-    same = (train_logprobs == sampler_logprobs)[mask]
-    return {"num_tokens": int(same.numel()),
-            "frac_tokens_identical": same.double().mean().item() if same.numel() else 0.0,
-            "bitwise_identical": bool(same.numel()) and bool(same.all())}
 
 
 def trainer_across_layouts(trainer, rollouts: Rollouts, layouts: dict[str, MicroBatching], ratio_cap: float) -> dict:

@@ -23,6 +23,7 @@ from rlmm.run.critic import NoCritic, ValueCritic
 from rlmm.run.interfaces import Algorithm, Correction, Critic, Sampler, Trainer
 from rlmm.runtime.devices import init_process_group, select_device
 from rlmm.runtime.timing import timed
+from rlmm.samplers.bitwise import bitwise_row_width, check_bitwise_arm
 
 
 @dataclass
@@ -42,6 +43,8 @@ class Components:
     routing: RoutingReplay = field(default_factory=lambda: from_yaml("routing", "none"))  # conf/routing/none.yaml
     engine_args: dict = field(default_factory=dict)  # what the sampler was built with beside its YAML (another
     # engine of the same kind, e.g. the probe's `sampler.perturb` stand-ins, is built with the same)
+    bitwise: bool = False  # the sampler and the trainer promise log-probs equal to the bit (`sampler=bitwise`): a step
+    # where they are not is an error (rlmm/run/step.py)
 
     def close(self) -> None:
         self.critic.close()
@@ -74,20 +77,26 @@ def build_components(cfg: DictConfig, prompts: Callable[[object], list], max_row
     correction = instantiate(cfg.correction) if "correction" in cfg else None
     routing = instantiate(cfg.routing)
     routing.check_checkpoint(model_path)  # a routing the model cannot take, refused before any engine starts
+    quantization = instantiate(cfg.quantization)
+    check_bitwise_arm(cfg, precision, quantization, sampling)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
+    prompt_tokens = longest_prompt(tokenizer, prompts(task))
+    # sampler=bitwise: the trainer lays every row out alone at the width the sampler decodes at
+    row_width = bitwise_row_width(cfg.sampler, prompt_tokens, sampling.max_new_tokens)
     with timed(seconds, "sampler_init"):
         # A trainer with an fp32 head trains it apart from a tied input embedding: the sampler must hold both.
         engine_args = dict(model_path=model_path, precision=precision.sampler, sampling=sampling, seed=cfg.seed,
-                           prompt_tokens=longest_prompt(tokenizer, prompts(task)), max_rows=max_rows,
+                           prompt_tokens=prompt_tokens, max_rows=max_rows,
                            untie_head=precision.trainer.fp32_head, capture_routing=routing.capture,
-                           quantization=instantiate(cfg.quantization))
+                           quantization=quantization)
         if sampler_factory is not None:  # e.g. the engine built in a process of its own while the trainer is here
             sampler = sampler_factory(cfg, engine_args)
         else:
             sampler = build(cfg.sampler, **engine_args)
     with timed(seconds, "trainer_init"):
         try:
-            trainer = build(cfg.trainer, model_path=model_path, precision=precision.trainer, sampling=sampling)
+            trainer = build(cfg.trainer, model_path=model_path, precision=precision.trainer, sampling=sampling,
+                            row_width=row_width)
         except BaseException:
             sampler.close()  # one engine per process: never leave one behind
             raise
@@ -103,7 +112,7 @@ def build_components(cfg: DictConfig, prompts: Callable[[object], list], max_row
             try:  # the trainer side's body dtype; its head is a new scalar one
                 critic = ValueCritic(build(cfg.trainer, model_path=model_path, sampling=sampling, value_head=True,
                                            precision=SidePrecision(precision.trainer.dtype, False),
-                                           lr=algo.critic["lr"]),
+                                           lr=algo.critic["lr"], row_width=row_width),
                                      algo.critic["warmup_steps"])
             except BaseException:
                 trainer.close()
@@ -112,6 +121,7 @@ def build_components(cfg: DictConfig, prompts: Callable[[object], list], max_row
     return Components(task=task, tokenizer=tokenizer, sampler=sampler, trainer=trainer, correction=correction,
                       algo=algo, sampling=sampling, model_path=model_path, critic=critic,
                       trainer_precision=precision.trainer, routing=routing, engine_args=engine_args,
+                      bitwise=row_width is not None,
                       precision_report=check_precision(precision, sampler.actual_precision, trainer.actual_precision))
 
 

@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from rlmm.corrections.base import BatchView, CorrectionOutput, MicroBatchView, drop_split
 from rlmm.mismatch.loss_stats import PolicyLossStats, combined_metrics
-from rlmm.mismatch.metrics import mismatch_metrics, staleness_decomposition
+from rlmm.mismatch.metrics import first_difference, mismatch_metrics, staleness_decomposition, token_agreement
 from rlmm.policy.precision import nonfinite_cause
 from rlmm.policy.rollouts import Rollouts
 from rlmm.policy.support import recorded as support_recorded
@@ -171,6 +171,43 @@ class SampledBatch:
         return metrics
 
 
+    def agreement_metrics(self, trainer_logprobs: torch.Tensor, mask: torch.Tensor, bitwise: bool) -> dict[str, float]:
+        """agreement/: the share of the step's response tokens (every rank's) whose log-prob the sampler and the trainer
+        at the weights that sampled them give to the same bits, and whether that is all of them; {} where the trainer
+        did not score them at those weights (staleness without `stale_logprobs`: the gap is then also policy lag).
+        With `bitwise` (`sampler=bitwise`, whose promise it is) a step that is not bitwise raises `NotBitwise`
+        naming the first token that differs, before the update trains on it."""
+        if self.stale_logprobs is not None:
+            reference = self.stale_logprobs
+        elif not self.staleness:
+            reference = trainer_logprobs
+        else:
+            return {}
+        sampler_logprobs, _ = self.rollouts.padded_sampler_logprobs()
+        agreement = token_agreement(*rows_of_every_rank(reference, sampler_logprobs, mask))
+        if bitwise and not agreement["bitwise_identical"]:
+            raise NotBitwise(self.rollouts, reference, sampler_logprobs, mask, agreement)
+        return {"agreement/frac_tokens_identical": agreement["frac_tokens_identical"],
+                "agreement/bitwise": float(agreement["bitwise_identical"])}
+
+
+class NotBitwise(RuntimeError):
+    """`sampler=bitwise` promised log-probs equal to the trainer's to the bit and a step's are not."""
+
+    def __init__(self, rollouts: Rollouts, trainer_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor,
+                 mask: torch.Tensor, agreement: dict):
+        where = first_difference(trainer_logprobs, sampler_logprobs, mask)  # this rank's rows
+        if where is None:
+            first = "the first token that differs is another rank's"
+        else:
+            row, t = where
+            ours, theirs = float(sampler_logprobs[row, t]), float(trainer_logprobs[row, t])
+            first = (f"first at response token {t} of row {row} (token id {rollouts.response_ids[row][t]}): sampler "
+                     f"{ours!r} ({ours.hex()}), trainer {theirs!r} ({theirs.hex()})")
+        super().__init__(f"sampler=bitwise: the sampler's and the trainer's log-probs are not bitwise identical "
+                         f"({agreement['frac_tokens_identical']:.2%} of {agreement['num_tokens']} tokens agree), {first}")
+
+
 def rl_step(c: Components, prompts: list, ratio_cap: float, reuse_training_forward: bool,
             refill: Callable[[int], list] | None = None) -> dict[str, float]:
     """One RL step on the step's `prompts` (every rank's: this rank takes its `rank_share`), sampled now with the
@@ -198,6 +235,7 @@ def rl_update(c: Components, batch: SampledBatch, ratio_cap: float, reuse_traini
     old = OldPolicy.score(scores.logprobs, sampler_logprobs, response_mask, advantages, batch.task_rewards,
                           c.correction, ratio_cap, critic.checked())
     measured = scores.metrics(c, rollouts, sampler_logprobs, response_mask, ratio_cap, seconds)  # routing/, support/
+    agreement = batch.agreement_metrics(scores.logprobs, response_mask, bitwise=c.bitwise)  # raises if not, bitwise
 
     with timed(seconds, "train"):
         update = update_policy(c, old, critic, scores, rollouts, response_mask, train_policy)
@@ -219,6 +257,7 @@ def rl_update(c: Components, batch: SampledBatch, ratio_cap: float, reuse_traini
         "train/skipped": float(fault is not None),
         **batch.rollout_metrics(rewards, lengths),
         **old.mismatch_metrics(),
+        **agreement,
         **batch.staleness_metrics(scores.logprobs, response_mask, ratio_cap),  # with train.staleness or its split
         **old.batch_correction_metrics(),
         **update.in_update.metrics(),

@@ -65,6 +65,8 @@ class DeepSpeedTrainer:
         config_file: a DeepSpeed JSON of your own, merged over the config rlmm derives from the values
             above and the precision (yours wins key by key; batch sizes stay rlmm's, they follow the run).
         value_head: a value model instead of the policy (PPO's critic, rlmm/run/critic.py; set by the app).
+        row_width: (set by the app for `sampler=bitwise`) every micro-batch one row right-padded to this many
+            tokens and each head position projected alone (rlmm/trainers/packing.py, rlmm/models/head.py), or None.
 
     An fp32 LM head under a 16-bit body (precision `*_fp32head`) trains as a parameter group of its own:
     DeepSpeed casts the whole module to 16 bits and its optimizer keeps one dtype per group, so the head
@@ -79,12 +81,12 @@ class DeepSpeedTrainer:
                  logits_chunk_size: int, gradient_checkpointing: bool | None, initial_loss_scale: float,
                  loss_scale_growth_interval: int, grad_accum_dtype: str | None, reduce_dtype: str | None,
                  config_file: str | None, micro_batch_tokens: int | None, padding_free: bool,
-                 value_head: bool = False):
+                 value_head: bool = False, row_width: int | None = None):
         import deepspeed
         import torch.distributed as dist
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        self.batching = MicroBatching(micro_batch_size, micro_batch_tokens, padding_free)
+        self.batching = MicroBatching(micro_batch_size, micro_batch_tokens, padding_free, row_width)
         if zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"trainer.zero_stage: unknown stage {zero_stage} (allowed: 0, 1, 2, 3)")
         if precision.fp32_head and zero_stage == 3:
@@ -110,6 +112,8 @@ class DeepSpeedTrainer:
             fp32_head = model.get_output_embeddings().weight.detach().clone() if precision.fp32_head else None
             self.head = install_output_head(model, fp32=precision.fp32_head, chunk_size=logits_chunk_size,
                                             fp32_weight=fp32_head)
+        if self.head is not None:  # the bitwise arm: a position's logits whatever is scored beside it
+            self.head.positions_alone = row_width is not None
         if padding_free:
             use_varlen_attention(model, self.device, precision.dtype)
         prepare_for_training(model, gradient_checkpointing)

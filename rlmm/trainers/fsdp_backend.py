@@ -67,13 +67,15 @@ class FSDPTrainer:
         reduce_dtype: the dtype gradients are reduced over ranks in ("fp32", "bf16", "fp16").
         initial_loss_scale, loss_scale_growth_interval: fp16 dynamic loss scaling (ignored otherwise).
         value_head: a value model instead of the policy (PPO's critic; set by the app).
+        row_width: (set by the app for `sampler=bitwise`) every micro-batch one row right-padded to this many
+            tokens and each head position projected alone (rlmm/trainers/packing.py, rlmm/models/head.py), or None.
     """
 
     def __init__(self, model_path: str, precision: SidePrecision, sampling: SamplingOptions, micro_batch_size: int,
                  lr: float, weight_decay: float, warmup_steps: int, grad_clip: float, logits_chunk_size: int,
                  gradient_checkpointing: bool | None, reduce_dtype: str, initial_loss_scale: float,
                  loss_scale_growth_interval: int, micro_batch_tokens: int | None, padding_free: bool,
-                 value_head: bool = False):
+                 value_head: bool = False, row_width: int | None = None):
         import warnings
 
         import torch.distributed as dist
@@ -81,7 +83,7 @@ class FSDPTrainer:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        self.batching = MicroBatching(micro_batch_size, micro_batch_tokens, padding_free)
+        self.batching = MicroBatching(micro_batch_size, micro_batch_tokens, padding_free, row_width)
         if not lr > 0:
             raise ValueError(f"trainer.lr: must be > 0, got {lr}")
         if reduce_dtype not in REDUCE_DTYPES:
@@ -103,6 +105,8 @@ class FSDPTrainer:
             fp32_head = model.get_output_embeddings().weight.detach().clone() if precision.fp32_head else None
             self.head = install_output_head(model, fp32=precision.fp32_head, chunk_size=logits_chunk_size,
                                             fp32_weight=fp32_head)
+        if self.head is not None:  # the bitwise arm: a position's logits whatever is scored beside it
+            self.head.positions_alone = row_width is not None
         if padding_free:
             use_varlen_attention(model, self.device, compute)
         prepare_for_training(model, gradient_checkpointing)

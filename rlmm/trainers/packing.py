@@ -34,6 +34,12 @@ restarts as packed sequences (`masking_utils.find_packed_sequence_indices`): sdp
 block-diagonal causal mask (no token attends to another sequence), and flash-attention 2 (CUDA, 16-bit;
 chosen by `use_varlen_attention`) its varlen kernel with `cu_seqlens` taken from the same position ids, so
 no [Σ L, Σ L] mask exists. No position is padding, so none is computed.
+
+Rows alone at one width (`row_width`, set by the app for the bitwise arm, `sampler=bitwise`:
+rlmm/samplers/bitwise.py): every micro-batch is one row right-padded to the run's fixed width, whatever
+`micro_batch_size` says, so the forward of a sequence has the same shapes whatever the rows beside it, their
+lengths or the number of rows a step holds; the sampler decodes in that same layout. Padding-free packing and a
+token budget change the shapes by design and are refused with it.
 """
 from __future__ import annotations
 
@@ -110,12 +116,15 @@ def laid_out_routing(routing: list[torch.Tensor] | None, width: int | None) -> t
 
 
 def padded_batch(prompts: list[list[int]], responses: list[list[int]], pad_id: int,
-                 routing: list[torch.Tensor] | None = None) -> Batch:
-    """`prompt + response` rows right-padded to the longest, so position ids are the plain 0..L-1 the
-    sampler used and padding only follows real tokens (causal attention never looks at it). `routing`: each
+                 routing: list[torch.Tensor] | None = None, width: int | None = None) -> Batch:
+    """`prompt + response` rows right-padded to the longest (or to `width`), so position ids are the plain 0..L-1
+    the sampler used and padding only follows real tokens (causal attention never looks at it). `routing`: each
     row's experts to replay ([its tokens, layers, k]), or None."""
     full = [p + r for p, r in zip(prompts, responses)]
-    width = max(map(len, full))
+    longest = max(map(len, full))
+    if width is not None and longest > width:
+        raise ValueError(f"a row of {longest} tokens does not fit the fixed width of {width}")
+    width = longest if width is None else width
     ids = torch.tensor([row + [pad_id] * (width - len(row)) for row in full])
     attention = torch.tensor([[1] * len(row) + [0] * (width - len(row)) for row in full])
     # Logits at position t predict token t+1: response token j of row i is predicted at
@@ -213,11 +222,14 @@ class MicroBatching:
         size: rows per micro-batch (`trainer.micro_batch_size`), when `tokens` is None.
         tokens: the token budget of a micro-batch (`trainer.micro_batch_tokens`; None: fixed size).
         padding_free: one packed row per micro-batch instead of padded rows (`trainer.padding_free`).
+        row_width: every micro-batch one row right-padded to this many tokens (the bitwise arm; module
+            docstring), or None.
     """
 
     size: int
     tokens: int | None
     padding_free: bool
+    row_width: int | None = None
 
     def __post_init__(self):
         if isinstance(self.size, bool) or not isinstance(self.size, int) or self.size < 1:
@@ -228,15 +240,24 @@ class MicroBatching:
                              f"got {self.tokens!r}")
         if not isinstance(self.padding_free, bool):
             raise ValueError(f"trainer.padding_free: must be true or false, got {self.padding_free!r}")
+        if self.row_width is not None:
+            for key, value, off in (("padding_free", self.padding_free, False), ("micro_batch_tokens", self.tokens, None)):
+                if value != off:
+                    raise ValueError(f"trainer.{key}={value}: sampler=bitwise scores each row alone at one width, so "
+                                     f"the layout is not the trainer's to choose (allowed: "
+                                     f"trainer.{key}={'false' if off is False else 'null'})")
 
     def sized(self, size: int | None) -> MicroBatching:
-        """Fixed micro-batches of `size` rows (no token budget), or these settings when `size` is None."""
-        return self if size is None else replace(self, size=size, tokens=None)
+        """Fixed micro-batches of `size` rows (no token budget), or these settings when `size` is None (or the rows
+        are laid out alone at `row_width`)."""
+        return self if size is None or self.row_width is not None else replace(self, size=size, tokens=None)
 
     def split(self, lengths: list[int], rows: list[int]) -> list[list[int]]:
         """`rows` (of tokens `lengths`, one per row) as micro-batches: the one answer to how many
         micro-batches an update has (module docstring). Under a token budget a collective: every rank calls
         it together and gets the same count."""
+        if self.row_width is not None:
+            return [[row] for row in rows]
         if self.tokens is None:
             return micro_batches(rows, self.size)
         groups = token_budget_groups(lengths, self.tokens)
@@ -252,8 +273,10 @@ class MicroBatching:
               routing: list[torch.Tensor] | None = None) -> Batch:
         if self.padding_free:
             return packed_batch(prompts, responses, routing)
-        return padded_batch(prompts, responses, pad_id, routing)
+        return padded_batch(prompts, responses, pad_id, routing, width=self.row_width)
 
     def positions(self, lengths: list[int]) -> int:
         """Positions the forward of a micro-batch of rows of `lengths` tokens computes (padding included)."""
-        return sum(lengths) if self.padding_free else len(lengths) * max(lengths)
+        if self.padding_free:
+            return sum(lengths)
+        return len(lengths) * (self.row_width or max(lengths))

@@ -53,6 +53,8 @@ class TorchTrainer:
         grad_accum_dtype: what a minibatch's micro-batch gradients are summed in: null, the parameters'
             dtype (autograd's `.grad`); fp32, the fp32 master copy's (16-bit bodies; fp32 is already fp32).
         value_head: a value model instead of the policy (PPO's critic, rlmm/run/critic.py; set by the app).
+        row_width: (set by the app for `sampler=bitwise`) every micro-batch one row right-padded to this many
+            tokens and each head position projected alone (rlmm/trainers/packing.py, rlmm/models/head.py), or None.
 
     Several ranks (torchrun, SLURM tasks): each holds a full replica on its own device and the gradients
     are averaged over the ranks before each step (`average_over_ranks`), as DDP does.
@@ -62,10 +64,10 @@ class TorchTrainer:
                  lr: float, weight_decay: float, warmup_steps: int, grad_clip: float, logits_chunk_size: int,
                  gradient_checkpointing: bool | None, initial_loss_scale: float, loss_scale_growth_interval: int,
                  grad_accum_dtype: str | None, micro_batch_tokens: int | None, padding_free: bool,
-                 value_head: bool = False):
+                 value_head: bool = False, row_width: int | None = None):
         from transformers import AutoTokenizer
 
-        self.batching = MicroBatching(micro_batch_size, micro_batch_tokens, padding_free)
+        self.batching = MicroBatching(micro_batch_size, micro_batch_tokens, padding_free, row_width)
         if not lr > 0:
             raise ValueError(f"trainer.lr: must be > 0, got {lr}")
         if grad_accum_dtype not in GRAD_ACCUM_DTYPES:
@@ -79,6 +81,8 @@ class TorchTrainer:
             self.model = load_causal_lm(model_path, precision, trainable=True, logits_chunk_size=logits_chunk_size,
                                         device=self.device)
             self.head = self.model.get_output_embeddings()
+        if self.head is not None:  # the bitwise arm: a position's logits whatever is scored beside it
+            self.head.positions_alone = row_width is not None
         if padding_free:
             use_varlen_attention(self.model, self.device, precision.dtype)
         prepare_for_training(self.model, gradient_checkpointing)
