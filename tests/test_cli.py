@@ -10,7 +10,7 @@ from rlmm.config.options import group_options
 from tests.conftest import subprocess_env
 
 CASES = [
-    (["sampler=vlm"], "unknown sampler 'vlm' (allowed: hf, vllm)"),
+    (["sampler=vlm"], "unknown sampler 'vlm' (allowed: bitwise, hf, vllm)"),
     (["precision=fp8"], "unknown precision 'fp8' (allowed: bf16, bf16_fp32head,"),
     (["trainer=jax"], "unknown trainer 'jax' (allowed: deepspeed, fsdp, torch)"),
     (["-m", "precision=bf16,fp61"], "unknown precision 'fp61'"),
@@ -102,6 +102,22 @@ TRAIN_CASES = [
                                                             "weights: one rank of trainer=deepspeed (ZeRO-0/1/2)"),
     (["-m", "hydra/launcher=nope"], "unknown hydra/launcher 'nope' (allowed: basic, local, process, slurm,"),
     (["trainer=torch", "trainer.zero_stage=3"], "(allowed: micro_batch_size, micro_batch_tokens, padding_free, lr, weight_decay,"),
+    # the bitwise arm (issue 52): what would keep it from being bitwise, refused before any engine starts
+    (["sampler=bitwise"], "sampler=bitwise: the sampler computes in bf16 and the trainer in fp32; both sides must "
+                          "compute in one precision (allowed: precision=bf16, bf16_fp32head, fp16, fp16_fp32head, fp32)"),
+    (["sampler=bitwise", "precision=bf16", "quantization=int8"],
+     "sampler=bitwise: quantization=int8 quantizes the sampler's weights only, which the trainer does not"),
+    (["sampler=bitwise", "precision=bf16", "support=full", "sampling.top_p=0.9"],
+     "sampler=bitwise: support=full normalises the trainer's log-probs over the vocabulary while the sampler draws "
+     "from its top-k / top-p set (allowed: support=sampler, trainer)"),
+    (["sampler=bitwise", "precision=bf16", "routing=r3"], "sampler=bitwise: the trainer routes every token as the "
+                                                          "sampler did, so there is no routing to replay"),
+    (["sampler=bitwise", "precision=bf16", "trainer.padding_free=true"],
+     "trainer.padding_free=True: sampler=bitwise scores each row alone at one width, so the layout is not the "
+     "trainer's to choose (allowed: trainer.padding_free=false)"),
+    (["sampler=bitwise", "precision=bf16", "train.staleness=1"],
+     "sampler=bitwise: with train.staleness=1 the check of every step needs the trainer's log-probs at the weights "
+     "that sampled (allowed: train.decompose_staleness=true, train.overlap=false)"),
 ]
 
 

@@ -101,7 +101,10 @@ def test_gpu_lent_check_dry_run_train_part(tmp_path):
     deepspeed = record["parts"]["setup"]["imports"]["deepspeed"]
     train = record["parts"]["train"]
     runs = {run["name"]: run for run in train["runs"]}
-    assert list(runs) == ["train-bf16-zero0", "train-fp16-zero0", "train-bf16-zero2", "train-bf16_fp32head-zero0"]
+    assert list(runs) == ["train-bf16-zero0", "train-fp16-zero0", "train-bf16-zero2", "train-bf16_fp32head-zero0",
+                          "train-bitwise-bf16"]
+    bitwise = runs["train-bitwise-bf16"]  # the zero-mismatch arm: every step checked, and every figure 0
+    assert [s["agreement_bitwise"] for s in bitwise["per_step"]] == [1.0, 1.0] and bitwise["bitwise_on_policy"]
     figures = ("logprob_abs_diff_mean", "logprob_abs_diff_max", "kl_k3")
     for name, run in runs.items():
         if "skipped" in run:

