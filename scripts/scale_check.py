@@ -432,6 +432,9 @@ def print_table(record: dict) -> None:
     for row in record["rows"]:
         mismatch = row.get("sampler_vs_trainer", {})
         stages = row.get("stage_seconds_median", {})
+        if isinstance(row.get("skipped"), str):  # not run here, with its reason (printed below)
+            table.add_row(row["name"], "skipped", *["-"] * 6)
+            continue
         table.add_row(row["name"], "yes" if "failed" not in row else "no", str(row["seconds"]),
                       str(row["peak_rss_gib"]), str(row.get("peak_gpu_mib", "-")),
                       f"{mismatch['logprob_abs_diff_mean']:.2e}" if mismatch else "-",
@@ -441,6 +444,10 @@ def print_table(record: dict) -> None:
     for row in record["rows"]:
         if "failed" in row:
             print(f"{row['name']}: {row['failed']}")
+        elif isinstance(row.get("skipped"), str):
+            print(f"{row['name']}: skipped: {row['skipped']}")
+        if "agreement" in row:
+            print(f"{row['name']}: agreement/frac_tokens_identical per step {row['agreement']}, KL k3 {row['kl_k3']}")
 
 
 def main(argv=None) -> None:

@@ -83,3 +83,20 @@ def test_qwen_size_model_trains_on_cpu_within_16_gib(tmp_path):
     assert all(row["peak_rss_gib"] < 16 for row in record["rows"])
     train = [row for row in record["rows"] if row["name"].startswith("train")]
     assert all(row["steps"] == 2 and row["skipped"] == 0 for row in train)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_gpu_check_dry_run_bitwise_part(tmp_path):
+    """`gpu_check.sh --dry-run --part bitwise`: vLLM bf16 and sampler=bitwise train 2 steps each on the tiny model;
+    the bitwise arm's every token agrees at every step, vLLM's does not all agree; vLLM's batch-invariant arm is
+    skipped on a CPU with its reason (its Triton kernels)."""
+    env = subprocess_env(OUT=str(tmp_path), RLMM_CACHE=str(tmp_path / "cache"), OMP_NUM_THREADS="1")
+    result = subprocess.run(["bash", "scripts/gpu_check.sh", "--dry-run", "--part", "bitwise"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=1500, env=env)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = {row["name"]: row for row in
+            json.loads((tmp_path / "scale_check" / "scale_check_bitwise.json").read_text())["rows"]}
+    assert rows["train-bitwise-bf16"]["agreement"] == [1.0, 1.0] and rows["train-bitwise-bf16"]["kl_k3"] == [0, 0]
+    assert min(rows["train-vllm-bf16"]["agreement"]) < 1
+    assert "Triton" in rows["train-vllm-batch-invariant"]["skipped"]
