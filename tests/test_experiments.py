@@ -139,7 +139,8 @@ def run_shortened(name, combinations, tmp_path, small_model_path, tiny_cache):
 SHORTENED_ONLY_IN_SLOW = {"batch_invariance", "batch_invariance_wide", "fp16_vs_bf16", "fp32_head", "length_growth",
                           "trainer_backends", "tis_under_mismatch", "collapse_warning", "attribution",
                           "attribution_training", "quantized_rollouts", "sampling_truncation",
-                          "off_policy_corrections"}  # its first arm, tis at staleness 1: test_staleness's rlmm train run
+                          "off_policy_corrections",  # its first arm, tis at staleness 1: test_staleness's rlmm train run
+                          "bitwise_control"}  # its first arm, vLLM bf16 on both sides without a correction
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SHORTENED_ONLY_IN_SLOW else n
