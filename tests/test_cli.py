@@ -39,6 +39,11 @@ CASES = [
      "sampler.kv_cache_dtype: unknown dtype 'fp8' (allowed: auto, fp8_e4m3, fp8_e5m2)"),
     (["sampler=hf", "sampler.kv_cache_dtype=fp8_e4m3"], "Key 'kv_cache_dtype' is not in struct (allowed: batch_size, "
                                                          "perturb)"),
+    (["sampler.kv_scales=calibrated"], "sampler.kv_scales=calibrated: scales of an FP8 KV cache, and "
+                                       "sampler.kv_cache_dtype=auto keeps K and V unscaled (allowed: unit; calibrated "
+                                       "with sampler.kv_cache_dtype=fp8_e4m3 or fp8_e5m2)"),
+    (["-m", "sampler.kv_cache_dtype=fp8_e4m3", "sampler.kv_scales=unit,amax"],
+     "sampler.kv_scales: unknown value 'amax' (allowed: unit, calibrated)"),
     (["+trainer.zero=3"], "trainer=deepspeed: unknown key 'zero' (allowed: micro_batch_size, zero_stage, lr,"),
     (["trainer.zero_stage=three"], "trainer=deepspeed: zero_stage: Value 'three' of type 'str' could not be converted "
                                    "to Integer"),

@@ -61,7 +61,7 @@ def test_vllm_sampler_threads_change_no_token_and_are_given_back(vllm_fp32, prom
         VLLMSampler("unused", FP32, sampling(), seed=0, batch_invariant=False, kv_cache_gb=None,
                     gpu_memory_utilization=0.5, max_model_len=None, enable_prefix_caching=None, enforce_eager=None,
                     seed_per_request=True, sleep_mode=None, sleep_level=2, perturb=0.0, kv_cache_dtype="auto",
-                    threads=0)
+                    kv_scales="unit", kv_calibration_prompts=16, threads=0)
 
 
 def test_vllm_fp32_matches_fp32_trainer_processed(vllm_fp32, small_model_path, prompts):

@@ -8,8 +8,13 @@ import pytest
 import torch
 
 from rlmm.policy.kv_scales import MARGIN, check_kv_scales, fp8_kv_scales
+from rlmm.policy.precision import SidePrecision
+from rlmm.samplers.perturb import checkpoint_tensors
+from rlmm.samplers.vllm_internals import engine_model, kv_cache_scales
+from tests.conftest import build_sampler, sampling
 from tests.this_cpu import fp8_kv_cache_here
 
+BF16 = SidePrecision("bf16", False)
 FP8_KV_HERE = fp8_kv_cache_here()
 needs_fp8_kv = pytest.mark.skipif(not FP8_KV_HERE, reason="vLLM-CPU keeps an FP8 KV cache only with AVX-512 or AMX "
                                                           "(rlmm/samplers/quantize.py machine_kv_cache_refusal)")
@@ -89,6 +94,81 @@ def test_vllm_cpu_writes_k_over_its_scale_rounded_toward_zero_and_reads_it_back_
     assert (misread - reference).abs().max() > 10
 
 
+# -- the engine: calibrated scales at start and after every sync ---------------------------------------------------------
+def trainer_kv_amax(model_path: str, state: dict[str, torch.Tensor], prompts: list[list[int]]) -> torch.Tensor:
+    """[layers, (k, v)]: the largest |K| and |V| a transformers forward (fp32, the trainer's side) of `state` computes
+    on `prompts`, one prompt at a time, K taken after the rotary embedding as vLLM caches it (Qwen2: no k-norm)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.models.qwen2.modeling_qwen2 import apply_rotary_pos_emb
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    model.load_state_dict({name: tensor.float() for name, tensor in state.items()}, strict=False)
+    layers = model.model.layers
+    outputs = {}
+    hooks = [getattr(layer.self_attn, f"{part}_proj").register_forward_hook(
+        lambda _m, _args, out, key=(i, part): outputs.__setitem__(key, out))
+        for i, layer in enumerate(layers) for part in "kv"]
+    head_dim = model.config.hidden_size // model.config.num_attention_heads
+    amax = torch.zeros(len(layers), 2)
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
+            model(ids)
+            positions = torch.arange(len(prompt))[None]
+            for i in range(len(layers)):
+                k = outputs[i, "k"].view(1, len(prompt), -1, head_dim).transpose(1, 2)
+                cos, sin = model.model.rotary_emb(k, positions)
+                k, _ = apply_rotary_pos_emb(k, k, cos, sin)
+                amax[i] = torch.maximum(amax[i], torch.stack([k.abs().max(), outputs[i, "v"].abs().max()]))
+    for hook in hooks:
+        hook.remove()
+    return amax
+
+
+@pytest.fixture(scope="module")
+def calibrated_sampler(small_model_path, prompts):
+    sampler = build_sampler("vllm", small_model_path, BF16, sampling(max_new_tokens=8), seed=0,
+                            kv_cache_dtype="fp8_e4m3", kv_scales="calibrated", calibration_prompts=prompts[:4])
+    yield sampler
+    sampler.close()
+
+
+def engine_scales(sampler) -> torch.Tensor:
+    """The [layers, (k, v)] scales the engine's attention layers hold now, read back from vLLM."""
+    return torch.tensor(kv_cache_scales(engine_model(sampler.llm)))
+
+
+@needs_fp8_kv
+def test_calibrated_scales_reach_the_engine_at_start_and_after_every_sync(calibrated_sampler, small_model_path,
+                                                                          prompts):
+    checkpoint = dict(checkpoint_tensors(small_model_path))
+    start = engine_scales(calibrated_sampler)
+    # The engine's own K and V (bf16) give the scales the trainer's fp32 forward of the same weights gives.
+    trainer = fp8_kv_scales(trainer_kv_amax(small_model_path, checkpoint, prompts[:4]), "fp8_e4m3")
+    assert torch.allclose(start, trainer, rtol=0.03, atol=0), (start, trainer)
+    assert (start < 0.5).all()  # far from vLLM's default 1.0
+    record = calibrated_sampler.actual_precision["quantization"]["kv_scales"]
+    assert record == {"scales": "calibrated", "layers": 2, "calibration_prompts": 4,
+                      "k": [start[:, 0].min().item(), start[:, 0].max().item()],
+                      "v": [start[:, 1].min().item(), start[:, 1].max().item()]}
+    # A sync whose first layer computes K at half and V at twice the size: its scales follow exactly (powers of
+    # two), and every layer's match the trainer's forward of the synced weights.
+    state = {name: tensor.to(torch.bfloat16) for name, tensor in checkpoint.items()}
+    for part, factor in (("k", 0.5), ("v", 2.0)):
+        for leaf in ("weight", "bias"):
+            name = f"model.layers.0.self_attn.{part}_proj.{leaf}"
+            state[name] = state[name] * factor
+    calibrated_sampler.load_weights(state)
+    synced = engine_scales(calibrated_sampler)
+    assert torch.allclose(synced[0], start[0] * torch.tensor([0.5, 2.0]), rtol=1e-6, atol=0), (synced, start)
+    trainer = fp8_kv_scales(trainer_kv_amax(small_model_path, state, prompts[:4]), "fp8_e4m3")
+    assert torch.allclose(synced, trainer, rtol=0.03, atol=0), (synced, trainer)
+    rollouts = calibrated_sampler.generate(prompts, greedy=True)
+    assert all(torch.isfinite(lp).all() for lp in rollouts.sampler_logprobs)
+    calibrated_sampler.load_weights(checkpoint)  # and back: the start's scales again
+    assert torch.allclose(engine_scales(calibrated_sampler), start, rtol=1e-6, atol=0)
+
+
 # -- refusals ----------------------------------------------------------------------------------------------------------
 def test_bad_kv_scales_are_one_line_errors():
     with pytest.raises(ValueError, match=r"^sampler.kv_scales: unknown value 'amax' \(allowed: unit, calibrated\)$"):
@@ -101,3 +181,11 @@ def test_bad_kv_scales_are_one_line_errors():
         check_kv_scales("calibrated", "fp8_e4m3", 0)
     check_kv_scales("unit", "auto", 16)
     check_kv_scales("calibrated", "fp8_e5m2", 1)
+
+
+def test_calibrated_scales_without_an_fp8_cache_stop_the_command_before_any_engine():
+    from tests.test_cli import assert_one_line, run_cli
+
+    result = run_cli("probe", "sampler.kv_scales=calibrated")
+    assert_one_line(result.returncode, result.stderr, "rlmm: error: sampler.kv_scales=calibrated: scales of an FP8 KV "
+                                                      "cache, and sampler.kv_cache_dtype=auto keeps K and V unscaled")

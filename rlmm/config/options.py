@@ -35,7 +35,7 @@ BUILD_TIME_ARGS: dict[str, set[str]] = {
     "task": set(),
     "precision": set(),
     "sampler": {"model_path", "precision", "sampling", "seed", "prompt_tokens", "max_rows", "untie_head",
-                "capture_routing", "quantization"},
+                "capture_routing", "quantization", "calibration_prompts"},
     "trainer": {"model_path", "precision", "sampling", "value_head"},
     "logger": {"run_config", "run_dir", "sweep"},
     "correction": set(),

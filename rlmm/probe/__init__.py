@@ -153,9 +153,9 @@ def run_probe(cfg: DictConfig, run_dir: Path, choices: dict[str, str]) -> dict:
 def stand_in_gap(cfg: DictConfig, engine_args: dict, perturb: float, prompt_ids: list[list[int]], trainer,
                  options) -> dict:
     """The probe's sampler-vs-trainer metrics for the same engine, unquantized (`quantization=none`, a KV cache in
-    the sampler's dtype), with `sampler.perturb` = ε on the same prompts with the same seed (the simulated stand-in
-    for a quantized sampler: rlmm/samplers/perturb.py)."""
-    plain = {"kv_cache_dtype": "auto"} if "kv_cache_dtype" in cfg.sampler else {}
+    the sampler's dtype, so unscaled), with `sampler.perturb` = ε on the same prompts with the same seed (the simulated
+    stand-in for a quantized sampler: rlmm/samplers/perturb.py)."""
+    plain = {"kv_cache_dtype": "auto", "kv_scales": "unit"} if "kv_cache_dtype" in cfg.sampler else {}
     sampler = build(cfg.sampler, **{**engine_args, "quantization": NoQuantization()}, **plain, perturb=perturb)
     try:
         rollouts = sampler.generate(prompt_ids, n=options.samples_per_prompt)

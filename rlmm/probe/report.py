@@ -2,6 +2,7 @@
 trainer vs itself; the trainer across layouts; the engines' precision; the sampler against itself."""
 from __future__ import annotations
 
+from rlmm.policy.kv_scales import kv_scales_text
 from rlmm.runtime.formatting import format_number
 
 # The numbers shown in the printed table (all of them go to the JSON record).
@@ -60,7 +61,8 @@ def print_probe(record: dict) -> None:
                                if k not in ("engine", "quantization")) for side in ("sampler", "trainer")}
     quantized = precision["actual"]["sampler"].get("quantization", {})
     if quantized.get("weights", "none") != "none" or quantized.get("kv_cache_dtype", "auto") != "auto":
-        console.print("sampler quantization: " + "; ".join(f"{k} {v}" for k, v in quantized.items()))
+        console.print("sampler quantization: " + "; ".join(
+            f"{k} {kv_scales_text(v) if k == 'kv_scales' else v}" for k, v in quantized.items()))
     console.print(f"engines run: sampler ({engines['sampler']}); trainer ({engines['trainer']}); fp32 matmul "
                   f"{precision['actual']['fp32_matmul']}")
     for line in precision["silent_casts"]:

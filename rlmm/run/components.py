@@ -89,6 +89,9 @@ def build_components(cfg: DictConfig, prompts: Callable[[object], list], max_row
                            prompt_tokens=prompt_tokens, max_rows=max_rows,
                            untie_head=precision.trainer.fp32_head, capture_routing=routing.capture,
                            quantization=quantization)
+        if "kv_scales" in cfg.sampler:  # sampler=vllm's FP8 KV cache scales: calibrated on the run's first prompts
+            first = prompts(task)[:cfg.sampler.kv_calibration_prompts]
+            engine_args["calibration_prompts"] = tokenizer([e.prompt for e in first]).input_ids
         if sampler_factory is not None:  # e.g. the engine built in a process of its own while the trainer is here
             sampler = sampler_factory(cfg, engine_args)
         else:

@@ -9,8 +9,9 @@ one and hands it to the sampler.
 KV cache (`sampler.kv_cache_dtype`, `sampler=vllm` only): auto (the sampler's dtype), fp8_e4m3 or fp8_e5m2, vLLM's
 own `kv_cache_dtype` argument passed through; vLLM stores K and V divided by a per-layer scale. vLLM 0.32 has no
 online calibration of those scales (its `calculate_kv_scales` is gone), so without scales in the checkpoint they are
-1.0: K and V are rounded to FP8 as they are. Nothing derived from the weights is stored, so a sync needs no
-recalibration; the run's precision report records the scales.
+1.0: K and V are rounded to FP8 as they are (`sampler.kv_scales=unit`). `sampler.kv_scales=calibrated` sets them from
+the K and V of a fixed calibration batch at start and at every sync, as NeMo-RL does (rlmm/policy/kv_scales.py). The
+run's precision report records the scales.
 
 `sampler=hf` emulates the same modes in transformers' forward (`Emulation`): the quantized weights dequantized
 (Q * s, in the sampler's dtype) and, for a mode whose kernel quantizes activations (int8), each linear layer's input
@@ -23,6 +24,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
+from rlmm.policy.kv_scales import check_kv_scales
 from rlmm.policy.quantization import QuantizationMode, text_config
 from rlmm.runtime import cpu
 
@@ -80,6 +82,8 @@ def check_sampler_options(sampler, quantization: QuantizationMode, this_machine:
 
     kv_cache = sampler.get("kv_cache_dtype", "auto")  # a key of sampler=vllm only (hf has no KV cache to quantize)
     check_kv_cache_dtype(kv_cache)
+    if "kv_scales" in sampler:  # sampler=vllm's too
+        check_kv_scales(sampler.kv_scales, kv_cache, sampler.kv_calibration_prompts)
     if this_machine:
         problem = get_class(sampler._target_).refused_here(quantization, kv_cache)
         if problem:

