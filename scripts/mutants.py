@@ -132,6 +132,20 @@ MUTANTS = [
                             "scale = (weight.abs().amax(dim=1, keepdim=True) / INT8_MAX)",
                             "scale = (weight.abs().amax(dim=1, keepdim=True) / 127.5)")],
            tests=("tests/test_quantized_rollouts.py",)),
+    Mutant("kv_scales_not_recalibrated_at_sync", "sampler.kv_scales=calibrated sets the FP8 cache's scales at start "
+           "only: every sync keeps the first weights' scales", [("rlmm/samplers/vllm.py",
+                                                                "        self.llm.reset_prefix_cache()\n"
+                                                                "        self.calibrate_kv_scales()\n",
+                                                                "        self.llm.reset_prefix_cache()\n")],
+           tests=("tests/test_kv_scales.py",)),
+    Mutant("kv_scales_only_in_the_buffers", "calibrated K/V scales go into the attention layers' buffers, not the "
+           "floats vLLM-CPU's kernels read", [("rlmm/samplers/vllm_internals.py",
+                                               "        layer._k_scale_float, layer._v_scale_float = k, v\n", "")],
+           tests=("tests/test_kv_scales.py",)),
+    Mutant("kv_scales_without_margin", "calibrated scales map amax to the FP8 maximum itself (no 1.05 margin)",
+           [("rlmm/policy/kv_scales.py", "torch.where(amax > 0, margin * amax / fp8_max,",
+             "torch.where(amax > 0, amax / fp8_max,")],
+           tests=("tests/test_kv_scales.py",)),
     Mutant("hf_emulation_without_activations", "sampler=hf's int8 emulation leaves each linear layer's input "
            "unrounded", [("rlmm/samplers/quantize.py", "        if mode.rounds_inputs:\n            for name, module",
                           "        if False:\n            for name, module")], tests=("tests/test_quantized_rollouts.py",)),
