@@ -78,6 +78,22 @@ def test_a_run_written_before_the_modules_moved_resumes_and_another_class_does_n
         check_train_dir(run_dir, CONFIG, world=1, resume=True)
 
 
+def test_a_run_written_before_an_option_gained_a_key_resumes_at_its_yaml_value_and_not_another(tmp_path):
+    """sampler=vllm gained `kv_scales` and `kv_calibration_prompts` (issue 52): a run written before computed what
+    their YAML values compute (unit scales), so they are no difference there; another value still is."""
+    from omegaconf import OmegaConf
+
+    from rlmm.config.options import option_node
+
+    vllm = OmegaConf.to_container(option_node("sampler", "vllm"))
+    before = {key: value for key, value in vllm.items() if key not in ("kv_scales", "kv_calibration_prompts")}
+    run_dir = record(tmp_path / "run", config=changed(choices__sampler="vllm", sampler=before), checkpoint_world=1)
+    check_train_dir(run_dir, changed(choices__sampler="vllm", sampler=vllm), world=1, resume=True)
+    with pytest.raises(ResumeRefused, match=r"sampler.kv_scales=\(not set\) there, calibrated here"):
+        check_train_dir(run_dir, changed(choices__sampler="vllm", sampler={**vllm, "kv_scales": "calibrated"}),
+                        world=1, resume=True)
+
+
 OBJECTIVES = {  # algo.objective as config.yaml held it before issue 51 made it a node, and as it holds it now
     "clip": ({"objective": "clip", "clip_low": 0.2, "clip_high": 0.28, "dual_clip": None},
              {"_target_": "rlmm.algos.surrogate.ClippedSurrogate", "clip_low": 0.2, "clip_high": 0.28,

@@ -18,7 +18,8 @@ module reads what is there and decides, from files alone (no engine started, no 
 "The run's own settings": its config.yaml (or probe.json's "config" and "choices") equals this run's, leaf by
 leaf, except the keys in MAY_DIFFER, which change how a run is watched or saved, not what it computes; a key that
 became a config group since the run was written (`sampler.quantization: int8`) counts as that group's choice
-(`quantization=int8`).
+(`quantization=int8`); a key an option gained since (`sampler.kv_scales`), set here to its YAML's value, is what the
+saved run computed too.
 """
 from __future__ import annotations
 
@@ -123,6 +124,26 @@ def groups_added_since(saved: dict, current: dict, app: str) -> tuple[str, ...]:
     return tuple(added)
 
 
+def keys_added_since(saved: dict, current: dict) -> tuple[str, ...]:
+    """The dotted keys of an option's node that `current` has and the saved run's node of the same option lacks (a
+    key the option gained after the run was written, e.g. `sampler.kv_scales`), where this run holds the option's
+    YAML value: the behaviour the saved run had, so no difference."""
+    from omegaconf import OmegaConf
+
+    from rlmm.config.options import group_options, option_node
+
+    added = []
+    for group, option in current.get("choices", {}).items():
+        node, before = current.get(group), saved.get(group)
+        if saved.get("choices", {}).get(group) != option or not isinstance(node, dict) or not isinstance(before, dict) \
+                or option not in group_options(group):
+            continue
+        yaml_values = OmegaConf.to_container(option_node(group, option))
+        added += [f"{group}.{key}" for key, value in node.items()
+                  if key not in before and key in yaml_values and yaml_values[key] == value]
+    return tuple(added)
+
+
 def with_keys_now_groups(saved: dict) -> dict:
     """`saved` with each key that has become a config group since it was written (KEYS_NOW_GROUPS) as that group's
     choice and node: a run written with `sampler.quantization: int8` chose what `quantization=int8` chooses now, and
@@ -146,14 +167,14 @@ def with_keys_now_groups(saved: dict) -> dict:
 
 
 def differences(saved: dict, current: dict, app: str = "train") -> list[str]:
-    """`key=saved there, current here` for every leaf that differs, keys of MAY_DIFFER and groups added since the
-    run was written at their default (`groups_added_since`) aside; a key that has become a group since is compared
-    as that group's choice (`with_keys_now_groups`)."""
+    """`key=saved there, current here` for every leaf that differs, keys of MAY_DIFFER and groups and keys added
+    since the run was written at their default (`groups_added_since`, `keys_added_since`) aside; a key that has become
+    a group since is compared as that group's choice (`with_keys_now_groups`)."""
     saved = with_keys_now_groups(saved)
     # Through YAML, as config.yaml was written: 1e-3 and tuples come back as what the file holds.
     old, new = leaves(yaml.safe_load(yaml.safe_dump(saved))), leaves(yaml.safe_load(yaml.safe_dump(current)))
     skipped = MAY_DIFFER + tuple(name for group in groups_added_since(saved, current, app)
-                                 for name in (group, f"choices.{group}"))
+                                 for name in (group, f"choices.{group}")) + keys_added_since(saved, current)
     shown = []
     for key in sorted(old.keys() | new.keys()):
         name = key.rstrip(".")
