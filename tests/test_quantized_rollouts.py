@@ -96,6 +96,17 @@ def test_fp8_blocks_scale_each_128_block_to_e4m3s_largest_value():
     assert relative[normal].max() <= 2 ** -4  # 3 mantissa bits: half a step
 
 
+def test_fp8_blocks_of_a_narrow_weight_are_not_taken_for_channels():
+    """A [256, 128] weight (the tiny model's gate/up projections) has block scales [2, 1]: one per 128 rows, not one per
+    row (the emulation's fp8 dequantization read them as per-channel and failed on the tiny model)."""
+    weight = torch.randn(256, 128)
+    weight[128:] *= 100
+    quantized, scale = modes.fp8_blockwise(weight)
+    assert scale.shape == (2, 1)
+    expected = quantized.float() * scale.repeat_interleave(128, 0)
+    assert torch.equal(modes.dequantize(quantized, scale), expected)
+
+
 def test_int8_per_token_rounds_each_row_on_its_own_scale():
     x = torch.randn(6, 64) * torch.tensor([1e-3, 1, 10, 100, 1e3, 1e4])[:, None]
     rounded = modes.int8_per_token(x)

@@ -115,9 +115,10 @@ def fp8_blockwise(weight: torch.Tensor, block: int = FP8_BLOCK) -> tuple[torch.T
 
 
 def dequantize(quantized: torch.Tensor, scale: torch.Tensor, block: int = FP8_BLOCK) -> torch.Tensor:
-    """Q * s in float32: per channel (s [N, 1]) or per `block` x `block` block (s [ceil(N/b), ceil(K/b)])."""
+    """Q * s in float32: per channel (s [N, 1]) or per `block` x `block` block (s [ceil(N/b), ceil(K/b)]; for
+    K <= b that is [ceil(N/b), 1], which only the row count tells from a per-channel scale)."""
     rows, cols = quantized.shape
-    if scale.shape[1] == 1:
+    if scale.shape == (rows, 1):
         return quantized.float() * scale
     expanded = scale.repeat_interleave(block, 0)[:rows].repeat_interleave(block, 1)[:, :cols]
     return quantized.float() * expanded
