@@ -117,11 +117,11 @@ def test_int8_per_token_rounds_each_row_on_its_own_scale():
 
 
 def test_the_quantizer_replaces_targeted_weights_and_passes_the_rest(small_model_path):
-    modules = quantize.quantized_modules(small_model_path)
+    modules = modes.quantized_modules(small_model_path)
     projections = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
     assert {name.rpartition(".")[2] for name in modules} == projections and len(modules) == 2 * len(projections)
     state = dict(checkpoint_tensors(small_model_path))
-    out = dict(quantize.WeightQuantizer(modes.Int8W8A8(), modules)(state.items()))
+    out = dict(quantize.WeightQuantizer(modes.Int8W8A8(source="sent"), modules)(state.items()))
     for name, tensor in state.items():
         module = name.rpartition(".")[0]
         if name.endswith(".weight") and module in modules:

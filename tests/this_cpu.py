@@ -21,7 +21,7 @@ def fp8_weights_here() -> bool:
     from rlmm.policy.quantization import Fp8Blockwise
     from rlmm.samplers.vllm import VLLMSampler
 
-    return VLLMSampler.refused_here(Fp8Blockwise(), "auto") is None
+    return VLLMSampler.refused_here(Fp8Blockwise(source="sent"), "auto") is None
 
 
 def deepspeed_runs(dtype: str) -> bool:

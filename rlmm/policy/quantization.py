@@ -5,7 +5,8 @@ vLLM's loader reads its scale under, the `quantization_config` vLLM's engine is 
 transformers' forward does to a linear layer's input, what rlmm or vLLM's kernels refuse of it, and its words in
 the run's precision report. A new mode is one class here and one YAML in conf/quantization/. The samplers hold the
 plumbing (rlmm/samplers/quantize.py: streaming the quantized tensors to vLLM's loader, the hf emulation's hooks);
-the trainer side can take the same objects (a later issue: fake quantization with a straight-through estimator).
+the trainer takes the same object (`trainer.fake_quantize: true`, rlmm/trainers/fake_quantization.py: its forward
+multiplies with `fake_quantize_weight(W)` and rounds inputs with `round_input`, straight-through gradients).
 
 What is quantized: the weight of every `nn.Linear` of the Hugging Face model but the LM head (the decoder layers'
 q/k/v/o and MLP projections); the input embedding, the norms and the LM head stay in the sampler's dtype, as
@@ -26,6 +27,18 @@ Modes (formulas; Q is what the engine multiplies with, s its scale, x a row of a
 
 round() is round-half-to-even (torch.round), as the engines' own quantizers. The division by 127 (not 127.5)
 maps each channel's largest weight to +-127 exactly, as vLLM's own dynamic int8 quantization does.
+
+Source (`quantization.source`, a key of every quantizing mode): which tensor W is, of the weight the trainer sends
+at a sync (rlmm/trainers/weight_sync.py; the torch and DeepSpeed trainers send the 16-bit module weights they compute
+with, FSDP its fp32 masters):
+
+    sent   W as sent.
+    bf16   W rounded to bf16 first (xtuner #2044: an FSDP trainer quantizing its fp32 masters while the rollout side
+           quantized their bf16 export had a step-2 k3 KL of 8.7e-3; both sides quantizing the bf16 rounding, 3.7e-4).
+           The same as `sent` for weights sent in bf16.
+
+What the emulation and a fake-quantizing trainer multiply with is fake_quantize_weight(W) =
+dequantize(quantize(W)).to(W's dtype).
 """
 from __future__ import annotations
 
@@ -46,19 +59,26 @@ FP8_RUNS_INSTEAD = "(runs here: none, int8; fp8 weights run on CUDA)"
 
 
 class QuantizationMode(Protocol):
-    """What every mode provides (the samplers read nothing else of it)."""
+    """What every mode provides (the samplers and the trainers read nothing else of it)."""
 
     name: str  # its option in conf/quantization/, as refusals name it (`quantization=<name>`)
     quantizes_weights: bool  # False: the weights pass untouched and the engine is built as for the checkpoint
     rounds_inputs: bool  # the kernel also quantizes each linear layer's input (`round_input`)
     scale_name: str  # the scale's tensor name beside `<module>.weight` in a checkpoint of this mode (vLLM's loaders)
+    source: str  # `quantization.source`, as refusals name it: sent or bf16 (SOURCES)
+    source_dtype: torch.dtype | None  # the dtype a weight is rounded to before it is quantized (None: as sent)
 
     def quantize(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(Q, s) of one [N, K] weight: what the engine multiplies with and its scale."""
+        """(Q, s) of one [N, K] weight (of its `source`): what the engine multiplies with and its scale."""
         ...
 
     def dequantize(self, quantized: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         """Q * s in float32, the weight the engine's arithmetic stands for."""
+        ...
+
+    def fake_quantize_weight(self, weight: torch.Tensor) -> torch.Tensor:
+        """dequantize(quantize(W)) in W's dtype: what `sampler=hf`'s emulation holds and a fake-quantizing trainer
+        multiplies with (W itself where nothing is quantized)."""
         ...
 
     def round_input(self, x: torch.Tensor) -> torch.Tensor:
@@ -124,6 +144,41 @@ def dequantize(quantized: torch.Tensor, scale: torch.Tensor, block: int = FP8_BL
     return quantized.float() * expanded
 
 
+def fake_quantized(mode: QuantizationMode, weight: torch.Tensor) -> torch.Tensor:
+    """dequantize(quantize(W)).to(W.dtype): every quantizing mode's `fake_quantize_weight`."""
+    return mode.dequantize(*mode.quantize(weight)).to(weight.dtype)
+
+
+# -- which tensors -----------------------------------------------------------------------------------------------
+def quantized_modules(model_path: str) -> set[str]:
+    """The Hugging Face module names whose weight is quantized: every `nn.Linear` but the LM head, read from the
+    model built on the meta device (no memory, no weights read). Both sides ask here: the samplers' quantizer and
+    emulation (rlmm/samplers/quantize.py) and the trainer's fake quantization (rlmm/trainers/fake_quantization.py)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_path)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return {name for name, module in model.named_modules()
+            if isinstance(module, torch.nn.Linear) and name.split(".")[-1] != "lm_head"}
+
+
+# -- the source: which tensor is quantized -------------------------------------------------------------------------
+SOURCES: dict[str, torch.dtype | None] = {"sent": None, "bf16": torch.bfloat16}  # `quantization.source`
+
+
+def source_dtype(source: str) -> torch.dtype | None:
+    """`quantization.source`'s dtype (None: the weight as sent), or a one-line error naming the allowed ones."""
+    if source not in SOURCES:
+        raise ValueError(f"quantization.source: unknown source '{source}' (allowed: {', '.join(SOURCES)})")
+    return SOURCES[source]
+
+
+def of_source(weight: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """The tensor a mode quantizes: `weight`, rounded to `dtype` first when a source dtype is set."""
+    return weight if dtype is None else weight.detach().to(dtype)
+
+
 # -- what every quantizing mode refuses ----------------------------------------------------------------------------
 def moe_refusal(name: str, moe: bool) -> str | None:
     """rlmm quantizes a dense model's linear layers; an MoE's experts are fused tensors it does not quantize yet."""
@@ -147,12 +202,16 @@ class NoQuantization:
     quantizes_weights = False
     rounds_inputs = False
     scale_name = ""
+    source, source_dtype = "sent", None  # nothing is quantized: the weights serve as sent (its YAML has no `source`)
 
     def quantize(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         raise TypeError("quantization=none quantizes nothing")  # never asked: `quantizes_weights` is False
 
     def dequantize(self, quantized: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         raise TypeError("quantization=none quantizes nothing")
+
+    def fake_quantize_weight(self, weight: torch.Tensor) -> torch.Tensor:
+        return weight
 
     def round_input(self, x: torch.Tensor) -> torch.Tensor:
         return x
@@ -183,11 +242,18 @@ class Int8W8A8:
     rounds_inputs = True
     scale_name = "weight_scale"  # compressed-tensors' name for a per-channel scale
 
+    def __init__(self, source: str):
+        """source: the tensor quantized, of the weight the trainer sends: sent (as sent) or bf16 (its bf16 rounding)."""
+        self.source, self.source_dtype = source, source_dtype(source)
+
     def quantize(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return int8_per_channel(weight)
+        return int8_per_channel(of_source(weight, self.source_dtype))
 
     def dequantize(self, quantized: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         return dequantize(quantized, scale)
+
+    def fake_quantize_weight(self, weight: torch.Tensor) -> torch.Tensor:
+        return fake_quantized(self, weight)
 
     def round_input(self, x: torch.Tensor) -> torch.Tensor:
         return int8_per_token(x)
@@ -211,7 +277,8 @@ class Int8W8A8:
         return None
 
     def describe(self) -> str:
-        return "int8 W8A8: weights per output channel (static, amax/127), activations per token (dynamic)"
+        return (f"int8 W8A8: weights per output channel (static, amax/127), activations per token (dynamic); "
+                f"source {self.source}")
 
 
 class Fp8Blockwise:
@@ -227,11 +294,18 @@ class Fp8Blockwise:
     rounds_inputs = False  # the emulation keeps vLLM-CPU's W8A16: activations untouched
     scale_name = "weight_scale_inv"  # block-scaled checkpoints' name for the dequantization multiplier
 
+    def __init__(self, source: str):
+        """source: the tensor quantized, of the weight the trainer sends: sent (as sent) or bf16 (its bf16 rounding)."""
+        self.source, self.source_dtype = source, source_dtype(source)
+
     def quantize(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return fp8_blockwise(weight)
+        return fp8_blockwise(of_source(weight, self.source_dtype))
 
     def dequantize(self, quantized: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         return dequantize(quantized, scale)
+
+    def fake_quantize_weight(self, weight: torch.Tensor) -> torch.Tensor:
+        return fake_quantized(self, weight)
 
     def round_input(self, x: torch.Tensor) -> torch.Tensor:
         return x
@@ -273,4 +347,4 @@ class Fp8Blockwise:
         return None
 
     def describe(self) -> str:
-        return f"fp8 e4m3 weights in {FP8_BLOCK}x{FP8_BLOCK} blocks (amax/448)"
+        return f"fp8 e4m3 weights in {FP8_BLOCK}x{FP8_BLOCK} blocks (amax/448); source {self.source}"

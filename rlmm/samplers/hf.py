@@ -11,12 +11,12 @@ from rlmm.mismatch.routing import hooks_of, routers
 from rlmm.models.loading import load_causal_lm, model_precision, padding_id
 from rlmm.policy.logprobs import kept_by_truncation, tempered, token_logprobs
 from rlmm.policy.precision import SidePrecision
-from rlmm.policy.quantization import NoQuantization, QuantizationMode
+from rlmm.policy.quantization import NoQuantization, QuantizationMode, quantized_modules
 from rlmm.policy.rollouts import NO_ROUTE, KeptTokens, Rollouts, SamplingOptions
 from rlmm.runtime.devices import select_device
 from rlmm.samplers.base import refuse_dropped_ties, request_seed, tied_aliases, truncate_at_eos
 from rlmm.samplers.perturb import WeightNoise
-from rlmm.samplers.quantize import Emulation, quantized_modules
+from rlmm.samplers.quantize import Emulation
 
 
 class HFSampler:

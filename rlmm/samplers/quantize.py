@@ -37,19 +37,7 @@ def check_kv_cache_dtype(kv_cache: str) -> None:
         raise ValueError(f"sampler.kv_cache_dtype: unknown dtype {kv_cache!r} (allowed: {', '.join(KV_CACHE_DTYPES)})")
 
 
-# -- which tensors -----------------------------------------------------------------------------------------------
-def quantized_modules(model_path: str) -> set[str]:
-    """The Hugging Face module names whose weight is quantized: every `nn.Linear` but the LM head, read from the
-    model built on the meta device (no memory, no weights read)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.from_pretrained(model_path)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    return {name for name, module in model.named_modules()
-            if isinstance(module, torch.nn.Linear) and name.split(".")[-1] != "lm_head"}
-
-
+# -- which tensors: rlmm/policy/quantization.py's `quantized_modules`, shared with the trainer's fake quantization --
 class WeightQuantizer:
     """Quantizes (name, tensor) pairs as they stream to an engine's loader: a targeted module's `.weight`
     becomes the mode's quantized weight and its scale (`<module>.<mode.scale_name>`, the names vLLM's loaders
@@ -134,9 +122,10 @@ def machine_refusal(quantization: QuantizationMode, kv_cache: str) -> str | None
 # -- sampler=hf: the same quantization, emulated -----------------------------------------------------------------
 class Emulation:
     """`mode` applied to a transformers model: each targeted linear layer's weight replaced by
-    dequantize(quantize(W)) whenever weights are loaded (`fake_quantize`), and where the mode's kernel quantizes
-    activations (`rounds_inputs`: int8) its input rounded as the kernel does (a forward pre-hook). `remove` takes
-    the hooks out."""
+    dequantize(quantize(W)) in W's dtype whenever weights are loaded (`fake_quantize`: the mode's `fake_quantize_weight`,
+    what a fake-quantizing trainer multiplies with, rlmm/trainers/fake_quantization.py), and where the mode's kernel
+    quantizes activations (`rounds_inputs`: int8) its input rounded as the kernel does (a forward pre-hook). `remove`
+    takes the hooks out."""
 
     def __init__(self, model: torch.nn.Module, mode: QuantizationMode, modules: set[str]):
         self.mode, self.modules = mode, modules
@@ -153,8 +142,8 @@ class Emulation:
             return
         for name, tensor in named_tensors:
             module, _, leaf = name.rpartition(".")
-            yield name, self.mode.dequantize(*self.mode.quantize(tensor)).to(tensor.dtype) \
-                if leaf == "weight" and module in self.modules else tensor
+            targeted = leaf == "weight" and module in self.modules
+            yield name, self.mode.fake_quantize_weight(tensor) if targeted else tensor
 
     def remove(self) -> None:
         for hook in self.hooks:

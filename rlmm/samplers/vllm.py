@@ -21,13 +21,12 @@ from rlmm.models.checkpoint_names import CheckpointNames
 from rlmm.models.loading import checkpoint_ties_head, checkpoint_vocab_size
 from rlmm.policy.kv_scales import check_kv_scales, describe_kv_scales, fp8_kv_scales
 from rlmm.policy.precision import SidePrecision, dtype_name
-from rlmm.policy.quantization import NoQuantization, QuantizationMode
+from rlmm.policy.quantization import NoQuantization, QuantizationMode, quantized_modules
 from rlmm.policy.rollouts import KeptTokens, Rollouts, SamplingOptions
 from rlmm.runtime.devices import global_rank, select_device, vllm_executor_backend, world_size
 from rlmm.samplers.base import engine_seed, refuse_dropped_ties, request_seed, tied_aliases, truncate_at_eos
 from rlmm.samplers.perturb import WeightNoise, checkpoint_tensors
-from rlmm.samplers.quantize import (WeightQuantizer, check_kv_cache_dtype, machine_refusal, quantized_modules,
-                                    vllm_refusal)
+from rlmm.samplers.quantize import WeightQuantizer, check_kv_cache_dtype, machine_refusal, vllm_refusal
 from rlmm.samplers.vllm_capture import HookedLayerStates, NoLayerStates
 from rlmm.samplers.vllm_internals import (KERNEL_DERIVED, batch_invariant_mode, default_kv_cache_scales,
                                           engine_environment, engine_model, engine_settings, eos_ids, intra_op_threads,
