@@ -149,6 +149,24 @@ MUTANTS = [
     Mutant("hf_emulation_without_activations", "sampler=hf's int8 emulation leaves each linear layer's input "
            "unrounded", [("rlmm/samplers/quantize.py", "        if mode.rounds_inputs:\n            for name, module",
                           "        if False:\n            for name, module")], tests=("tests/test_quantized_rollouts.py",)),
+    Mutant("fake_quantize_without_straight_through", "the fake-quantizing trainer multiplies with fq(W) itself, no "
+           "straight-through estimator: no gradient reaches the quantized weights",
+           [("rlmm/trainers/fake_quantization.py", "StraightThrough.apply(module.weight, mode.fake_quantize_weight)",
+             "mode.fake_quantize_weight(module.weight)")], tests=("tests/test_fake_quantization.py",)),
+    Mutant("fake_quantize_input_gradient_stopped", "the fake-quantizing trainer rounds int8's layer inputs without the "
+           "straight-through estimator (round's zero gradient stops the input's)",
+           [("rlmm/trainers/fake_quantization.py", "x = StraightThrough.apply(x, mode.round_input)",
+             "x = mode.round_input(x)")], tests=("tests/test_fake_quantization.py",)),
+    Mutant("fake_quantize_inputs_unrounded", "the fake-quantizing trainer leaves int8's layer inputs unrounded (the "
+           "sampler rounds them)", [("rlmm/trainers/fake_quantization.py", "    if mode.rounds_inputs:\n        x = ",
+                                     "    if False:\n        x = ")], tests=("tests/test_fake_quantization.py",)),
+    Mutant("quantization_source_ignored", "quantization.source=bf16 quantizes the weight as sent (int8)",
+           [("rlmm/policy/quantization.py", "return int8_per_channel(of_source(weight, self.source_dtype))",
+             "return int8_per_channel(weight)")], tests=("tests/test_fake_quantization.py",)),
+    Mutant("fsdp_fake_quantizes_the_cast", "trainer=fsdp fake-quantizes its bf16 forward weights while the sampler "
+           "quantizes the fp32 masters it sends (the refusal gone)",
+           [("rlmm/trainers/fsdp_backend.py", "if precision.dtype == torch.float32 or quantization.source_dtype == "
+             "precision.dtype:", "if True:")], tests=("tests/test_fake_quantization.py",)),
     Mutant("gae_without_lambda", "PPO's GAE drops lambda (A_t = delta_t + gamma A_{t+1})",
            [("rlmm/algos/ppo.py", "running = delta + gamma * lam * torch.where(following[:, t], running, 0.0)",
              "running = delta + gamma * torch.where(following[:, t], running, 0.0)")], tests=("tests/test_ppo.py",)),

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from rlmm.policy.precision import SidePrecision
+from rlmm.policy.quantization import NoQuantization, QuantizationMode
 from rlmm.policy.rollouts import SamplingOptions
 from rlmm.trainers.deepspeed_backend import DeepSpeedTrainer
 from rlmm.trainers.torch_backend import TorchTrainer
@@ -51,13 +52,14 @@ class NaNTorchTrainer(_NaNUpdates, TorchTrainer):
                  lr: float, weight_decay: float, warmup_steps: int, grad_clip: float, logits_chunk_size: int,
                  gradient_checkpointing: bool | None, initial_loss_scale: float, loss_scale_growth_interval: int,
                  grad_accum_dtype: str | None, micro_batch_tokens: int | None, padding_free: bool,
-                 nan_from_update: int = 1):
+                 fake_quantize: bool, nan_from_update: int = 1, quantization: QuantizationMode = NoQuantization()):
         TorchTrainer.__init__(self, model_path, precision, sampling, micro_batch_size, lr=lr, weight_decay=weight_decay,
                               warmup_steps=warmup_steps, grad_clip=grad_clip, logits_chunk_size=logits_chunk_size,
                               gradient_checkpointing=gradient_checkpointing,
                               micro_batch_tokens=micro_batch_tokens, padding_free=padding_free,
                               initial_loss_scale=initial_loss_scale,
-                              loss_scale_growth_interval=loss_scale_growth_interval, grad_accum_dtype=grad_accum_dtype)
+                              loss_scale_growth_interval=loss_scale_growth_interval, grad_accum_dtype=grad_accum_dtype,
+                              fake_quantize=fake_quantize, quantization=quantization)
         self.nan_from_update = nan_from_update
 
 
@@ -66,8 +68,8 @@ class NaNDeepSpeedTrainer(_NaNUpdates, DeepSpeedTrainer):
                  zero_stage: int, lr: float, weight_decay: float, warmup_steps: int, grad_clip: float,
                  logits_chunk_size: int, gradient_checkpointing: bool | None, initial_loss_scale: float,
                  loss_scale_growth_interval: int, grad_accum_dtype: str | None, reduce_dtype: str | None,
-                 config_file: str | None, micro_batch_tokens: int | None, padding_free: bool,
-                 nan_from_update: int = 1):
+                 config_file: str | None, micro_batch_tokens: int | None, padding_free: bool, fake_quantize: bool,
+                 nan_from_update: int = 1, quantization: QuantizationMode = NoQuantization()):
         DeepSpeedTrainer.__init__(self, model_path, precision, sampling, micro_batch_size, zero_stage=zero_stage, lr=lr,
                                   weight_decay=weight_decay, warmup_steps=warmup_steps, grad_clip=grad_clip,
                                   logits_chunk_size=logits_chunk_size, gradient_checkpointing=gradient_checkpointing,
@@ -75,5 +77,5 @@ class NaNDeepSpeedTrainer(_NaNUpdates, DeepSpeedTrainer):
                                   loss_scale_growth_interval=loss_scale_growth_interval,
                                   grad_accum_dtype=grad_accum_dtype, reduce_dtype=reduce_dtype,
                                   config_file=config_file, micro_batch_tokens=micro_batch_tokens,
-                                  padding_free=padding_free)
+                                  padding_free=padding_free, fake_quantize=fake_quantize, quantization=quantization)
         self.nan_from_update = nan_from_update

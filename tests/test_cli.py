@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from rlmm.config.options import group_options
+from rlmm.config.options import from_yaml, group_options
 from tests.conftest import subprocess_env
 
 CASES = [
@@ -67,6 +67,22 @@ CASES = [
      "bf16, the trainer in fp16"),
     (["probe.layers=true", "trainer.zero_stage=3"],
      "probe.layers: with an fp32 trainer and a bf16 sampler, the trainer's module must hold the full weights"),
+    # quantization both sides share (issue 52): a mode to share, a source the quantizer knows, a forward that holds it
+    (["trainer.fake_quantize=true"], "trainer.fake_quantize=true: quantization=none quantizes nothing for the trainer "
+                                     "to share with the sampler (quantizing modes: "
+                                     f"{', '.join(o for o in group_options('quantization') if from_yaml('quantization', o).quantizes_weights)})"),
+    (["quantization=int8", "quantization.source=fp32"],
+     "quantization.source: unknown source 'fp32' (allowed: sent, bf16)"),
+    (["trainer=fsdp", "precision=bf16", "quantization=int8", "trainer.fake_quantize=true"],
+     "trainer.fake_quantize=true: trainer=fsdp sends its fp32 masters and multiplies with them cast to bf16, so its "
+     "forward cannot quantize what quantization.source=sent quantizes (runs: quantization.source=bf16 with a bf16 "
+     "trainer, or an fp32 trainer)"),
+    (["probe.attribution=true", "quantization=int8", "trainer.fake_quantize=true"],
+     "probe.attribution: the trainer's module must hold the full weights: one rank of trainer=deepspeed (ZeRO-0/1/2) "
+     "or trainer=torch, without trainer.padding_free or trainer.fake_quantize"),
+    *([] if from_yaml("quantization", "fp8").cpu_machine_refusal() is None else [  # the sampler's own refusal here
+        (["quantization=fp8", "trainer.fake_quantize=true"],
+         "quantization=fp8: vLLM-CPU's only FP8 weight kernel needs AMX")]),
 ]
 # rlmm train's own axes and options; the same rule: one line, before any engine starts.
 TRAIN_CASES = [
@@ -123,6 +139,9 @@ TRAIN_CASES = [
     (["sampler=bitwise", "precision=bf16", "train.staleness=1"],
      "sampler=bitwise: with train.staleness=1 the check of every step needs the trainer's log-probs at the weights "
      "that sampled (allowed: train.decompose_staleness=true, train.overlap=false)"),
+    (["-m", "trainer=torch,fsdp", "precision=bf16", "quantization=int8", "trainer.fake_quantize=true"],
+     "trainer.fake_quantize=true: trainer=fsdp sends its fp32 masters and multiplies with them cast to bf16"),
+    (["trainer.fake_quantize=maybe"], "trainer=deepspeed: fake_quantize: Value 'maybe' is not a valid bool"),
 ]
 
 

@@ -36,7 +36,7 @@ BUILD_TIME_ARGS: dict[str, set[str]] = {
     "precision": set(),
     "sampler": {"model_path", "precision", "sampling", "seed", "prompt_tokens", "max_rows", "untie_head",
                 "capture_routing", "quantization", "calibration_prompts"},
-    "trainer": {"model_path", "precision", "sampling", "value_head"},
+    "trainer": {"model_path", "precision", "sampling", "value_head", "quantization", "row_width"},
     "logger": {"run_config", "run_dir", "sweep"},
     "correction": set(),
     "algo": set(),

@@ -50,6 +50,10 @@ def check_overrides(config_name: str, overrides: list[str]) -> None:
 
                 check_sampler_options(cfg.sampler, built["quantization"], this_machine=not elsewhere)
                 check_bitwise_arm(cfg, built["precision"], built["quantization"], sampling)
+            if "trainer" in cfg:  # trainer.fake_quantize: a mode to share, and one the trainer's forward can hold
+                from rlmm.trainers.fake_quantization import check_trainer_options
+
+                check_trainer_options(cfg.trainer, built["quantization"], built["precision"].trainer)
             if not elsewhere:  # a SLURM job asks its own node's hardware when it starts
                 check_engines_support(cfg, built["precision"])
             if "probe" in cfg:

@@ -224,7 +224,7 @@ def _attention_in(model: nn.Module, dtype: torch.dtype, base: torch.dtype):
 
 
 WHOLE_WEIGHTS = ("the trainer's module must hold the full weights: one rank of trainer=deepspeed (ZeRO-0/1/2) or "
-                 "trainer=torch, without trainer.padding_free")
+                 "trainer=torch, without trainer.padding_free or trainer.fake_quantize")
 
 
 def check_attribution(sampler_dtype: str | torch.dtype, trainer_dtype: str | torch.dtype, trainer,
@@ -240,7 +240,7 @@ def check_attribution(sampler_dtype: str | torch.dtype, trainer_dtype: str | tor
     if trainer_dtype != torch.float32:
         raise ValueError(f"{option}: the fp32 reference is the trainer in fp32, got "
                          f"precision.trainer_dtype={dtype_name(trainer_dtype)} (precision=bf16_sampler_fp32_trainer)")
-    if trainer.get("zero_stage", 0) == 3 or trainer.get("padding_free", False):
+    if trainer.get("zero_stage", 0) == 3 or trainer.get("padding_free", False) or trainer.get("fake_quantize", False):
         raise ValueError(f"{option}: {WHOLE_WEIGHTS}")
 
 

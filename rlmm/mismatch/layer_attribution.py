@@ -203,7 +203,8 @@ def check_layers(sampler_dtype: str | torch.dtype, trainer_dtype: str | torch.dt
                          f"sampler computes in {dtype_name(sampler_dtype)}, the trainer in {dtype_name(trainer_dtype)} "
                          "(the same dtype on both sides, or an fp32 trainer: precision=bf16_sampler_fp32_trainer)")
     reduced = trainer_dtype != sampler_dtype  # an fp32 trainer computes in the sampler's dtype through op attribution
-    if reduced and (trainer.get("zero_stage", 0) == 3 or trainer.get("padding_free", False)):
+    if reduced and (trainer.get("zero_stage", 0) == 3 or trainer.get("padding_free", False)
+                    or trainer.get("fake_quantize", False)):
         raise ValueError(f"probe.layers: with an fp32 trainer and a {dtype_name(sampler_dtype)} sampler, "
                          f"{WHOLE_WEIGHTS}")
 

@@ -99,7 +99,8 @@ def build_components(cfg: DictConfig, prompts: Callable[[object], list], max_row
     with timed(seconds, "trainer_init"):
         try:
             trainer = build(cfg.trainer, model_path=model_path, precision=precision.trainer, sampling=sampling,
-                            row_width=row_width)
+                            row_width=row_width,
+                            quantization=engine_args["quantization"])  # the sampler's mode: `trainer.fake_quantize`
         except BaseException:
             sampler.close()  # one engine per process: never leave one behind
             raise

@@ -26,6 +26,7 @@ import torch
 
 from rlmm.corrections.base import Correction, CorrectionOutput
 from rlmm.policy.precision import SidePrecision
+from rlmm.policy.quantization import QuantizationMode
 from rlmm.policy.rollouts import Rollouts
 from rlmm.samplers.base import Sampler
 from rlmm.trainers.packing import MicroBatching
@@ -120,6 +121,13 @@ class Trainer(Protocol):
     def unsupported(precision: SidePrecision) -> str | None:
         """Why this machine cannot run `precision` on this backend (None when it can): asked by the CLI
         before a run or a sweep starts."""
+        ...
+
+    @staticmethod
+    def fake_quantize_refusal(quantization: QuantizationMode, precision: SidePrecision) -> str | None:
+        """Why this backend computing in `precision` cannot fake-quantize its forward as `quantization`'s sampler
+        quantizes what it sends (`trainer.fake_quantize`, rlmm/trainers/fake_quantization.py; None when it can):
+        asked by the CLI before a run or a sweep starts, and by the constructor."""
         ...
 
     def close(self) -> None:

@@ -16,6 +16,7 @@ import torch
 from rlmm.models.head import install_output_head
 from rlmm.models.loading import load_value_model, model_precision, padding_id
 from rlmm.policy.precision import SidePrecision, dtype_name, to_dtype
+from rlmm.policy.quantization import NoQuantization, QuantizationMode
 from rlmm.policy.rollouts import Rollouts, SamplingOptions
 from rlmm.runtime import cpu
 from rlmm.runtime.devices import init_process_group, select_device
@@ -28,6 +29,7 @@ from rlmm.trainers.deepspeed_internals import (checkpoint_types, current_loss_sc
                                                no_backward_allreduce, skip_at_min_scale)
 from rlmm.trainers.deepspeed_ops import prepare_jit_ops
 from rlmm.trainers.deepspeed_skip import BadStep
+from rlmm.trainers.fake_quantization import FakeQuantization
 from rlmm.trainers.memory import ActivationBudget, optimizer_state_bytes, prepare_for_training
 from rlmm.trainers.optim import linear_warmup, scaled_lr
 from rlmm.trainers.packing import Batch, MicroBatching, use_varlen_attention
@@ -64,7 +66,12 @@ class DeepSpeedTrainer:
             minibatch's end, so bf16 there rounds an fp32 sum to bf16 again (FSDP2 reduces in fp32 by default).
         config_file: a DeepSpeed JSON of your own, merged over the config rlmm derives from the values
             above and the precision (yours wins key by key; batch sizes stay rlmm's, they follow the run).
+        fake_quantize: the forward multiplies with the weights the sampler serves, `quantization`'s
+            dequantize(quantize(W)) (and rounds int8's layer inputs), straight-through gradients to the weights
+            (rlmm/trainers/fake_quantization.py); on every ZeRO stage (ZeRO-3 gathers a layer's weight before its
+            forward). The policy only: a value model is never fake-quantized.
         value_head: a value model instead of the policy (PPO's critic, rlmm/run/critic.py; set by the app).
+        quantization: (set by the app from `quantization=`) the mode the sampler serves; what `fake_quantize` uses.
         row_width: (set by the app for `sampler=bitwise`) every micro-batch one row right-padded to this many
             tokens and each head position projected alone (rlmm/trainers/packing.py, rlmm/models/head.py), or None.
 
@@ -80,8 +87,9 @@ class DeepSpeedTrainer:
                  zero_stage: int, lr: float, weight_decay: float, warmup_steps: int, grad_clip: float,
                  logits_chunk_size: int, gradient_checkpointing: bool | None, initial_loss_scale: float,
                  loss_scale_growth_interval: int, grad_accum_dtype: str | None, reduce_dtype: str | None,
-                 config_file: str | None, micro_batch_tokens: int | None, padding_free: bool,
-                 value_head: bool = False, row_width: int | None = None):
+                 config_file: str | None, micro_batch_tokens: int | None, padding_free: bool, fake_quantize: bool,
+                 value_head: bool = False, quantization: QuantizationMode = NoQuantization(),
+                 row_width: int | None = None):
         import deepspeed
         import torch.distributed as dist
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -122,6 +130,8 @@ class DeepSpeedTrainer:
         body = [p for p in model.parameters() if fp32_head is None or p is not self.head.weight]
         self.engine, *_ = deepspeed.initialize(model=model, model_parameters=body, config=config,
                                                lr_scheduler=lambda optimizer: linear_warmup(optimizer, warmup_steps))
+        self.fake_quantization = FakeQuantization.of(self.engine.module, model_path, quantization,
+                                                     fake_quantize and not value_head, type(self), precision)
         if zero_stage == 0 and dist.get_world_size() == 1:
             no_backward_allreduce(self.engine)  # nothing to average over one rank, and it copies every gradient
         self.head_optimizer = None
@@ -152,7 +162,8 @@ class DeepSpeedTrainer:
         # reduce_dtype: the dtype the ranks average them in (DeepSpeed's communication_data_type).
         self.actual_precision = {**model_precision(self.engine.module),
                                  "grad_accum_dtype": grad_accum_dtype_of(self.engine),
-                                 "reduce_dtype": dtype_name(self.engine.communication_data_type)}
+                                 "reduce_dtype": dtype_name(self.engine.communication_data_type),
+                                 **self.fake_quantization.report()}
 
     @staticmethod
     def unsupported(precision: SidePrecision) -> str | None:
@@ -162,6 +173,12 @@ class DeepSpeedTrainer:
             return (f"precision: trainer=deepspeed cannot run {precision.name} on this machine's "
                     f"{cpu.deepspeed_device_name()} accelerator (allowed here: {', '.join(supported)}; "
                     f"trainer=torch scores in any)")
+        return None
+
+    @staticmethod
+    def fake_quantize_refusal(quantization: QuantizationMode, precision: SidePrecision) -> str | None:
+        """None: the weights it sends (`state_dict()`, ZeRO-3's gathered) are the module weights its forward
+        multiplies with, in the engine's dtype (its fp32 masters stay in the optimizer)."""
         return None
 
     def _forward(self, batch: Batch) -> torch.Tensor:
@@ -188,8 +205,9 @@ class DeepSpeedTrainer:
     def generates_in_place(self) -> bool:
         """Whether `model` can generate the trained policy as it is (the evaluation then needs no copy of it,
         rlmm/run/evaluation.py's `Evaluation`): ZeRO-0/1/2 keep every full weight on each rank, ZeRO-3 only its
-        partitions; not a value model, nor with padding-free attention installed."""
-        return self.engine.zero_optimization_stage() < 3 and self.head is not None and not self.batching.padding_free
+        partitions; not a value model, nor with padding-free attention or fake quantization installed."""
+        return (self.engine.zero_optimization_stage() < 3 and self.head is not None and not self.batching.padding_free
+                and not self.fake_quantization.installed)
 
     def state_dict(self) -> Mapping[str, torch.Tensor]:
         """Full Hugging Face-named weights on every rank, ZeRO-3's gathered as they are read (a collective;

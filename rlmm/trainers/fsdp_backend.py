@@ -27,8 +27,10 @@ import torch
 from rlmm.models.head import install_output_head
 from rlmm.models.loading import load_value_model, padding_id
 from rlmm.policy.precision import SidePrecision, dtype_name, to_dtype
+from rlmm.policy.quantization import NoQuantization, QuantizationMode
 from rlmm.policy.rollouts import Rollouts, SamplingOptions
 from rlmm.runtime.devices import init_process_group, select_device
+from rlmm.trainers.fake_quantization import FakeQuantization
 from rlmm.trainers.loss_scale import grad_scaler, grad_scaler_step
 from rlmm.trainers.memory import ActivationBudget, optimizer_state_bytes, prepare_for_training
 from rlmm.trainers.optim import linear_warmup
@@ -66,7 +68,12 @@ class FSDPTrainer:
             largest micro-batch would not fit otherwise).
         reduce_dtype: the dtype gradients are reduced over ranks in ("fp32", "bf16", "fp16").
         initial_loss_scale, loss_scale_growth_interval: fp16 dynamic loss scaling (ignored otherwise).
+        fake_quantize: the forward multiplies with the weights the sampler serves, `quantization`'s
+            dequantize(quantize(W)) (and rounds int8's layer inputs), straight-through gradients to the weights
+            (rlmm/trainers/fake_quantization.py); refused where the forward's weights are not what is sent
+            (`fake_quantize_refusal`). The policy only: a value model is never fake-quantized.
         value_head: a value model instead of the policy (PPO's critic; set by the app).
+        quantization: (set by the app from `quantization=`) the mode the sampler serves; what `fake_quantize` uses.
         row_width: (set by the app for `sampler=bitwise`) every micro-batch one row right-padded to this many
             tokens and each head position projected alone (rlmm/trainers/packing.py, rlmm/models/head.py), or None.
     """
@@ -75,7 +82,8 @@ class FSDPTrainer:
                  lr: float, weight_decay: float, warmup_steps: int, grad_clip: float, logits_chunk_size: int,
                  gradient_checkpointing: bool | None, reduce_dtype: str, initial_loss_scale: float,
                  loss_scale_growth_interval: int, micro_batch_tokens: int | None, padding_free: bool,
-                 value_head: bool = False, row_width: int | None = None):
+                 fake_quantize: bool, value_head: bool = False, quantization: QuantizationMode = NoQuantization(),
+                 row_width: int | None = None):
         import warnings
 
         import torch.distributed as dist
@@ -119,6 +127,8 @@ class FSDPTrainer:
                                                                              reduce_dtype=torch.float32))
         fully_shard(model, mesh=mesh, mp_policy=policy)
         self.model = model
+        self.fake_quantization = FakeQuantization.of(model, model_path, quantization, fake_quantize and not value_head,
+                                                     type(self), precision)
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
         self.lr_schedule = linear_warmup(self.optimizer, warmup_steps)
         self.grad_scaler = grad_scaler(self.device, precision.dtype, initial_loss_scale, loss_scale_growth_interval)
@@ -130,12 +140,25 @@ class FSDPTrainer:
         head_dtype = torch.float32 if self.head is not None and self.head.fp32 else compute
         self.actual_precision = {"dtype": dtype_name(compute), "head_dtype": dtype_name(head_dtype),
                                  "master_dtype": "/".join(sorted(dtype_name(d) for d in body)),
-                                 "grad_accum_dtype": reduce_dtype, "reduce_dtype": reduce_dtype}
+                                 "grad_accum_dtype": reduce_dtype, "reduce_dtype": reduce_dtype,
+                                 **self.fake_quantization.report()}
 
     @staticmethod
     def unsupported(precision: SidePrecision) -> str | None:
         """None: FSDP2's mixed precision casts to any of rlmm's dtypes on CPU and GPU."""
         return None
+
+    @staticmethod
+    def fake_quantize_refusal(quantization: QuantizationMode, precision: SidePrecision) -> str | None:
+        """FSDP sends its fp32 masters (`state_dict()`) but its forward holds them cast to `param_dtype`: the sampler's
+        quantization of what is sent is the forward's only where both are one tensor of the source, an fp32 trainer
+        or `quantization.source=bf16` with a bf16 trainer (the fp32 master inside the forward would need FSDP2 to
+        gather fp32 and cast after the quantization, which its mixed precision does not do)."""
+        if precision.dtype == torch.float32 or quantization.source_dtype == precision.dtype:
+            return None
+        return (f"trainer.fake_quantize=true: trainer=fsdp sends its fp32 masters and multiplies with them cast to "
+                f"{precision.name}, so its forward cannot quantize what quantization.source={quantization.source} "
+                "quantizes (runs: quantization.source=bf16 with a bf16 trainer, or an fp32 trainer)")
 
     def _forward(self, batch: Batch) -> torch.Tensor:
         return model_scores(self.model, batch, self.device, value_model=self.head is None)
@@ -157,10 +180,11 @@ class FSDPTrainer:
         """Whether `model` can generate the trained policy as it is (the evaluation then needs no copy of it,
         rlmm/run/evaluation.py's `Evaluation`): over one rank, where each unit's "shard" is the whole parameter and its
         all-gather a local cast to the compute dtype; not over several (a forward on rank 0 alone would wait
-        for the others' shards), not a value model, nor with padding-free attention installed."""
+        for the others' shards), not a value model, nor with padding-free attention or fake quantization installed."""
         import torch.distributed as dist
 
-        return dist.get_world_size() == 1 and self.head is not None and not self.batching.padding_free
+        return (dist.get_world_size() == 1 and self.head is not None and not self.batching.padding_free
+                and not self.fake_quantization.installed)
 
     def state_dict(self) -> GatheredWeights:
         """Full Hugging Face-named fp32 weights, each gathered from its shards as it is read (a collective:

@@ -22,9 +22,11 @@ import torch
 
 from rlmm.models.loading import load_causal_lm, load_value_model, model_precision, padding_id
 from rlmm.policy.precision import SidePrecision, dtype_name
+from rlmm.policy.quantization import NoQuantization, QuantizationMode
 from rlmm.policy.rollouts import Rollouts, SamplingOptions
 from rlmm.runtime.collectives import average_over_ranks
 from rlmm.runtime.devices import select_device
+from rlmm.trainers.fake_quantization import FakeQuantization
 from rlmm.trainers.loss_scale import grad_scaler, grad_scaler_step
 from rlmm.trainers.memory import ActivationBudget, optimizer_state_bytes, prepare_for_training
 from rlmm.trainers.optim import linear_warmup
@@ -52,7 +54,11 @@ class TorchTrainer:
         initial_loss_scale, loss_scale_growth_interval: fp16 dynamic loss scaling (ignored otherwise).
         grad_accum_dtype: what a minibatch's micro-batch gradients are summed in: null, the parameters'
             dtype (autograd's `.grad`); fp32, the fp32 master copy's (16-bit bodies; fp32 is already fp32).
+        fake_quantize: the forward multiplies with the weights the sampler serves, `quantization`'s
+            dequantize(quantize(W)) (and rounds int8's layer inputs), straight-through gradients to the weights
+            (rlmm/trainers/fake_quantization.py). The policy only: a value model is never fake-quantized.
         value_head: a value model instead of the policy (PPO's critic, rlmm/run/critic.py; set by the app).
+        quantization: (set by the app from `quantization=`) the mode the sampler serves; what `fake_quantize` uses.
         row_width: (set by the app for `sampler=bitwise`) every micro-batch one row right-padded to this many
             tokens and each head position projected alone (rlmm/trainers/packing.py, rlmm/models/head.py), or None.
 
@@ -64,7 +70,8 @@ class TorchTrainer:
                  lr: float, weight_decay: float, warmup_steps: int, grad_clip: float, logits_chunk_size: int,
                  gradient_checkpointing: bool | None, initial_loss_scale: float, loss_scale_growth_interval: int,
                  grad_accum_dtype: str | None, micro_batch_tokens: int | None, padding_free: bool,
-                 value_head: bool = False, row_width: int | None = None):
+                 fake_quantize: bool, value_head: bool = False, quantization: QuantizationMode = NoQuantization(),
+                 row_width: int | None = None):
         from transformers import AutoTokenizer
 
         self.batching = MicroBatching(micro_batch_size, micro_batch_tokens, padding_free, row_width)
@@ -86,6 +93,8 @@ class TorchTrainer:
         if padding_free:
             use_varlen_attention(self.model, self.device, precision.dtype)
         prepare_for_training(self.model, gradient_checkpointing)
+        self.fake_quantization = FakeQuantization.of(self.model, model_path, quantization,
+                                                     fake_quantize and not value_head, type(self), precision)
         params = list(self.model.parameters())
         # fp32 weights are their own master copy; 16-bit ones get one in fp32 for AdamW to update.
         self.master_params = None if all(p.dtype == torch.float32 for p in params) else [
@@ -104,7 +113,8 @@ class TorchTrainer:
         summed = dtype_name(torch.float32) if self.accumulate_in_master else body["dtype"]
         # grad_accum_dtype: the dtype a minibatch's micro-batch gradients are summed in (an fp32 head's: fp32);
         # reduce_dtype: the dtype the ranks average them in (`average_over_ranks`, before the step).
-        self.actual_precision = {**body, "grad_accum_dtype": summed, "reduce_dtype": summed}
+        self.actual_precision = {**body, "grad_accum_dtype": summed, "reduce_dtype": summed,
+                                 **self.fake_quantization.report()}
 
     def _forward(self, batch: Batch) -> torch.Tensor:
         return model_scores(self.model, batch, self.device, value_model=self.head is None)
@@ -125,8 +135,8 @@ class TorchTrainer:
     def generates_in_place(self) -> bool:
         """Whether `model` can generate the trained policy as it is (the evaluation then needs no copy of it,
         rlmm/run/evaluation.py's `Evaluation`): every rank holds the full weights; not a value model, nor with
-        padding-free attention installed."""
-        return self.head is not None and not self.batching.padding_free
+        padding-free attention or fake quantization installed."""
+        return self.head is not None and not self.batching.padding_free and not self.fake_quantization.installed
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {k: v.detach() for k, v in self.model.state_dict().items()}
@@ -155,6 +165,11 @@ class TorchTrainer:
     @staticmethod
     def unsupported(precision: SidePrecision) -> str | None:
         """None: torch runs every precision on every device (fp16 and bf16 CPU kernels exist)."""
+        return None
+
+    @staticmethod
+    def fake_quantize_refusal(quantization: QuantizationMode, precision: SidePrecision) -> str | None:
+        """None: the weights it sends are the module weights its forward multiplies with."""
         return None
 
     def close(self) -> None:
