@@ -230,3 +230,13 @@ def test_rlmm_train_records_that_the_trainer_fake_quantizes(tmp_path):
     actual = summary["precision"]["actual"]
     assert actual["trainer"]["quantization"]["fake_quantize"].startswith("int8 W8A8")
     assert "emulated" in actual["sampler"]["quantization"]["weights"]
+
+
+def test_the_probe_says_whether_the_trainer_fake_quantizes(tmp_path):
+    from tests.test_probe import run_probe
+
+    record = run_probe(tmp_path, "sampler=hf", "trainer=torch", "precision=bf16", "quantization=int8",
+                       "trainer.fake_quantize=true", "logger=none")
+    said = record["precision"]["actual"]["trainer"]["quantization"]["fake_quantize"]
+    assert said.startswith("int8 W8A8") and "trainer quantization: fake_quantize int8 W8A8" in record["stdout"]
+    assert "engines run: sampler (dtype bf16, head_dtype bf16); trainer (dtype bf16," in record["stdout"]

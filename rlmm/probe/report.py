@@ -60,9 +60,14 @@ def print_probe(record: dict) -> None:
     engines = {side: ", ".join(f"{k} {v}" for k, v in precision["actual"][side].items()
                                if k not in ("engine", "quantization")) for side in ("sampler", "trainer")}
     quantized = precision["actual"]["sampler"].get("quantization", {})
+    fake = precision["actual"]["trainer"].get("quantization", {})  # trainer.fake_quantize: what its forward shares
     if quantized.get("weights", "none") != "none" or quantized.get("kv_cache_dtype", "auto") != "auto":
         console.print("sampler quantization: " + "; ".join(
             f"{k} {kv_scales_text(v) if k == 'kv_scales' else v}" for k, v in quantized.items()))
+    if quantized.get("weights", "none") != "none" or fake:
+        console.print("trainer quantization: " + (f"fake_quantize {fake['fake_quantize']}" if fake else
+                                                  "none, full-precision weights (trainer.fake_quantize=false: the "
+                                                  "sampler's quantization is mismatch)"))
     console.print(f"engines run: sampler ({engines['sampler']}); trainer ({engines['trainer']}); fp32 matmul "
                   f"{precision['actual']['fp32_matmul']}")
     for line in precision["silent_casts"]:
