@@ -52,14 +52,15 @@ class NaNTorchTrainer(_NaNUpdates, TorchTrainer):
                  lr: float, weight_decay: float, warmup_steps: int, grad_clip: float, logits_chunk_size: int,
                  gradient_checkpointing: bool | None, initial_loss_scale: float, loss_scale_growth_interval: int,
                  grad_accum_dtype: str | None, micro_batch_tokens: int | None, padding_free: bool,
-                 fake_quantize: bool, nan_from_update: int = 1, quantization: QuantizationMode = NoQuantization()):
+                 fake_quantize: bool, nan_from_update: int = 1, quantization: QuantizationMode = NoQuantization(),
+                 row_width: int | None = None):
         TorchTrainer.__init__(self, model_path, precision, sampling, micro_batch_size, lr=lr, weight_decay=weight_decay,
                               warmup_steps=warmup_steps, grad_clip=grad_clip, logits_chunk_size=logits_chunk_size,
                               gradient_checkpointing=gradient_checkpointing,
                               micro_batch_tokens=micro_batch_tokens, padding_free=padding_free,
                               initial_loss_scale=initial_loss_scale,
                               loss_scale_growth_interval=loss_scale_growth_interval, grad_accum_dtype=grad_accum_dtype,
-                              fake_quantize=fake_quantize, quantization=quantization)
+                              fake_quantize=fake_quantize, quantization=quantization, row_width=row_width)
         self.nan_from_update = nan_from_update
 
 
@@ -69,7 +70,8 @@ class NaNDeepSpeedTrainer(_NaNUpdates, DeepSpeedTrainer):
                  logits_chunk_size: int, gradient_checkpointing: bool | None, initial_loss_scale: float,
                  loss_scale_growth_interval: int, grad_accum_dtype: str | None, reduce_dtype: str | None,
                  config_file: str | None, micro_batch_tokens: int | None, padding_free: bool, fake_quantize: bool,
-                 nan_from_update: int = 1, quantization: QuantizationMode = NoQuantization()):
+                 nan_from_update: int = 1, quantization: QuantizationMode = NoQuantization(),
+                 row_width: int | None = None):
         DeepSpeedTrainer.__init__(self, model_path, precision, sampling, micro_batch_size, zero_stage=zero_stage, lr=lr,
                                   weight_decay=weight_decay, warmup_steps=warmup_steps, grad_clip=grad_clip,
                                   logits_chunk_size=logits_chunk_size, gradient_checkpointing=gradient_checkpointing,
@@ -77,5 +79,6 @@ class NaNDeepSpeedTrainer(_NaNUpdates, DeepSpeedTrainer):
                                   loss_scale_growth_interval=loss_scale_growth_interval,
                                   grad_accum_dtype=grad_accum_dtype, reduce_dtype=reduce_dtype,
                                   config_file=config_file, micro_batch_tokens=micro_batch_tokens,
-                                  padding_free=padding_free, fake_quantize=fake_quantize, quantization=quantization)
+                                  padding_free=padding_free, fake_quantize=fake_quantize, quantization=quantization,
+                                  row_width=row_width)
         self.nan_from_update = nan_from_update

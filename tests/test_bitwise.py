@@ -126,3 +126,27 @@ def test_the_trainer_side_computes_each_row_and_each_head_position_alone(small_m
     trainer.logprobs(rollouts)
     trainer.close()
     assert seen == [((1, 128), 0)] * 4
+
+
+@pytest.mark.parametrize("mode", ["int8", "fp8"])
+def test_a_trainer_fake_quantized_scores_the_quantized_samplers_log_probs_to_the_bit(small_model_path, prompts, mode):
+    """Quantization both sides share (trainer.fake_quantize): the bitwise sampler serving the mode's weights (and for
+    W8A8 rounding each layer's input per token, as transformers' emulation of vLLM's kernel does) and the trainer
+    multiplying with the same dequantize(quantize(W)) compute every log-prob alike; the trainer without fake
+    quantization does not (its weights are the full-precision ones)."""
+    quantization = from_yaml("quantization", mode)
+    side = SidePrecision("bf16", False)
+    sampler = build_sampler("bitwise", small_model_path, side, options(), seed=5, prompt_tokens=max(map(len, prompts)),
+                            quantization=quantization)
+    rollouts = sampler.generate(prompts, n=2)
+    width = sampler.width
+    sampler.close()
+    sampled, mask = rollouts.padded_sampler_logprobs()
+    scored = {}
+    for fake in (True, False):
+        trainer = from_yaml("trainer", "torch", model_path=small_model_path, precision=side, sampling=options(),
+                            fake_quantize=fake, quantization=quantization, row_width=width)
+        scored[fake] = trainer.logprobs(rollouts)
+        trainer.close()
+    assert torch.equal(scored[True][mask], sampled[mask]), (scored[True] - sampled)[mask].abs().max()
+    assert not torch.equal(scored[False][mask], sampled[mask])

@@ -127,7 +127,8 @@ TRAIN_CASES = [
     (["sampler=bitwise"], "sampler=bitwise: the sampler computes in bf16 and the trainer in fp32; both sides must "
                           "compute in one precision (allowed: precision=bf16, bf16_fp32head, fp16, fp16_fp32head, fp32)"),
     (["sampler=bitwise", "precision=bf16", "quantization=int8"],
-     "sampler=bitwise: quantization=int8 quantizes the sampler's weights only, which the trainer does not"),
+     "sampler=bitwise: quantization=int8 quantizes the sampler's weights only, which the trainer does not (allowed: "
+     "quantization=none, or trainer.fake_quantize=true: both sides quantized alike)"),
     (["sampler=bitwise", "precision=bf16", "support=full", "sampling.top_p=0.9"],
      "sampler=bitwise: support=full normalises the trainer's log-probs over the vocabulary while the sampler draws "
      "from its top-k / top-p set (allowed: support=sampler, trainer)"),

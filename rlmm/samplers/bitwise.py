@@ -60,8 +60,10 @@ class BitwiseSampler:
 
     Args:
         prompt_tokens: (set by the app) the run's longest prompt, which sizes W; a longer prompt is refused.
-        untie_head, quantization, max_rows: (set by the app) as for `sampler=hf`; a quantization the trainer does
-            not share is refused by `check_bitwise_arm` before this is built.
+        untie_head, quantization, max_rows: (set by the app) as for `sampler=hf`: a quantized mode is emulated in
+            transformers' forward (rlmm/samplers/quantize.py), which the trainer shares with `trainer.fake_quantize`
+            (rlmm/trainers/fake_quantization.py): both sides then multiply with the same dequantize(quantize(W)) and
+            round the same inputs; without it, refused by `check_bitwise_arm` before this is built.
         capture_routing: (set by the app) ignored: an MoE model's experts are the trainer's own to the bit, so none
             are returned and the run logs no routing/ keys; a replay (r2, r3) is refused by `check_bitwise_arm`.
     """
@@ -197,9 +199,10 @@ def check_bitwise_arm(cfg, precision, quantization: QuantizationMode, sampling: 
         raise ValueError(f"sampler=bitwise: the sampler computes in {_side(precision.sampler)} and the trainer in "
                          f"{_side(precision.trainer)}; both sides must compute in one precision (allowed: precision="
                          f"{', '.join(matched)})")
-    if quantization.quantizes_weights:
+    if quantization.quantizes_weights and not cfg.trainer.fake_quantize:
         raise ValueError(f"sampler=bitwise: quantization={quantization.name} quantizes the sampler's weights only, "
-                         f"which the trainer does not (allowed: quantization=none)")
+                         f"which the trainer does not (allowed: quantization=none, or trainer.fake_quantize=true: "
+                         f"both sides quantized alike)")
     if sampling.truncates and sampling.logprobs == "processed" and not _normalises_over_kept_set(sampling.support):
         raise ValueError(f"sampler=bitwise: support={sampling.support.name} normalises the trainer's log-probs over the "
                          f"vocabulary while the sampler draws from its top-k / top-p set (allowed: support=sampler, "
