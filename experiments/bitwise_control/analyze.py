@@ -56,7 +56,8 @@ def compared(runs: pd.DataFrame, key: str) -> pd.DataFrame:
         here = part.set_index("seed")[key]
         seeds = sorted(set(here.index) & set(control.index))
         stats = difference_stats(here.loc[seeds].to_numpy(), control.loc[seeds].to_numpy())
-        rows.append({"arm": arm, "correction": correction, "mean": here.mean(), **stats})
+        rows.append({"arm": arm, "correction": correction, "mean": here.loc[seeds].mean(),
+                     "control": control.loc[seeds].mean(), **stats})
     table = pd.DataFrame(rows)
     tested = table["p"].notna()
     table["p_holm"] = float("nan")
@@ -74,10 +75,11 @@ def main(sweeps: list[str]) -> None:
         table = compared(runs, key)
         print(f"\nheld-out accuracy at the last step, {label} ({key}); control (sampler=bitwise, no correction): "
               f"{control[key].mean():.4f} over {len(control)} seeds\n")
-        print("| rollouts | correction | n | mean | Δ vs the bitwise control [95% CI] | p | p (Holm) |")
-        print("| --- | --- | --- | --- | --- | --- | --- |")
+        print("| rollouts | correction | n | mean | control, same seeds | Δ vs the bitwise control [95% CI] | p | "
+              "p (Holm) |")
+        print("| --- | --- | --- | --- | --- | --- | --- | --- |")
         for row in table.itertuples():
-            print(f"| {row.arm} | {row.correction} | {row.n} | {row.mean:.4f} | {row.mean_diff:+.4f} "
+            print(f"| {row.arm} | {row.correction} | {row.n} | {row.mean:.4f} | {row.control:.4f} | {row.mean_diff:+.4f} "
                   f"[{row.ci_low:+.4f}, {row.ci_high:+.4f}] | {row.p:.2g} | {row.p_holm:.2g} |")
     print("\nwhat each arm trained with (means over its steps, then over seeds)\n")
     print("| rollouts | correction | runs | " + " | ".join(STEPS.values()) + " |")
