@@ -98,7 +98,7 @@ def plot(runs: pd.DataFrame, path: Path) -> None:
     fig, axes = plt.subplots(1, len(ACCURACY), figsize=(12, 4.2), sharey=True)
     for ax, (key, label) in zip(axes, ACCURACY.items()):
         table = compared(runs, key)
-        names = [f"{r.arm}\n{r.correction}" for r in table.itertuples()]
+        names = [f"{'vLLM + noise' if 'perturb' in r.arm else 'vLLM'}\n{r.correction}" for r in table.itertuples()]
         ax.errorbar(range(len(table)), table["mean_diff"],
                     yerr=[table["mean_diff"] - table["ci_low"], table["ci_high"] - table["mean_diff"]], fmt="o")
         ax.axhline(0, color="grey", lw=0.8)
