@@ -80,7 +80,7 @@ def test_every_correction_runs_two_steps(small_model_path, arithmetic_task, samp
             before = {k: v.clone() for k, v in c.trainer.state_dict().items()}
             for reuse_training_forward in (False, True):  # scoring pass first, then the one-pass step
                 metrics = rl_step(c, prompts, ratio_cap=2.0, reuse_training_forward=reuse_training_forward)
-            namespaces = ("rollout", "mismatch", "correction", "loss", "perf", "train")
+            namespaces = ("rollout", "mismatch", "agreement", "correction", "loss", "perf", "train")
             assert all(k.split("/")[0] in namespaces for k in metrics)
             assert metrics["train/skipped"] == 0
             assert metrics["mismatch/num_tokens"] > 0 and torch.isfinite(torch.tensor(metrics["loss/loss"]))
