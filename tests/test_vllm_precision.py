@@ -21,7 +21,7 @@ def test_batch_invariant_mode_is_refused_without_a_gpu(small_model_path):
 
     if torch.cuda.is_available():
         pytest.skip("GPU machine: batch-invariant kernels can run")
-    with pytest.raises(ValueError, match=r"sampler.batch_invariant: .*need a GPU .*\(allowed here: false\)"):
+    with pytest.raises(ValueError, match=r"sampler.batch_invariant: .*need a GPU .*\(allowed here: false; sampler=bitwise is the bitwise arm"):
         build_sampler("vllm", small_model_path, SidePrecision("bf16", False), sampling(), seed=0, batch_invariant=True)
 
 
