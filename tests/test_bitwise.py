@@ -88,7 +88,8 @@ def test_a_step_that_is_not_bitwise_fails_naming_the_first_token_that_differs():
     # the default trainer (DeepSpeed), one pass: pi_old is the update's own forward with grad
     ["precision=bf16"],
     # fp32 on the torch trainer, top-p's kept sets, and one update of staleness scored at the sampling weights
-    ["precision=fp32", "trainer=torch", "sampling.top_p=0.9", "train.staleness=1", "train.decompose_staleness=true"],
+    pytest.param(["precision=fp32", "trainer=torch", "sampling.top_p=0.9", "train.staleness=1",
+                  "train.decompose_staleness=true"], marks=pytest.mark.slow),  # the stale reference: also a unit test
 ], ids=["bf16-deepspeed", "fp32-torch-top_p-stale"])
 def test_a_bitwise_run_trains_with_agreement_exact_at_every_step(tmp_path, arm):
     run_dir = tmp_path / "run"
