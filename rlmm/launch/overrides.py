@@ -49,7 +49,7 @@ def check_overrides(config_name: str, overrides: list[str]) -> None:
                 from rlmm.samplers.quantize import check_sampler_options
 
                 check_sampler_options(cfg.sampler, built["quantization"], this_machine=not elsewhere)
-                check_bitwise_arm(cfg, built["precision"], built["quantization"], sampling)
+                check_bitwise_arm(cfg, built["precision"], built["quantization"], sampling, instantiate(cfg.routing))
             if "trainer" in cfg:  # trainer.fake_quantize: a mode to share, and one the trainer's forward can hold
                 from rlmm.trainers.fake_quantization import check_trainer_options
 

@@ -78,7 +78,7 @@ def build_components(cfg: DictConfig, prompts: Callable[[object], list], max_row
     routing = instantiate(cfg.routing)
     routing.check_checkpoint(model_path)  # a routing the model cannot take, refused before any engine starts
     quantization = instantiate(cfg.quantization)
-    check_bitwise_arm(cfg, precision, quantization, sampling)
+    check_bitwise_arm(cfg, precision, quantization, sampling, routing)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     prompt_tokens = longest_prompt(tokenizer, prompts(task))
     # sampler=bitwise: the trainer lays every row out alone at the width the sampler decodes at

@@ -32,15 +32,13 @@ from __future__ import annotations
 
 import torch
 
+from rlmm.mismatch.routing import RoutingReplay
 from rlmm.policy.logprobs import kept_by_truncation, tempered
 from rlmm.policy.precision import SidePrecision
 from rlmm.policy.quantization import NoQuantization, QuantizationMode
 from rlmm.policy.rollouts import KeptTokens, Rollouts, SamplingOptions
 from rlmm.samplers.base import request_seed, truncate_at_eos
 from rlmm.samplers.hf import HFSampler
-
-TARGET = "rlmm.samplers.bitwise.BitwiseSampler"
-
 
 def row_width(prompt_tokens: int, max_new_tokens: int) -> int:
     """W: the longest prompt, the longest response and one padding position (module docstring)."""
@@ -50,7 +48,14 @@ def row_width(prompt_tokens: int, max_new_tokens: int) -> int:
 def bitwise_row_width(sampler_cfg, prompt_tokens: int, max_new_tokens: int) -> int | None:
     """The width the trainer lays every row out at when the sampler is this arm's (`trainer`'s `row_width`), else
     None."""
-    return row_width(prompt_tokens, max_new_tokens) if sampler_cfg._target_ == TARGET else None
+    return row_width(prompt_tokens, max_new_tokens) if is_bitwise(sampler_cfg) else None
+
+
+def is_bitwise(sampler_cfg) -> bool:
+    """Whether the sampler config builds this arm (its `_target_`'s class, wherever the class is named from)."""
+    from hydra.utils import get_class
+
+    return issubclass(get_class(sampler_cfg._target_), BitwiseSampler)
 
 
 class BitwiseSampler:
@@ -165,15 +170,9 @@ class BitwiseSampler:
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         self.engine.load_weights(state_dict)
 
-    @staticmethod
-    def unsupported(precision: SidePrecision) -> str | None:
-        """None: transformers runs every dtype on every device."""
-        return None
-
-    @staticmethod
-    def refused_here(quantization: QuantizationMode, kv_cache_dtype: str) -> str | None:
-        """None here; what the arm cannot keep bitwise is `check_bitwise_arm`'s."""
-        return None
+    # what transformers runs here, it runs (what the arm cannot keep bitwise is `check_bitwise_arm`'s)
+    unsupported = staticmethod(HFSampler.unsupported)
+    refused_here = staticmethod(HFSampler.refused_here)
 
     def sleep(self) -> None:
         """Nothing to release: no cache is held between calls."""
@@ -183,7 +182,8 @@ class BitwiseSampler:
         del self.model, self.head
 
 
-def check_bitwise_arm(cfg, precision, quantization: QuantizationMode, sampling: SamplingOptions) -> None:
+def check_bitwise_arm(cfg, precision, quantization: QuantizationMode, sampling: SamplingOptions,
+                      routing: RoutingReplay) -> None:
     """One line for what would keep `sampler=bitwise` from being bitwise, before any engine starts: two precisions,
     a quantized sampler the trainer does not share, a support the sampler does not sample from (the vocabulary under
     top-k / top-p), routing replay, a trainer layout of its own, staleness without the trainer's log-probs at the
@@ -191,7 +191,7 @@ def check_bitwise_arm(cfg, precision, quantization: QuantizationMode, sampling: 
     from rlmm.config.options import from_yaml, group_options
     from rlmm.trainers.packing import MicroBatching
 
-    if cfg.sampler._target_ != TARGET:
+    if not is_bitwise(cfg.sampler):
         return
     sides = (precision.sampler.dtype, precision.sampler.fp32_head), (precision.trainer.dtype, precision.trainer.fp32_head)
     if sides[0] != sides[1]:
@@ -207,7 +207,7 @@ def check_bitwise_arm(cfg, precision, quantization: QuantizationMode, sampling: 
         raise ValueError(f"sampler=bitwise: support={sampling.support.name} normalises the trainer's log-probs over the "
                          f"vocabulary while the sampler draws from its top-k / top-p set (allowed: support=sampler, "
                          f"trainer)")
-    if cfg.get("routing") is not None and cfg.routing._target_ != "rlmm.mismatch.routing.TrainerRouting":
+    if routing.replays:
         raise ValueError("sampler=bitwise: the trainer routes every token as the sampler did, so there is no routing "
                          "to replay (allowed: routing=none)")
     MicroBatching(cfg.trainer.micro_batch_size, cfg.trainer.micro_batch_tokens, cfg.trainer.padding_free, row_width=1)
