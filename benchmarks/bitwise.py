@@ -29,13 +29,9 @@ from benchmarks.common import WORKLOADS, machine_info, set_runtime_env, write_re
 
 def model_of(workload) -> str:
     """The workload's checkpoint: the built-in model, or a random-init benchmark model built once (as prepare.py)."""
-    import hashlib
-    import json
-    from pathlib import Path
-
     from hydra.utils import instantiate
 
-    from benchmarks.models import SIZES, build_bench_model
+    from benchmarks.models import sized_model
     from rlmm.config.options import to_container
     from rlmm.models.tiny import default_cache_dir
 
@@ -44,10 +40,7 @@ def model_of(workload) -> str:
 
         cfg, _ = compose_train_config([])
         return instantiate(cfg.model).resolve(instantiate(cfg.task), to_container(cfg.task))
-    key = hashlib.sha256(json.dumps(SIZES[workload.model], sort_keys=True).encode()).hexdigest()[:8]
-    path = default_cache_dir() / "benchmarks" / f"{workload.model}-{key}"
-    build_bench_model(Path(path), **SIZES[workload.model])
-    return str(path)
+    return sized_model(workload.model, default_cache_dir() / "benchmarks")[0]
 
 
 def measure(name: str, rows: int) -> dict:

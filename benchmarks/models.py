@@ -13,6 +13,7 @@ A checkpoint with no eos at all would do for rlmm, but TRL's GRPOTrainer needs a
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 from pathlib import Path
@@ -122,3 +123,11 @@ def with_dtype(path: str | Path, dtype: str, work: Path) -> str:
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
     return str(out)
+
+
+def sized_model(name: str, work: Path) -> tuple[str, dict]:
+    """The random-init model of SIZES[name] under `work` (built once) and its description: the folder name carries a
+    hash of the architecture, so an edited SIZES entry is rebuilt."""
+    key = hashlib.sha256(json.dumps(SIZES[name], sort_keys=True).encode()).hexdigest()[:8]
+    path = Path(work) / f"{name}-{key}"
+    return str(path), build_bench_model(path, **SIZES[name])

@@ -8,7 +8,6 @@ the fp32 checkpoint and cast, as rlmm always does.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 
@@ -22,7 +21,7 @@ def main() -> None:
     set_runtime_env(job.get("device", "cpu"))
     from hydra.utils import instantiate
 
-    from benchmarks.models import SIZES, build_bench_model, with_dtype
+    from benchmarks.models import sized_model, with_dtype
     from rlmm.config.options import to_container
     from rlmm.models.tiny import default_cache_dir
 
@@ -38,10 +37,8 @@ def main() -> None:
         cfg, _ = compose_train_config([])
         path = instantiate(cfg.model).resolve(instantiate(cfg.task), to_container(cfg.task))
         info = json.loads((Path(path) / "rlmm_model.json").read_text())
-    else:  # the folder name carries a hash of the architecture, so an edited SIZES entry is rebuilt
-        key = hashlib.sha256(json.dumps(SIZES[name], sort_keys=True).encode()).hexdigest()[:8]
-        path = str(work / f"{name}-{key}")
-        info = build_bench_model(Path(path), **SIZES[name])
+    else:
+        path, info = sized_model(name, work)
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(path)
