@@ -48,17 +48,22 @@ def test_gpu_check_dry_run(tmp_path):
     assert not (tmp_path / "scale_check" / "scale_check.json").exists()  # one part writes only its own file
 
 
+def dry_run_part(tmp_path, part: str, threads: int) -> dict[str, dict]:
+    """`OUT=tmp_path bash scripts/gpu_check.sh --dry-run --part PART` (it must exit 0): its record's rows by name."""
+    env = subprocess_env(OUT=str(tmp_path), RLMM_CACHE=str(tmp_path / "cache"), OMP_NUM_THREADS=str(threads))
+    result = subprocess.run(["bash", "scripts/gpu_check.sh", "--dry-run", "--part", part], cwd=ROOT,
+                            capture_output=True, text=True, timeout=1500, env=env)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return {row["name"]: row for row in
+            json.loads((tmp_path / "scale_check" / f"scale_check_{part}.json").read_text())["rows"]}
+
+
 @pytest.mark.slow  # three probes, a vLLM start each: ~2 min
 def test_gpu_check_dry_run_truncation_part(tmp_path):
     """`gpu_check.sh --dry-run --part truncation`: top-p 0.9 / top-k 50 under each support on the tiny model; vLLM-CPU
     lists processed log-probs for the kept sets (the GPU run takes vLLM's sampling mask), every row finite, `full`
     off by log S, the kept sets' bytes a token recorded."""
-    env = subprocess_env(OUT=str(tmp_path), RLMM_CACHE=str(tmp_path / "cache"), OMP_NUM_THREADS="2")
-    result = subprocess.run(["bash", "scripts/gpu_check.sh", "--dry-run", "--part", "truncation"], cwd=ROOT,
-                            capture_output=True, text=True, timeout=1500, env=env)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    rows = {row["name"]: row for row in
-            json.loads((tmp_path / "scale_check" / "scale_check_truncation.json").read_text())["rows"]}
+    rows = dry_run_part(tmp_path, "truncation", threads=2)
     assert set(rows) == {f"probe-truncation-{s}" for s in ("sampler", "trainer", "full")}
     for name, row in rows.items():
         support = row["support"]
@@ -91,12 +96,7 @@ def test_gpu_check_dry_run_bitwise_part(tmp_path):
     """`gpu_check.sh --dry-run --part bitwise`: vLLM bf16 and sampler=bitwise train 2 steps each on the tiny model;
     the bitwise arm's every token agrees at every step, vLLM's does not all agree; vLLM's batch-invariant arm is
     skipped on a CPU with its reason (its Triton kernels)."""
-    env = subprocess_env(OUT=str(tmp_path), RLMM_CACHE=str(tmp_path / "cache"), OMP_NUM_THREADS="1")
-    result = subprocess.run(["bash", "scripts/gpu_check.sh", "--dry-run", "--part", "bitwise"], cwd=ROOT,
-                            capture_output=True, text=True, timeout=1500, env=env)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    rows = {row["name"]: row for row in
-            json.loads((tmp_path / "scale_check" / "scale_check_bitwise.json").read_text())["rows"]}
+    rows = dry_run_part(tmp_path, "bitwise", threads=1)
     assert rows["train-bitwise-bf16"]["agreement"] == [1.0, 1.0] and rows["train-bitwise-bf16"]["kl_k3"] == [0, 0]
     assert min(rows["train-vllm-bf16"]["agreement"]) < 1
     assert "Triton" in rows["train-vllm-batch-invariant"]["skipped"]
