@@ -131,6 +131,10 @@ class BatchView:
     # bool: the batch's response mask, before any stage dropped a token (None: `mask`, set so); what a sequence
     # veto tests wherever it stands in a stack (slime's veto after its rejection)
     response_mask: torch.Tensor | None = None
+    # int64: updates between the weights that sampled each token and pi_old's, the trainer's v_{u-1} (0 on padding;
+    # None: the run tracks no versions, the synchronous step). Under `train.partial_rollouts` a row's tokens may
+    # differ (rlmm/run/rollout_source.py); a method that reads it sets `needs_versions`.
+    token_staleness: torch.Tensor | None = None
 
     def __post_init__(self):
         if self.response_mask is None:
@@ -155,6 +159,7 @@ class MicroBatchView:
     advantages: torch.Tensor
     mask: torch.Tensor  # bool: the tokens the batch stage (and earlier stages of a stack) left in
     weights: torch.Tensor  # float32: the batch stage's weights (and earlier in-update stages', multiplied)
+    token_staleness: torch.Tensor | None = None  # int64, as `BatchView.token_staleness`, these rows cut alike
 
 
 @dataclass
@@ -194,10 +199,12 @@ class Correction:
     sampler_logprobs, mask[, advantages])``, runs `before_update` on a batch of one rank (tests, scripts).
 
     `old_policy`: which pi_old the method's weights assume (an `Anchor`, or None for none); the batch stage's
-    `old_logprobs` must be that side's. `importance_weighted`: whether its weights are an importance ratio (a stack refuses two:
+    `old_logprobs` must be that side's. `needs_versions`: whether it reads each token's staleness. `importance_weighted`: whether its weights are an importance ratio (a stack refuses two:
     their product would count the ratio twice)."""
 
     old_policy: ClassVar[OldPolicyChoice] = None
+    # Whether the method reads `token_staleness` (the run refuses it where no versions are tracked, before engines).
+    needs_versions: ClassVar[bool] = False
 
     @property
     def importance_weighted(self) -> bool:

@@ -53,13 +53,17 @@ class OnCurrentPolicy(Correction):
     def __init__(self, stages: Mapping[str, Mapping[str, Any]]):
         self.stack = Stack({name: stage(name, values) for name, values in stages.items()})
 
+    @property
+    def needs_versions(self) -> bool:
+        return self.stack.needs_versions
+
     def before_update(self, batch: BatchView) -> CorrectionOutput:
         delta, m = log_ratios(batch.trainer_logprobs, batch.sampler_logprobs, batch.mask)
         return finish(old_logprobs=batch.sampler_logprobs, weights=torch.ones_like(delta), keep=m, delta=delta, mask=m)
 
     def in_update(self, micro: MicroBatchView) -> InUpdate:
         current = BatchView(trainer_logprobs=micro.logprobs.detach(), sampler_logprobs=micro.sampler_logprobs,
-                            mask=micro.mask, advantages=micro.advantages)
+                            mask=micro.mask, advantages=micro.advantages, token_staleness=micro.token_staleness)
         out = self.stack.before_update(current)
         given, kept = float(micro.mask.sum()), float(out.mask.sum())
         return InUpdate(weights=out.weights.to(micro.weights.dtype), mask=micro.mask & out.mask,

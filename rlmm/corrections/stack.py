@@ -76,6 +76,10 @@ class Stack(Correction):
     def importance_weighted(self) -> bool:
         return any(stage.importance_weighted for stage in self.stages.values())
 
+    @property
+    def needs_versions(self) -> bool:
+        return any(stage.needs_versions for stage in self.stages.values())
+
     def before_update(self, batch: BatchView) -> CorrectionOutput:
         delta, response = log_ratios(batch.trainer_logprobs, batch.sampler_logprobs, batch.mask)
         mask, weights = response, batch.running_weights()
@@ -84,7 +88,8 @@ class Stack(Correction):
             out = stage.before_update(BatchView(trainer_logprobs=batch.trainer_logprobs,
                                                 sampler_logprobs=batch.sampler_logprobs, mask=mask,
                                                 advantages=batch.advantages, weights=weights,
-                                                response_mask=batch.response_mask))
+                                                response_mask=batch.response_mask,
+                                                token_staleness=batch.token_staleness))
             mask = mask & out.mask
             weights = torch.where(mask, weights * out.weights.to(torch.float64), 0.0)
             # the raw ratios a stage saw are the stack's (logged once, below): each stage logs what it did
@@ -120,7 +125,8 @@ class Stack(Correction):
             fix = stage.in_update(MicroBatchView(logprobs=micro.logprobs, old_logprobs=micro.old_logprobs,
                                                  trainer_logprobs=micro.trainer_logprobs,
                                                  sampler_logprobs=micro.sampler_logprobs, advantages=micro.advantages,
-                                                 mask=mask, weights=weights))
+                                                 mask=mask, weights=weights,
+                                                 token_staleness=micro.token_staleness))
             mask = mask & fix.mask
             factor = factor * fix.weights
             weights = weights * fix.weights

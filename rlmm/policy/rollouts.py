@@ -173,6 +173,11 @@ class Rollouts:
     # The tokens a truncating sampler kept at each response position (None: it did not truncate, or the rollouts
     # are greedy): one KeptTokens per row. The trainer's support (rlmm/policy/support.py) normalises over them.
     kept_tokens: list[KeptTokens] | None = None
+    # The weight version that sampled each response token (None: not tracked, the synchronous run): one int64
+    # tensor per row, [len(response)], version v being the weights after v updates. One value per row under
+    # whole-response staleness; with `train.partial_rollouts` a response continued after a weight sync holds
+    # several (rlmm/run/rollout_source.py).
+    versions: list[torch.Tensor] | None = None
 
     def __len__(self) -> int:
         return len(self.response_ids)
@@ -199,7 +204,8 @@ class Rollouts:
 
 
 ROW_FIELDS = ("prompt_ids", "response_ids", "sampler_logprobs", "finish_reasons")
-OPTIONAL_ROW_FIELDS = ("routed_experts", "replayed_experts", "layer_states", "kept_tokens")  # None, or one entry per row
+# None, or one entry per row
+OPTIONAL_ROW_FIELDS = ("routed_experts", "replayed_experts", "layer_states", "kept_tokens", "versions")
 
 
 def pad_right(rows: list[torch.Tensor], value: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:

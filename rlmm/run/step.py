@@ -73,12 +73,14 @@ class OldPolicy:
     lr_scale: float  # the correction's factor on this step's learning rate (`step_size`), the same on every rank
     nonfinite: dict[str, float]  # fraction of each side's response log-probs that are NaN/Inf
     fault: str | None  # why the step must be skipped (NaN/Inf rewards or log-probs on any rank), or None
+    token_staleness: torch.Tensor | None = None  # [B, T] int64: each token's updates behind π_old (None: untracked)
 
     @classmethod
     def score(cls, trainer_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, mask: torch.Tensor,
               advantages: torch.Tensor, rewards: torch.Tensor, correction, ratio_cap: float,
-              also_checked: dict[str, torch.Tensor]) -> OldPolicy:
-        """`also_checked`: more tensors the NaN/Inf check covers, after these (the critic's values)."""
+              also_checked: dict[str, torch.Tensor], token_staleness: torch.Tensor | None = None) -> OldPolicy:
+        """`also_checked`: more tensors the NaN/Inf check covers, after these (the critic's values).
+        `token_staleness`: each token's updates behind π_old, which the correction sees (None: untracked)."""
         checked = {"rewards": rewards, "trainer_logprobs": trainer_logprobs[mask],
                    "sampler_logprobs": sampler_logprobs[mask]}
         fault = fault_on_any_rank(first_fault(**checked, **also_checked))
@@ -87,7 +89,8 @@ class OldPolicy:
         # rank's own self-normalisation or second-moment cut (rlmm/runtime/collectives.py::rows_of_every_rank). Each
         # rank trains on its own rows of the result.
         every = rows_of_every_rank(trainer_logprobs, sampler_logprobs, mask, advantages)
-        batch = BatchView(*every)
+        every_staleness = None if token_staleness is None else rows_of_every_rank(token_staleness)[0]
+        batch = BatchView(*every, token_staleness=every_staleness)
         corrected: CorrectionOutput = correction.before_update(batch)
         # Its factor on this step's learning rate, from the same batch; the ranks step with their smallest (one).
         size = correction.step_size(batch)
@@ -99,7 +102,7 @@ class OldPolicy:
         return cls(logprobs=mine(corrected.old_logprobs), weights=mine(corrected.weights), mask=mine(corrected.mask),
                    trainer_logprobs=trainer_logprobs, sampler_logprobs=sampler_logprobs, advantages=advantages,
                    mismatch=mismatch, correction_metrics=corrected.metrics | size.metrics, lr_scale=lr_scale,
-                   nonfinite=nonfinite, fault=fault)
+                   nonfinite=nonfinite, fault=fault, token_staleness=token_staleness)
 
     def mismatch_metrics(self) -> dict[str, float]:
         return {f"mismatch/{k}": v for k, v in self.mismatch.items()}
@@ -125,7 +128,9 @@ class OldPolicy:
                               trainer_logprobs=self.trainer_logprobs[rows, :width],
                               sampler_logprobs=self.sampler_logprobs[rows, :width],
                               advantages=self.advantages[rows, :width], mask=self.mask[rows, :width],
-                              weights=self.weights[rows, :width])
+                              weights=self.weights[rows, :width],
+                              token_staleness=None if self.token_staleness is None
+                              else self.token_staleness[rows, :width])
 
 
 @dataclass
@@ -139,6 +144,9 @@ class SampledBatch:
     sampling_metrics: dict[str, float]  # `sample_groups`' (sampled_reward_mean; DAPO's refill counts)
     seconds: dict[str, float]  # what sampling cost in the step that trains on it (generate, reward, ...)
     staleness: int | None = None  # updates between the weights that sampled it and those it updates (None: untracked)
+    # [B, T] int64, right-padded with 0: each token's updates between the weights that sampled it (its
+    # `Rollouts.versions`) and those it updates; `staleness` is its oldest token's (None: untracked)
+    token_staleness: torch.Tensor | None = None
     stale_logprobs: torch.Tensor | None = None  # [B, T] the trainer's log-probs at the weights that sampled them
 
     @classmethod
@@ -233,7 +241,7 @@ def rl_update(c: Components, batch: SampledBatch, ratio_cap: float, reuse_traini
     critic = c.critic.begin_step(algo, rollouts, rewards, response_mask, seconds)  # V(s_t) and targets, or none
     advantages = per_token(algo.advantages(rewards, response_mask, critic.values), response_mask)
     old = OldPolicy.score(scores.logprobs, sampler_logprobs, response_mask, advantages, batch.task_rewards,
-                          c.correction, ratio_cap, critic.checked())
+                          c.correction, ratio_cap, critic.checked(), batch.token_staleness)
     measured = scores.metrics(c, rollouts, sampler_logprobs, response_mask, ratio_cap, seconds)  # routing/, support/
     agreement = batch.agreement_metrics(scores.logprobs, response_mask, bitwise=c.bitwise)  # raises if not, bitwise
 
