@@ -286,3 +286,38 @@ def test_a_16_bit_body_is_transformers_own_and_keeps_rope_in_fp32(small_model_pa
     ids = torch.tensor([sum(prompts, [])[:120]])  # positions up to 119: where rounded frequencies show
     with torch.no_grad():
         assert torch.equal(ours.model(ids).last_hidden_state, theirs.model(ids).last_hidden_state)
+
+
+@pytest.mark.parametrize("engine", ["vllm", "hf", "bitwise"])
+def test_a_response_continued_in_chunks_is_the_response_decoded_whole(engine, vllm_fp32, small_model_path, prompts):
+    """Partial rollouts (rlmm/run/partial_rollouts.py) continue a response from prompt + its tokens so far with
+    `max_new_tokens` per call. Greedy, so the draws cannot differ: 1 token, then 1 more from there, then to the end
+    give the tokens of one whole decode, a chunk stopped by the cap reports "length", and each token's log-prob is
+    the whole decode's up to kernel rounding (a continuation prefills the tokens it was given)."""
+    if engine == "vllm":
+        sampler = vllm_fp32
+    else:
+        extra = {"prompt_tokens": max(map(len, prompts))} if engine == "bitwise" else {}
+        sampler = build_sampler(engine, small_model_path, FP32, sampling(max_new_tokens=8), seed=0, **extra)
+    eos = sampler.engine.eos_ids if engine == "bitwise" else sampler.eos_ids
+    whole = sampler.generate(prompts, greedy=True)
+    tokens = [[] for _ in prompts]
+    logprobs = [[] for _ in prompts]
+    for cap in (1, 1, None):
+        left = [row for row, t in enumerate(tokens) if len(t) < 8 and not (t and t[-1] in eos)]
+        if not left:
+            break
+        more = sampler.generate([prompts[row] + tokens[row] for row in left], greedy=True,
+                                max_new_tokens=cap if cap else 8 - len(tokens[left[0]]))
+        for i, row in enumerate(left):
+            assert len(more.response_ids[i]) <= (cap or 8)
+            if cap and len(more.response_ids[i]) == cap and more.response_ids[i][-1] not in eos:
+                assert more.finish_reasons[i] == "length"
+            tokens[row] += more.response_ids[i]
+            logprobs[row].append(more.sampler_logprobs[i])
+    assert tokens == whole.response_ids
+    assert any(len(lp) == 3 for lp in logprobs)  # some response was continued twice
+    for row, lp in enumerate(logprobs):
+        torch.testing.assert_close(torch.cat(lp), whole.sampler_logprobs[row], atol=1e-5, rtol=0)
+    if engine != "vllm":
+        sampler.close()

@@ -114,6 +114,8 @@ class TrainOptions:
     staleness: int = MISSING
     decompose_staleness: bool = MISSING
     overlap: bool = MISSING
+    partial_rollouts: bool = MISSING
+    rollout_chunk: int = MISSING
     monitor: MonitorOptions = field(default_factory=MonitorOptions)
     attribution: TrainAttributionOptions = field(default_factory=TrainAttributionOptions)
 

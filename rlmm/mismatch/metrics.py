@@ -262,6 +262,10 @@ def staleness_decomposition(
     the step's ``mismatch/`` keys. The metrics linear in delta add up: ``kl_k1``, ``seq_logratio_mean`` and
     ``seq_geo_logratio_mean`` of the two parts sum to the total's (to float64 rounding), and ``ppl_ratio``
     multiplies; the others (|delta|, k2, k3, chi^2, ESS) are not additive and are reported per part.
+
+    Per token throughout: under partial rollouts (rlmm/run/partial_rollouts.py) a response's tokens were sampled by
+    several versions, and pi_stale of each token is the trainer at that token's own version (each chunk scored
+    right after it was sampled), so the split holds token by token on mixed responses (tests/test_partial_rollouts.py).
     """
     numerical = mismatch_metrics(stale_train_logprobs, sampler_logprobs, mask, ratio_cap=ratio_cap)
     lag = mismatch_metrics(train_logprobs, stale_train_logprobs, mask, ratio_cap=ratio_cap)

@@ -124,6 +124,14 @@ class KeptTokens:
                    capped=capped)
 
     @staticmethod
+    def joined(parts: list[KeptTokens]) -> KeptTokens:
+        """One response's sets from its consecutive pieces (a partial rollout's chunks), in order."""
+        sizes = torch.cat([part.sizes() for part in parts])
+        return KeptTokens(ids=torch.cat([part.ids for part in parts]),
+                          offsets=torch.cat([torch.zeros(1, dtype=torch.int64), sizes.cumsum(0)]),
+                          capped=torch.cat([part.capped for part in parts]))
+
+    @staticmethod
     def laid_out(rows: list[KeptTokens], width: int) -> KeptTokens:
         """Rows' sets as one [len(rows) * width] layout, row-major (position t of row i at i * width + t; a
         position past a row's response holds an empty set): the positions of a micro-batch's [b, T] index."""

@@ -38,13 +38,16 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Protocol
 
-from rlmm.policy.rollouts import KeptTokens, Rollouts
+import torch
+
+from rlmm.policy.rollouts import pad_right
 from rlmm.run.components import Components
-from rlmm.run.step import SampledBatch
+from rlmm.run.partial_rollouts import PartialBatch, rollouts_from_state, rollouts_state
+from rlmm.run.step import SampledBatch, rank_and_world, rank_share, rollout_rewards
 from rlmm.runtime.timing import timed
 
 __all__ = ["DelayLine", "Overlapped", "RolloutSource"]
@@ -75,8 +78,9 @@ class InFlight:
     """A sampled batch waiting for its update."""
 
     index: int  # the step whose prompts it holds, which is the update that trains on it
-    version: int  # the updates in the weights that sampled it (v_version)
-    batch: SampledBatch | None  # None: asked of the sampler process, not yet arrived (`Overlapped`)
+    version: int  # the updates in the weights that sampled it (v_version); partial: its first chunk
+    batch: SampledBatch | None  # None: asked of the sampler process, not yet arrived (`Overlapped`), or partial
+    partial: PartialBatch | None = None  # `train.partial_rollouts`: its responses so far (None: sampled whole)
 
 
 class DelayLine:
@@ -84,39 +88,55 @@ class DelayLine:
     update max(0, u-1-k) (module docstring). `prompts_of(j)`: batch j's prompts and refill; `last_step`: the
     run's last step (nothing is sampled for later ones)."""
 
-    def __init__(self, c: Components, prompts_of: PromptsOf, staleness: int, decompose: bool, last_step: int):
+    def __init__(self, c: Components, prompts_of: PromptsOf, staleness: int, decompose: bool, last_step: int,
+                 chunk: int | None = None):
         if staleness < 0:
             raise ValueError(f"train.staleness: must be >= 0, got {staleness}")
         self.c, self.prompts_of, self.staleness, self.decompose = c, prompts_of, staleness, decompose
-        self.last_step = last_step
+        self.last_step, self.chunk = last_step, chunk  # chunk: `train.rollout_chunk` with partial rollouts
         self.tracked = staleness > 0 or decompose  # rollout/staleness is logged (not at plain staleness 0)
         self.in_flight: deque[InFlight] = deque()
         self.next_batch = 1  # the first batch not yet sampled
 
     def take(self, step: int) -> SampledBatch:
         seconds: dict[str, float] = {}
+        if self.chunk:  # partial rollouts: what is in flight advances a chunk under v_{step-1}, batch `step` to its end
+            for waiting in self.in_flight:
+                waiting.partial.advance(self.c, step - 1, None if waiting.index == step else self.chunk, seconds)
         fresh = []
         while self.next_batch <= min(step + self.staleness, self.last_step):
             prompts, refill = self.prompts_of(self.next_batch)
-            batch = SampledBatch.now(self.c, prompts, refill)
-            for stage, spent in batch.seconds.items():
-                seconds[stage] = seconds.get(stage, 0.0) + spent
-            fresh.append(InFlight(self.next_batch, step - 1, batch))
+            if self.chunk:
+                tokens = None if self.next_batch == step else self.chunk
+                fresh.append(InFlight(self.next_batch, step - 1, None,
+                                      PartialBatch.start(self.c, rank_share(prompts, *rank_and_world()),
+                                                         rank_share(list(range(len(prompts))), *rank_and_world()),
+                                                         step - 1, tokens, self.decompose, seconds)))
+            else:
+                batch = SampledBatch.now(self.c, prompts, refill)
+                for stage, spent in batch.seconds.items():
+                    seconds[stage] = seconds.get(stage, 0.0) + spent
+                fresh.append(InFlight(self.next_batch, step - 1, batch))
             self.next_batch += 1
-        if self.decompose and fresh:
+        self.in_flight.extend(fresh)
+        if self.decompose and (fresh or self.chunk):
             # After all of this step's generate calls: vLLM's sleep level 2 would drop the weights they need.
             self.c.sampler.sleep()
             with timed(seconds, "stale_trainer_logprobs"):  # the trainer holds v_{step-1}: the sampling weights
-                for waiting in fresh:
+                if self.chunk:  # each batch's tokens sampled this step
+                    for waiting in self.in_flight:
+                        waiting.partial.score_new_tokens(self.c)
+                for waiting in fresh if not self.chunk else ():
                     # routed as the update will score it (r3: the sampler's experts replayed)
                     waiting.batch.stale_logprobs = self.c.trainer.logprobs(self.c.routing.scored(waiting.batch.rollouts))
-        self.in_flight.extend(fresh)
         if not self.in_flight or self.in_flight[0].index != step:
             held = [waiting.index for waiting in self.in_flight]
             raise RuntimeError(f"train.staleness={self.staleness}: step {step} has no rollouts in flight (holding "
                                f"the batches of steps {held})")
         due = self.in_flight.popleft()
-        return replace(due.batch, seconds=seconds, staleness=step - 1 - due.version if self.tracked else None)
+        batch = due.batch or finished(self.c, due.partial, rank_share(self.prompts_of(step)[0], *rank_and_world()),
+                                      seconds)
+        return with_versions(replace(batch, seconds=seconds), step, due.version, self.tracked or bool(self.chunk))
 
     def state_dict(self) -> dict:
         if not self.tracked:
@@ -125,7 +145,8 @@ class DelayLine:
                 "in_flight": [in_flight_state(waiting) for waiting in self.in_flight]}
 
     def load_state_dict(self, state: dict | None, first_step: int) -> None:
-        self.in_flight, self.next_batch = loaded_in_flight(state, first_step, self.staleness, self.decompose)
+        self.in_flight, self.next_batch = loaded_in_flight(state, first_step, self.staleness, self.decompose,
+                                                           partial=bool(self.chunk))
 
 
 class Overlapped:
@@ -159,7 +180,7 @@ class Overlapped:
                                    f"(holding the batches of steps {held})")
             due = self.in_flight.popleft()
             batch = due.batch or self.sampler.receive_batch(due.index)
-        return replace(batch, seconds=seconds, staleness=step - 1 - due.version)
+        return with_versions(replace(batch, seconds=seconds), step, due.version, tracked=True)
 
     def state_dict(self) -> dict:
         """The delay line's state: every batch asked for is waited for first."""
@@ -172,44 +193,72 @@ class Overlapped:
         self.in_flight, self.next_batch = loaded_in_flight(state, first_step, self.staleness, decompose=False)
 
 
-def loaded_in_flight(state: dict | None, first_step: int, staleness: int,
-                     decompose: bool) -> tuple[deque[InFlight], int]:
-    """A checkpoint's batches in flight and next batch, checked against the run's staleness and decomposition."""
+def loaded_in_flight(state: dict | None, first_step: int, staleness: int, decompose: bool,
+                     partial: bool = False) -> tuple[deque[InFlight], int]:
+    """A checkpoint's batches in flight and next batch, checked against the run's staleness, decomposition and
+    partial rollouts."""
     state = state or {}
     saved = state.get("staleness", 0)
     if saved != staleness:
         raise ValueError(f"train.resume: the checkpoint was written with train.staleness={saved}, this run has "
                          f"{staleness} (resume with the run's own, or another hydra.run.dir)")
     in_flight = [from_in_flight_state(s) for s in state.get("in_flight", [])]
-    if decompose and any(waiting.batch.stale_logprobs is None for waiting in in_flight):
+    if any((waiting.partial is not None) != partial for waiting in in_flight):
+        raise ValueError(f"train.resume: the checkpoint's rollouts in flight were sampled with "
+                         f"train.partial_rollouts={str(not partial).lower()}, this run has {str(partial).lower()} "
+                         f"(resume with the run's own, or another hydra.run.dir)")
+    if decompose and any((waiting.partial or waiting.batch).stale_logprobs is None for waiting in in_flight):
         raise ValueError("train.resume: the checkpoint's rollouts in flight were not scored at the weights that "
                          "sampled them (written with train.decompose_staleness=false): resume with it false, or "
                          "another hydra.run.dir")
     for waiting in in_flight:  # without the decomposition, log-probs scored for one are not used
-        waiting.batch.stale_logprobs = waiting.batch.stale_logprobs if decompose else None
+        held = waiting.partial or waiting.batch
+        held.stale_logprobs = held.stale_logprobs if decompose else None
     return deque(in_flight), state.get("next_batch", first_step)
 
 
 def in_flight_state(waiting: InFlight) -> dict:
     """A batch in flight as tensors, ints, floats, strings, lists and dicts (what `torch.load(weights_only=True)`
     reads back): every field of its `Rollouts` (kept sets as dicts of their tensors), its rewards, sampling metrics
-    and stale log-probs."""
+    and stale log-probs; a partial one's responses so far (`PartialBatch.state`)."""
+    if waiting.partial is not None:
+        return {"index": waiting.index, "version": waiting.version, "partial": waiting.partial.state()}
     batch = waiting.batch
-    rollouts = {f.name: getattr(batch.rollouts, f.name) for f in fields(Rollouts)}
-    if rollouts["kept_tokens"] is not None:
-        rollouts["kept_tokens"] = [vars(kept) for kept in rollouts["kept_tokens"]]
-    return {"index": waiting.index, "version": waiting.version, "rollouts": rollouts,
+    return {"index": waiting.index, "version": waiting.version, "rollouts": rollouts_state(batch.rollouts),
             "task_rewards": batch.task_rewards, "sampling_metrics": dict(batch.sampling_metrics),
             "stale_logprobs": batch.stale_logprobs}
 
 
 def from_in_flight_state(state: dict) -> InFlight:
-    rollouts = dict(state["rollouts"])
-    if rollouts.get("kept_tokens") is not None:
-        rollouts["kept_tokens"] = [KeptTokens(**kept) for kept in rollouts["kept_tokens"]]
-    batch = SampledBatch(Rollouts(**rollouts), state["task_rewards"], dict(state["sampling_metrics"]), {},
-                         stale_logprobs=state["stale_logprobs"])
+    if "partial" in state:
+        return InFlight(state["index"], state["version"], None, PartialBatch.from_state(state["partial"]))
+    batch = SampledBatch(rollouts_from_state(state["rollouts"]), state["task_rewards"],
+                         dict(state["sampling_metrics"]), {}, stale_logprobs=state["stale_logprobs"])
     return InFlight(state["index"], state["version"], batch)
+
+
+def finished(c: Components, partial: PartialBatch, prompts: list, seconds: dict[str, float]) -> SampledBatch:
+    """A partial batch, complete, as the update takes it: its rewards (of this rank's `prompts`) and the trainer's
+    log-probs at each token's version where they were kept."""
+    if not partial.done:
+        raise RuntimeError("train.partial_rollouts: a batch is due with responses still open")
+    with timed(seconds, "reward"):
+        rewards = rollout_rewards(c, prompts, partial.rollouts)
+    return SampledBatch(partial.rollouts, rewards, {"sampled_reward_mean": rewards.mean().item()}, {},
+                        stale_logprobs=partial.padded_stale_logprobs())
+
+
+def with_versions(batch: SampledBatch, step: int, version: int, tracked: bool) -> SampledBatch:
+    """The batch update `step` takes, with its staleness where it is tracked: the updates between the weights that
+    sampled it (its first tokens, version `version`) and v_{step-1}, and each token's (`token_staleness`, from its
+    `Rollouts.versions`, which a batch sampled whole gets here: every token `version`)."""
+    if not tracked:
+        return replace(batch, staleness=None)
+    rollouts = batch.rollouts
+    if rollouts.versions is None:
+        rollouts.versions = [torch.full((len(r),), version, dtype=torch.int64) for r in rollouts.response_ids]
+    behind, _ = pad_right([step - 1 - v for v in rollouts.versions])
+    return replace(batch, staleness=step - 1 - version, token_staleness=behind.long())
 
 
 def prompt_stream(examples: list, seed: int, count: int):

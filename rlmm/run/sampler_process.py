@@ -164,8 +164,8 @@ class SamplerProcess:
         return self.arrived.pop(index)
 
     def generate(self, prompt_ids: list[list[int]], *, n: int = 1, greedy: bool = False,
-                 request_ids: list[int] | None = None):
-        self._send("generate", (prompt_ids, n, greedy, request_ids))
+                 request_ids: list[int] | None = None, max_new_tokens: int | None = None):
+        self._send("generate", (prompt_ids, n, greedy, request_ids, max_new_tokens))
         return self._receive("rollouts")
 
     def load_weights(self, state_dict) -> None:
@@ -271,8 +271,9 @@ def serve(cfg, engine_args: dict, env: dict, threads: int, requests, responses, 
                 elif kind == "weights":
                     side.sampler.load_weights(value)
                 elif kind == "generate":
-                    prompt_ids, n, greedy, request_ids = value
-                    reply("rollouts", side.sampler.generate(prompt_ids, n=n, greedy=greedy, request_ids=request_ids))
+                    prompt_ids, n, greedy, request_ids, max_new_tokens = value
+                    reply("rollouts", side.sampler.generate(prompt_ids, n=n, greedy=greedy, request_ids=request_ids,
+                                                            max_new_tokens=max_new_tokens))
                 elif kind == "calls":
                     if value is None:
                         reply("calls", side.sampler.calls)

@@ -171,6 +171,9 @@ class SampledBatch:
         numerical and policy-lag parts (mismatch/numerical/, mismatch/policy_lag/: rlmm/mismatch/metrics.py::
         staleness_decomposition); {} for a batch sampled now without the split."""
         metrics = {} if self.staleness is None else {"rollout/staleness": float(self.staleness)}
+        if self.token_staleness is not None:
+            metrics.update({f"rollout/{k}": v for k, v in token_staleness_metrics(
+                *rows_of_every_rank(self.token_staleness, mask)).items()})
         if self.stale_logprobs is not None:
             sampler_logprobs, _ = self.rollouts.padded_sampler_logprobs()
             parts = staleness_decomposition(*rows_of_every_rank(trainer_logprobs, self.stale_logprobs,
@@ -197,6 +200,22 @@ class SampledBatch:
             raise NotBitwise(self.rollouts, reference, sampler_logprobs, mask, agreement)
         return {"agreement/frac_tokens_identical": agreement["frac_tokens_identical"],
                 "agreement/bitwise": float(agreement["bitwise_identical"])}
+
+
+def token_staleness_metrics(token_staleness: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """Per-token staleness over a batch's response tokens ([B, T] each token's updates behind π_old, and the mask):
+    its mean and worst (verl's trajectory_staleness and _worst), the share of non-empty responses whose tokens come
+    from more than one weight version (they straddle a sync: partial rollouts), and the mean number of version spans
+    per non-empty response (1 for a response sampled whole; verl's trajectory_spans)."""
+    rows = mask.any(1)
+    if not rows.any():
+        return {}
+    values = token_staleness[mask].double()
+    changes = (token_staleness[:, 1:] != token_staleness[:, :-1]) & mask[:, 1:]
+    spans = 1 + changes.sum(1)
+    return {"token_staleness_mean": values.mean().item(), "token_staleness_max": values.max().item(),
+            "frac_responses_mixed": (spans[rows] > 1).double().mean().item(),
+            "version_spans_mean": spans[rows].double().mean().item()}
 
 
 class NotBitwise(RuntimeError):

@@ -53,6 +53,12 @@ def check_options(options: DictConfig) -> None:
     if options.overlap and options.staleness < 1:
         raise ValueError(f"train.overlap=true needs train.staleness >= 1, got {options.staleness} (at 0 each update "
                          f"waits for rollouts of its own weights: nothing to sample while it trains)")
+    if options.partial_rollouts and options.staleness < 1:
+        raise ValueError(f"train.partial_rollouts=true needs train.staleness >= 1, got {options.staleness} (at 0 no "
+                         f"weight sync falls inside a batch's sampling: nothing to continue under new weights)")
+    if options.partial_rollouts and options.overlap:
+        raise ValueError("train.partial_rollouts=true with train.overlap=true: the sampler process samples whole "
+                         "responses only (run partial rollouts with train.overlap=false)")
     if options.overlap and options.decompose_staleness:
         raise ValueError("train.overlap=true with train.decompose_staleness=true: the overlapped trainer has trained "
                          "past the weights that sampled a batch by the time it arrives, so it cannot score it there "
@@ -114,7 +120,8 @@ def run_train(cfg: DictConfig, run_dir: Path, choices: dict[str, str], logger) -
     # sampler process while the trainer trains; those in flight come back from the checkpoint.
     rollouts = (Overlapped(sampler, options.staleness, options.steps) if options.overlap else
                 DelayLine(components, prompt_stream(train_examples, cfg.seed, options.prompts_per_step),
-                          options.staleness, options.decompose_staleness, options.steps))
+                          options.staleness, options.decompose_staleness, options.steps,
+                          chunk=options.rollout_chunk if options.partial_rollouts else None))
     if last:
         rollouts.load_state_dict(resumed["rollouts"], first_step)
 

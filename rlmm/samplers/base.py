@@ -25,8 +25,10 @@ class Sampler(Protocol):
     needs_weights: bool
 
     def generate(self, prompt_ids: list[list[int]], *, n: int = 1, greedy: bool = False,
-                 request_ids: list[int] | None = None) -> Rollouts:
+                 request_ids: list[int] | None = None, max_new_tokens: int | None = None) -> Rollouts:
         """n samples per prompt (grouped: all samples of prompt 0 first). Greedy ignores temperature.
+        `max_new_tokens`: this call's cap on each response (None: `sampling.max_new_tokens`), for a partial rollout's
+        chunk (rlmm/run/partial_rollouts.py): a response stopped by it reports "length".
         `request_ids`: each prompt's place in the step (its index before the step's prompts were split over
         the ranks; default 0, 1, ...): an engine that seeds each request draws from (seed, call, place), so
         no two requests of a step share their random numbers and the split over ranks changes nothing."""

@@ -90,7 +90,7 @@ class BitwiseSampler:
 
     @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], *, n: int = 1, greedy: bool = False,
-                 request_ids: list[int] | None = None) -> Rollouts:
+                 request_ids: list[int] | None = None, max_new_tokens: int | None = None) -> Rollouts:
         places = list(range(len(prompt_ids))) if request_ids is None else request_ids
         call = self.calls
         if not greedy:
@@ -98,20 +98,22 @@ class BitwiseSampler:
         kept = self.sampling.returns_kept_tokens and not greedy
         out = Rollouts([], [], [], [], kept_tokens=[] if kept else None)
         for prompt, place in zip(prompt_ids, places):
-            if len(prompt) + self.sampling.max_new_tokens >= self.width:
+            # a partial rollout's continuation (prompt + its tokens so far) fits as its whole response did
+            if len(prompt) + (max_new_tokens or self.sampling.max_new_tokens) >= self.width:
                 raise ValueError(f"sampler=bitwise: a prompt of {len(prompt)} tokens is longer than the run's longest "
                                  f"({self.width - self.sampling.max_new_tokens - 1}), which fixed the row width")
             for sample in range(n):
                 generator = None if greedy else \
                     torch.Generator().manual_seed(request_seed(self.seed, call, place) + sample)
-                self._decode(list(prompt), generator, out)
+                self._decode(list(prompt), generator, out, max_new_tokens or self.sampling.max_new_tokens)
         return out
 
-    def _decode(self, prompt: list[int], generator: torch.Generator | None, out: Rollouts) -> None:
-        """One response: each token drawn from the forward of the row so far at width W (None: greedy)."""
+    def _decode(self, prompt: list[int], generator: torch.Generator | None, out: Rollouts, max_new_tokens: int) -> None:
+        """One response of at most `max_new_tokens`: each token drawn from the forward of the row so far at width W
+        (None: greedy)."""
         options = self.sampling
         tokens, logprobs, masks, tempered_logits = [], [], [], []
-        while len(tokens) < options.max_new_tokens:
+        while len(tokens) < max_new_tokens:
             hidden = self._last_hidden(prompt + tokens)
             logits = self.head.project(hidden)
             if generator is None:  # greedy: the untempered distribution's log-prob, as sampler=hf reports

@@ -86,14 +86,14 @@ class HFSampler:
 
     @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], *, n: int = 1, greedy: bool = False,
-                 request_ids: list[int] | None = None) -> Rollouts:
+                 request_ids: list[int] | None = None, max_new_tokens: int | None = None) -> Rollouts:
         from transformers import GenerationConfig
 
         config = GenerationConfig(
             do_sample=not greedy, temperature=self.sampling.temperature if not greedy else None,
             top_k=self.sampling.top_k if not greedy else None,
             top_p=self.sampling.top_p if not greedy else None,
-            max_new_tokens=self.sampling.max_new_tokens, num_return_sequences=n,
+            max_new_tokens=max_new_tokens or self.sampling.max_new_tokens, num_return_sequences=n,
             output_logits=True, return_dict_in_generate=True,
             pad_token_id=self.pad_id, eos_token_id=sorted(self.eos_ids))
         # Each sampling call draws from its own seeded stream, so a run is reproducible call by call.

@@ -286,7 +286,7 @@ class VLLMSampler:
 
     # -- the Sampler interface --------------------------------------------------------------------
     def generate(self, prompt_ids: list[list[int]], *, n: int = 1, greedy: bool = False,
-                 request_ids: list[int] | None = None) -> Rollouts:
+                 request_ids: list[int] | None = None, max_new_tokens: int | None = None) -> Rollouts:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -304,7 +304,7 @@ class VLLMSampler:
             params.append(SamplingParams(
                 n=n, temperature=0.0 if greedy else self.sampling.temperature,
                 top_p=1.0 if greedy else self.sampling.top_p, top_k=0 if greedy else self.sampling.top_k,
-                max_tokens=self.sampling.max_new_tokens, logprobs=0 if greedy else self.listed, seed=seed,
+                max_tokens=max_new_tokens or self.sampling.max_new_tokens, logprobs=0 if greedy else self.listed, seed=seed,
                 detokenize=False, flat_logprobs=True))
         with self.routing.recording(), self.layers.recording(), intra_op_threads(self.threads):
             outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids], params, use_tqdm=False)
