@@ -35,6 +35,8 @@ def acts(cls: type) -> str:
 
 
 def old_side(correction: Correction) -> str:
+    if correction.replaces_old_logprobs:  # `InUpdate.old_logprobs`, in each micro-batch
+        return "replaced inside the update"
     return {Anchor.sampler: "μ (sampler)", Anchor.trainer: "π_old (trainer)"}.get(correction.old_policy,
                                                                               "π_old (trainer; assumes none)")
 

@@ -32,14 +32,17 @@ def build(name: str) -> Correction:
     return instantiate(OmegaConf.load(CONF_DIR / "correction" / f"{name}.yaml"))
 
 
-def view(logprobs, sampler, advantages, mask, trainer=None, weights=None) -> MicroBatchView:
+def view(logprobs, sampler, advantages, mask, trainer=None, weights=None, staleness=False) -> MicroBatchView:
+    """`staleness`: each token's staleness 0, 1, 2, 3, 0, ... along the row (0 on padding), for a method that reads
+    it (`needs_versions`); False: untracked (None)."""
     logprobs = torch.as_tensor(logprobs, dtype=torch.float64)
     mask = torch.as_tensor(mask)
     trainer = logprobs if trainer is None else torch.as_tensor(trainer, dtype=torch.float64)
     return MicroBatchView(logprobs=logprobs, old_logprobs=trainer, trainer_logprobs=trainer,
                           sampler_logprobs=torch.as_tensor(sampler, dtype=torch.float64),
                           advantages=torch.as_tensor(advantages, dtype=torch.float32), mask=mask,
-                          weights=torch.where(mask, 1.0, 0.0))
+                          weights=torch.where(mask, 1.0, 0.0),
+                          token_staleness=torch.where(mask, torch.arange(mask.size(1)) % 4, 0) if staleness else None)
 
 
 # ---------------------------------------------------------------- OPSM
@@ -294,10 +297,12 @@ def test_a_stack_of_one_is_that_correction(name):
     assert {k.removeprefix(f"{name}/"): v for k, v in many.metrics.items() if k.startswith(f"{name}/")} == \
         pytest.approx(own, nan_ok=True)
     theta = train + 0.2 * torch.randn(mask.shape, generator=torch.Generator().manual_seed(1))
-    micro = view(theta, sampler, advantages, one.mask, trainer=train)
+    micro = view(theta, sampler, advantages, one.mask, trainer=train, staleness=True)
     inside_one, inside_many = alone.in_update(micro), stacked.in_update(micro)
     assert torch.equal(inside_one.mask, inside_many.mask) and torch.equal(inside_one.weights, inside_many.weights)
     assert {f"{name}/{k}": v for k, v in inside_one.counts.items()} == inside_many.counts
+    assert (inside_one.old_logprobs is None and inside_many.old_logprobs is None) or \
+        torch.equal(inside_one.old_logprobs, inside_many.old_logprobs)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -316,21 +321,27 @@ def test_each_option_declares_the_pi_old_it_returns(name):
 def test_in_update_contract(name):
     """Every option's in-update stage: detached weights >= 0 of the micro-batch's shape, a mask inside the one it
     was given, counts whose numerators do not exceed their denominators; a penalty, if any, differentiable and 0
-    on tokens outside the mask; and where pi_theta, pi_old and mu are one policy, nothing dropped."""
+    on tokens outside the mask; a replaced pi_old, if any, detached, finite on the mask and declared
+    (`replaces_old_logprobs`); and where pi_theta, pi_old and mu are one policy, nothing dropped (and pi_old kept)."""
     train, sampler, mask = random_batch(seed=8)
     train, sampler = with_padding(train, mask, math.nan), with_padding(sampler, mask, math.inf)
     advantages = torch.randn(mask.shape, generator=torch.Generator().manual_seed(2))
     fix = build(name)
     theta = (train + 0.3).requires_grad_()
-    out = fix.in_update(view(theta, sampler, advantages, mask, trainer=train))
+    out = fix.in_update(view(theta, sampler, advantages, mask, trainer=train, staleness=True))
     assert out.weights.shape == mask.shape and not out.weights.requires_grad and (out.weights >= 0).all()
     assert out.mask.dtype == torch.bool and not (out.mask & ~mask).any()
     assert all(0 <= n <= d for n, d in out.counts.values()), out.counts
     if out.penalty is not None:
         penalty = out.penalty(theta)
         assert penalty.requires_grad and (penalty[~mask] == 0).all() and torch.isfinite(penalty).all()
-    same = fix.in_update(view(train, train, advantages, mask, trainer=train))
+    assert fix.replaces_old_logprobs == (out.old_logprobs is not None)
+    if out.old_logprobs is not None:
+        assert out.old_logprobs.shape == mask.shape and not out.old_logprobs.requires_grad
+        assert torch.isfinite(out.old_logprobs[mask]).all()
+    same = fix.in_update(view(train, train, advantages, mask, trainer=train, staleness=True))
     assert torch.equal(same.mask, mask) and (same.weights[mask] == 1).all()
+    assert same.old_logprobs is None or torch.equal(same.old_logprobs[mask], train[mask])
 
 
 def test_a_stack_refuses_stages_that_disagree():

@@ -15,8 +15,10 @@ so a method overrides only where it acts; the RL step calls all three for every 
   that still count, and metrics logged under ``correction/<key>`` (TIS, IcePop, MIS, the rejection methods, M2PO,
   the self-normalisation of the weights);
 * ``in_update(micro: MicroBatchView) -> InUpdate``: each micro-batch of every epoch and minibatch, once pi_theta
-  is known: a weight and a mask on top of the batch's, an optional penalty on log pi_theta, and token counts
-  logged as ratios summed over the step (OPSM, DPPO's TV trust region);
+  is known: a weight and a mask on top of the batch's, an optional penalty on log pi_theta, token counts
+  logged as ratios summed over the step (OPSM, DPPO's TV trust region), and optionally the log-probs that replace
+  the batch stage's pi_old in PPO's ratio for this micro-batch (AReaL's approximated proximal policy,
+  `prox_loglinear`);
 * ``step_size(batch: BatchView) -> StepSize``: once per batch, after ``before_update``, on the same view: a factor
   on the learning rate of this RL step's optimizer steps (the schedule's rate times it, the schedule itself
   untouched) and its metrics (VCPO's effective-sample-size scaling, a mismatch-triggered decay). The identity is
@@ -169,7 +171,9 @@ class InUpdate:
     stage's); ``penalty`` maps the differentiable log pi_theta to a per-token loss term, 0 where it does not apply,
     that the algorithm sums and divides by its loss's divisor, on the tokens ``mask`` drops too (None: none);
     ``counts`` are (numerator, denominator) pairs summed over every micro-batch of the step and every rank and
-    logged as their ratio under ``correction/<key>`` (exact whatever the micro-batching).
+    logged as their ratio under ``correction/<key>`` (exact whatever the micro-batching); ``old_logprobs``, when
+    not None, replaces the batch stage's log pi_old as the denominator of PPO's ratio in this micro-batch
+    (detached, ``[b, t]``; a method that sets it declares `Correction.replaces_old_logprobs`).
 
     The batch stage's `CorrectionOutput` is read the same way: a method returns its own weights and the tokens it
     keeps, and whoever holds several (a stack, the RL step) multiplies and ANDs them."""
@@ -178,6 +182,7 @@ class InUpdate:
     mask: torch.Tensor
     penalty: Callable[[torch.Tensor], torch.Tensor] | None = None
     counts: dict[str, tuple[float, float]] = field(default_factory=dict)
+    old_logprobs: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -200,11 +205,14 @@ class Correction:
 
     `old_policy`: which pi_old the method's weights assume (an `Anchor`, or None for none); the batch stage's
     `old_logprobs` must be that side's. `needs_versions`: whether it reads each token's staleness. `importance_weighted`: whether its weights are an importance ratio (a stack refuses two:
-    their product would count the ratio twice)."""
+    their product would count the ratio twice). `replaces_old_logprobs`: whether its `in_update` returns
+    `InUpdate.old_logprobs` (a stack refuses two: PPO's ratio has one denominator)."""
 
     old_policy: ClassVar[OldPolicyChoice] = None
     # Whether the method reads `token_staleness` (the run refuses it where no versions are tracked, before engines).
     needs_versions: ClassVar[bool] = False
+    # Whether its `in_update` replaces PPO's pi_old in each micro-batch (`InUpdate.old_logprobs`).
+    replaces_old_logprobs: ClassVar[bool] = False
 
     @property
     def importance_weighted(self) -> bool:

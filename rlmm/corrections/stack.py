@@ -23,9 +23,11 @@ class Stack(Correction):
     pi_old is the one the stages' `old_policy` names (the trainer's when none names one); two stages naming
     different ones, or two importance-weighting stages (their product would count the ratio twice), are refused
     when the stack is built, before any engine starts. Inside the update the stages' `in_update` are chained the
-    same way: weights multiplied, masks ANDed, penalties added. The step size is the product of the stages'
-    factors, each stage seeing the stack's own batch (``correction=tis+vcpo``: TIS's weights, VCPO's step); a
-    stack with a stage that acts there logs the product as ``correction/lr_scale`` beside each stage's
+    same way: weights multiplied, masks ANDed, penalties added; a stage that replaces PPO's pi_old for the
+    micro-batch (`InUpdate.old_logprobs`, `prox_loglinear`) hands it to the stages after it and to the loss, and two
+    such stages are refused when the stack is built (the ratio has one denominator). The step size is the product
+    of the stages' factors, each stage seeing the stack's own batch (``correction=tis+vcpo``: TIS's weights, VCPO's
+    step); a stack with a stage that acts there logs the product as ``correction/lr_scale`` beside each stage's
     ``correction/<stage>/<key>``. Its state is each stage's, by name.
 
     Each stage's metrics (but the raw ratios, the same for every stage) are logged under ``correction/<stage>/<key>``,
@@ -61,6 +63,10 @@ class Stack(Correction):
         if len(set(choices.values())) > 1:
             said = ", ".join(f"{name} the {side.name}'s" for name, side in choices.items())
             raise ValueError(f"correction={spelled}: the stages want different log-probs as PPO's pi_old ({said})")
+        replacing = [name for name, stage in self.stages.items() if stage.replaces_old_logprobs]
+        if len(replacing) > 1:
+            raise ValueError(f"correction={spelled}: {' and '.join(replacing)} both replace PPO's pi_old inside the "
+                             "update (the ratio has one denominator); keep one")
         weighted = [name for name, stage in self.stages.items() if stage.importance_weighted]
         if len(weighted) > 1:
             raise ValueError(f"correction={spelled}: {' and '.join(weighted)} both weight tokens by the importance "
@@ -79,6 +85,10 @@ class Stack(Correction):
     @property
     def needs_versions(self) -> bool:
         return any(stage.needs_versions for stage in self.stages.values())
+
+    @property
+    def replaces_old_logprobs(self) -> bool:
+        return any(stage.replaces_old_logprobs for stage in self.stages.values())
 
     def before_update(self, batch: BatchView) -> CorrectionOutput:
         delta, response = log_ratios(batch.trainer_logprobs, batch.sampler_logprobs, batch.mask)
@@ -120,9 +130,10 @@ class Stack(Correction):
 
     def in_update(self, micro: MicroBatchView) -> InUpdate:
         mask, weights, penalties, counts = micro.mask, micro.weights, [], {}
-        factor = torch.ones_like(micro.weights)
+        factor, replaced = torch.ones_like(micro.weights), None
         for name, stage in self.stages.items():
-            fix = stage.in_update(MicroBatchView(logprobs=micro.logprobs, old_logprobs=micro.old_logprobs,
+            old = micro.old_logprobs if replaced is None else replaced  # a later stage sees the replaced pi_old
+            fix = stage.in_update(MicroBatchView(logprobs=micro.logprobs, old_logprobs=old,
                                                  trainer_logprobs=micro.trainer_logprobs,
                                                  sampler_logprobs=micro.sampler_logprobs, advantages=micro.advantages,
                                                  mask=mask, weights=weights,
@@ -132,8 +143,10 @@ class Stack(Correction):
             weights = weights * fix.weights
             if fix.penalty is not None:
                 penalties.append(fix.penalty)
+            if fix.old_logprobs is not None:
+                replaced = fix.old_logprobs
             counts.update({f"{name}/{key}": value for key, value in fix.counts.items()})
-        return InUpdate(weights=factor, mask=mask, counts=counts,
+        return InUpdate(weights=factor, mask=mask, counts=counts, old_logprobs=replaced,
                         penalty=functools.partial(_summed, penalties) if penalties else None)
 
 

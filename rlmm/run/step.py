@@ -385,7 +385,8 @@ def update_policy(c: Components, old: OldPolicy, critic, scores: TrainerScores, 
                 fix = c.correction.in_update(view)
                 in_update.add(fix.counts)
                 in_update.add(drop_split(view, response_mask[micro, :logprobs.size(1)], fix.mask))
-                loss, metrics = algo.policy_loss(logprobs, view.old_logprobs, view.advantages, view.mask & fix.mask,
+                old_logprobs = fix.old_logprobs if fix.old_logprobs is not None else view.old_logprobs  # prox_loglinear
+                loss, metrics = algo.policy_loss(logprobs, old_logprobs, view.advantages, view.mask & fix.mask,
                                                  view.weights * fix.weights, entropy=entropy, max_length=max_length,
                                                  normalizer=normalizer, penalty=fix.penalty)
                 update.backward(loss)
