@@ -329,6 +329,13 @@ MUTANTS = [
            [("rlmm/run/step.py", "        if bitwise and not agreement[\"bitwise_identical\"]:",
              "        if False:")],
            tests=("tests/test_bitwise.py::test_a_step_that_is_not_bitwise_fails_naming_the_first_token_that_differs",)),
+    Mutant("prox_loglinear_alpha_inverted", "prox_loglinear weighs pi_theta by 1 / (s + 1), not s / (s + 1)",
+           [("rlmm/corrections/prox_loglinear.py", "alpha = staleness / (staleness + 1)", "alpha = 1 / (staleness + 1)")],
+           tests=("tests/test_prox_approx.py",)),
+    Mutant("replaced_pi_old_never_reaches_the_loss", "the loss ignores the pi_old an in-update stage replaces",
+           [("rlmm/run/step.py", "fix.old_logprobs if fix.old_logprobs is not None else view.old_logprobs",
+             "view.old_logprobs")],
+           tests=("tests/test_prox_approx.py",)),
 ]
 
 
