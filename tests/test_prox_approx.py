@@ -16,6 +16,7 @@ from rlmm.corrections.stack import Stack
 from rlmm.run.step import OldPolicy, update_policy
 
 D = torch.float64
+DOCS = "documented"  # AReaL's docs' alpha = s / (s + 1), which most figures below follow; the trainer's clock: the last test
 # One micro-batch of two rows (row 1 has 3 response tokens), each token's staleness s: alpha = s / (s + 1).
 MU = [[-1.0, -2.0, -0.5, -3.0, -2.8], [-0.2, -1.5, -2.5, 0.0, 0.0]]           # log mu, the sampler's
 THETA = [[-1.3, -1.6, -0.9, -2.0, -0.3], [-0.1, -2.1, -1.0, 0.0, 0.0]]        # log pi_theta, the update's forward
@@ -60,7 +61,7 @@ def tensors():
 def micro_batch(correction: Correction = None, staleness=True) -> tuple[OldPolicy, MicroBatchView]:
     """The step's own path to the view: `OldPolicy.score` (the batch stage, on every rank's rows) and `micro_batch`."""
     theta, mu, old, mask, advantages, s = tensors()
-    correction = correction or LogLinearProximal(cap=5.0)
+    correction = correction or LogLinearProximal(cap=5.0, clock=DOCS)
     policy = OldPolicy.score(old, mu, mask, advantages, torch.ones(2), correction, ratio_cap=2.0, also_checked={},
                              token_staleness=s if staleness else None)
     return policy, policy.micro_batch([0, 1], theta)
@@ -73,7 +74,7 @@ def response(x: torch.Tensor) -> list[list[float]]:
 def test_the_approximation_by_hand_on_mixed_staleness():
     """s 0 -> alpha 0 -> pi_prox = mu; s 1 -> 1/2; s 3 -> 3/4 (and 2 -> 2/3, 7 -> 7/8); the weight pi_prox / mu."""
     _, view = micro_batch()
-    fix = LogLinearProximal(cap=5.0).in_update(view)
+    fix = LogLinearProximal(cap=5.0, clock=DOCS).in_update(view)
     assert fix.old_logprobs.dtype == view.old_logprobs.dtype
     for got, expected in zip(response(fix.old_logprobs), PROX):
         assert got == pytest.approx(expected, abs=1e-15)
@@ -91,23 +92,24 @@ def test_the_cap_drops_the_tokens_whose_behaviour_weight_exceeds_it():
     """Row 0's s = 7 token: w = e^(7/8 * 2.5) = 8.9 > 5, dropped (weight 0, mask False, still in the divisor); a cap
     of 9 keeps it with its weight; a weight equal to the cap is kept (AReaL's mask is `ratio > upper`)."""
     _, view = micro_batch()
-    fix = LogLinearProximal(cap=5.0).in_update(view)
+    fix = LogLinearProximal(cap=5.0, clock=DOCS).in_update(view)
     assert fix.mask.tolist() == AREAL_BEHAVE_MASK
     assert fix.counts["frac_tokens_dropped"] == (1.0, 8.0)
-    wide = LogLinearProximal(cap=9.0).in_update(view)
+    wide = LogLinearProximal(cap=9.0, clock=DOCS).in_update(view)
     assert wide.mask.tolist() == MASK and wide.weights[0, 4].item() == pytest.approx(math.exp(2.1875), rel=1e-7)
     assert wide.counts["frac_tokens_dropped"] == (0.0, 8.0)
-    at = LogLinearProximal(cap=math.exp(0.5 * 0.4)).in_update(view)  # row 0's s = 1 token: w = e^0.2 exactly the cap
+    # row 0's s = 1 token: w = e^0.2, exactly the cap
+    at = LogLinearProximal(cap=math.exp(0.5 * 0.4), clock=DOCS).in_update(view)
     assert at.mask[0, 1] and not at.mask[0, 4]
     with pytest.raises(ValueError, match="correction.cap: must be a finite number >= 1, got 0.5"):
-        LogLinearProximal(cap=0.5)
+        LogLinearProximal(cap=0.5, clock=DOCS)
 
 
 def test_the_error_counts_against_the_recomputed_pi_old():
     """mean |log pi_prox~ - log pi_old| and mean |pi_prox~ / mu - pi_old / mu| over the 8 tokens the batch stage
     gave (AReaL's loglinear/abs_error and behave_imp_weight_abs_error), the dropped one included."""
     _, view = micro_batch()
-    counts = LogLinearProximal(cap=5.0).in_update(view).counts
+    counts = LogLinearProximal(cap=5.0, clock=DOCS).in_update(view).counts
     # |PROX - OLD|: 0.1, 0.1, 0.1, 2.2 - 7/3 -> 2/15, 0.6125 - 0.5 = 0.1125 | 0, 0.4, 0.175
     logp = 0.1 + 0.1 + 0.1 + 2 / 15 + 0.1125 + 0.0 + 0.4 + 0.175
     assert counts["logp_abs_error"] == (pytest.approx(logp, rel=1e-12), 8.0)
@@ -118,13 +120,18 @@ def test_the_error_counts_against_the_recomputed_pi_old():
 
 def test_it_matches_areals_compute_prox_logp_approximations():
     _, view = micro_batch()
-    fix = LogLinearProximal(cap=5.0).in_update(view)
+    fix = LogLinearProximal(cap=5.0, clock=DOCS).in_update(view)
     assert fix.old_logprobs.tolist() == [pytest.approx(row, abs=1e-7) for row in AREAL_APPROX]  # AReaL's alpha: fp32
     assert fix.weights.tolist() == [pytest.approx(row, rel=1e-6) for row in AREAL_BEHAVE_IMP_WEIGHT]
     assert fix.mask.tolist() == AREAL_BEHAVE_MASK
-    # AReaL's trainer's clock is one update behind its docs' (the class docstring): what it gives on these tokens
+    # AReaL's trainer's clock is one update behind its docs' (the class docstring): what it gives on these tokens,
+    # by hand and from AReaL's function, is what the shipped option (clock: trainer) computes
     clock = [[-1.0, -2.0, -0.5 - 0.4 * 2 / 3, -3.0 + 1 / 2, -2.8 + 2.5 * 6 / 7], [-0.2, -1.5, -2.5 + 1.5 * 2 / 3, 0, 0]]
     assert AREAL_APPROX_TRAINERS_CLOCK == [pytest.approx(row, abs=1e-7) for row in clock]
+    running = LogLinearProximal(cap=5.0, clock="trainer").in_update(view)
+    assert running.old_logprobs.tolist() == [pytest.approx(row, abs=1e-7) for row in AREAL_APPROX_TRAINERS_CLOCK]
+    with pytest.raises(ValueError, match="correction.clock: must be one of trainer, documented, got 'areal'"):
+        LogLinearProximal(cap=5.0, clock="areal")
 
 
 class OneUpdate:
@@ -155,7 +162,7 @@ def test_the_step_trains_against_the_approximation_as_areals_decoupled_loss(micr
     `ppo_actor_loss_fn` on its own approximation, whatever the micro-batching; pi_old (the recomputation) gives
     another loss. The counts reach `PolicyUpdate.in_update` summed over the micro-batches."""
     theta, *_ = tensors()
-    correction, algo = LogLinearProximal(cap=5.0), from_yaml("algo", "grpo")
+    correction, algo = LogLinearProximal(cap=5.0, clock=DOCS), from_yaml("algo", "grpo")
     policy, _ = micro_batch(correction)
     leaf = theta.clone().requires_grad_()
     update = OneUpdate(leaf, micro_batches)
@@ -180,13 +187,14 @@ def test_the_step_trains_against_the_approximation_as_areals_decoupled_loss(micr
 def test_it_refuses_a_view_without_staleness():
     _, view = micro_batch(staleness=False)
     with pytest.raises(ValueError, match="correction=prox_loglinear: needs each token's staleness"):
-        LogLinearProximal(cap=5.0).in_update(view)
-    assert LogLinearProximal.needs_versions and from_yaml("correction", "prox_loglinear").cap == 5.0
+        LogLinearProximal(cap=5.0, clock=DOCS).in_update(view)
+    shipped = from_yaml("correction", "prox_loglinear")
+    assert LogLinearProximal.needs_versions and shipped.cap == 5.0 and shipped.clock.name == "trainer"
 
 
 def test_before_the_update_it_is_the_identity_on_the_recomputed_pi_old():
     theta, mu, old, mask, advantages, s = tensors()
-    out = LogLinearProximal(cap=5.0)(old, mu, mask, advantages)
+    out = LogLinearProximal(cap=5.0, clock=DOCS)(old, mu, mask, advantages)
     none = from_yaml("correction", "none")(old, mu, mask, advantages)
     assert torch.equal(out.old_logprobs, none.old_logprobs) and torch.equal(out.weights, none.weights)
     assert torch.equal(out.mask, none.mask) and out.metrics == none.metrics
@@ -201,7 +209,7 @@ class SeesOldLogprobs(Correction):
 
 
 def test_a_stack_hands_the_approximation_on_and_refuses_two():
-    prox = LogLinearProximal(cap=5.0)
+    prox = LogLinearProximal(cap=5.0, clock=DOCS)
     _, view = micro_batch()
     alone = prox.in_update(view)
     before, after = SeesOldLogprobs(), SeesOldLogprobs()
@@ -214,7 +222,7 @@ def test_a_stack_hands_the_approximation_on_and_refuses_two():
     assert Stack({"before": before}).in_update(view).old_logprobs is None
     with pytest.raises(ValueError, match=r"^correction=a\+b: a and b both replace PPO's pi_old inside the update "
                                          r"\(the ratio has one denominator\); keep one$"):
-        Stack({"a": prox, "b": LogLinearProximal(cap=3.0)})
+        Stack({"a": prox, "b": LogLinearProximal(cap=3.0, clock=DOCS)})
     with pytest.raises(ValueError, match=r"prox_loglinear and tis both weight tokens by the importance ratio"):
         Stack({"prox_loglinear": prox, "tis": from_yaml("correction", "tis")})
     with pytest.raises(ValueError, match=r"the stages want different log-probs as PPO's pi_old"):

@@ -2,9 +2,28 @@
 sampler's log-probs and the current policy's by each token's staleness."""
 from __future__ import annotations
 
+from enum import Enum
+
 import torch
 
-from rlmm.corrections.base import Anchor, Correction, InUpdate, MicroBatchView, check_cap
+from rlmm.corrections.base import Anchor, Correction, InUpdate, MicroBatchView, check_cap, choice
+
+
+class VersionClock(Enum):
+    """Which versions AReaL's alpha = (v_prox - v_behave) / (v_theta - v_behave) reads, by a token's staleness s
+    (updates between the weights that sampled it and pi_old's): ``trainer``, as AReaL's trainer runs it (its
+    current_version during an update is pi_old's own, so v_theta = pi_old's, v_prox one before: alpha = (s - 1) / s,
+    0 at s <= 1); ``documented``, as its docs and unit tests define it (v_prox = pi_old's, v_theta one ahead: alpha =
+    s / (s + 1))."""
+
+    trainer = "trainer"
+    documented = "documented"
+
+    def alpha(self, staleness: torch.Tensor) -> torch.Tensor:
+        """alpha per token from its float64 staleness (>= 0), clamped to [0, 1] with 0 where v_theta = v_behave."""
+        if self is VersionClock.documented:
+            return staleness / (staleness + 1)
+        return torch.where(staleness > 0, (staleness - 1) / staleness.clamp_min(1), 0.0)
 
 
 class LogLinearProximal(Correction):
@@ -14,7 +33,8 @@ class LogLinearProximal(Correction):
     sampled y_t and pi_old's v_{u-1}), AReaL's alpha = (v_prox - v_behave) / (v_theta - v_behave) with v_prox =
     v_{u-1}, v_theta = v_u (the update under way), clamped to [0, 1], and in each micro-batch
 
-        alpha_t = s_t / (s_t + 1)                                        (0, 1/2, 3/4 at s = 0, 1, 3)
+        alpha_t = (s_t - 1) / s_t,  0 at s_t <= 1      (clock: trainer, the default: 0, 0, 2/3 at s = 0, 1, 3)
+        alpha_t = s_t / (s_t + 1)                      (clock: documented: 0, 1/2, 3/4 at s = 0, 1, 3)
         log pi_prox(y_t) ~= log mu(y_t) + alpha_t (sg log pi_theta(y_t) - log mu(y_t))
         w_t = pi_prox / mu = exp(alpha_t (sg log pi_theta - log mu)),    token dropped where w_t > C
 
@@ -43,11 +63,13 @@ class LogLinearProximal(Correction):
       there is mu + alpha (pi_old - mu), not pi_old, as in AReaL.
     - At s = 0 alpha = 0: pi_prox := mu, PPO's ratio is pi_theta / mu and the weight 1 (`bypass`): the sampler's
       numerical mismatch is not corrected, as in AReaL. A run whose every token is fresh trains as `bypass`.
-    - AReaL's clock, as its code reads: its trainer passes `current_version = engine.get_version()`, which
-      areal/trainer/rl_trainer.py sets to global_step + 1 only after the update, so during an update it is the
-      version of the weights the update starts from (pi_old's), the one its rollouts tag fresh tokens with; its
-      v_prox = current_version - 1 is then one behind pi_old, and its trainer's alpha is (s - 1) / s (0 at s <= 1).
-      This class follows the definition of its docs and unit tests (v_prox = pi_old's version, v_theta one ahead).
+    - AReaL's clock (`clock`): its trainer passes `current_version = engine.get_version()`, which
+      areal/trainer/rl_trainer.py sets to global_step + 1 only after the update and the weight sync, so during an
+      update it is the version of the weights the update starts from (pi_old's), the one its rollouts tag fresh
+      tokens with; its v_prox = current_version - 1 is then one behind pi_old, and the alpha it computes is
+      (s - 1) / s (0 at s <= 1: a token one update stale gets pi_prox := mu). That is the default (``trainer``):
+      what `prox_logp_method: loglinear` computes when AReaL runs. ``documented`` is its docs' and unit tests'
+      definition (v_prox = pi_old's version, v_theta one ahead), which interpolates further towards pi_theta.
     - float64 (AReaL's weight float32); a NaN weight (a non-finite log-prob) is dropped, where AReaL sets a
       non-finite log-ratio's weight to 1; a negative staleness gives alpha 0 (AReaL clamps alpha at 0).
     - The errors are over every token the batch stage gave (AReaL's metrics mode averages over the tokens its cap
@@ -62,6 +84,7 @@ class LogLinearProximal(Correction):
 
     Args:
         cap: C, the largest behaviour weight pi_prox / mu a kept token may have; finite and >= 1.
+        clock: ``trainer`` (AReaL's running trainer) or ``documented`` (its docs), a `VersionClock` name.
     """
 
     old_policy = Anchor.trainer  # its weights assume the proximal policy, which it approximates
@@ -69,8 +92,9 @@ class LogLinearProximal(Correction):
     needs_versions = True
     replaces_old_logprobs = True
 
-    def __init__(self, cap: float):
+    def __init__(self, cap: float, clock: VersionClock | str = VersionClock.trainer):
         self.cap = check_cap(cap)
+        self.clock = choice(VersionClock, clock, "clock")
 
     def in_update(self, micro: MicroBatchView) -> InUpdate:
         if micro.token_staleness is None:
@@ -79,7 +103,7 @@ class LogLinearProximal(Correction):
         m = micro.mask
         zero = torch.zeros((), dtype=torch.float64, device=m.device)
         staleness = torch.where(m, micro.token_staleness.to(m.device), 0).clamp_min(0).to(torch.float64)
-        alpha = staleness / (staleness + 1)
+        alpha = self.clock.alpha(staleness)
         mu = torch.where(m, micro.sampler_logprobs.to(m.device, torch.float64), zero)
         theta = torch.where(m, micro.logprobs.detach().to(torch.float64), zero)
         recomputed = torch.where(m, micro.trainer_logprobs.to(m.device, torch.float64), zero)
