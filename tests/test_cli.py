@@ -118,6 +118,15 @@ TRAIN_CASES = [
     (["train.overlap=true", "train.staleness=1", "train.decompose_staleness=true"],
      "train.overlap=true with train.decompose_staleness=true: the overlapped trainer has trained past the weights"),
     (["train.overlap=maybe"], "Value 'maybe' is not a valid bool"),
+    # partial rollouts (issue 53)
+    (["train.partial_rollouts=true"], "train.partial_rollouts=true needs train.staleness >= 1, got 0 (at 0 no weight "
+                                      "sync falls inside a batch's sampling: nothing to continue under new weights)"),
+    (["train.partial_rollouts=true", "train.staleness=2", "train.rollout_chunk=9"],
+     "train.rollout_chunk: must be 1 .. sampling.max_new_tokens (8) with train.partial_rollouts=true, got 9"),
+    (["train.partial_rollouts=true", "train.staleness=2", "algo=dapo"],
+     "train.partial_rollouts=true with algo.max_sampling_rounds=3: refilling dropped groups needs each batch's rewards"),
+    (["train.partial_rollouts=true", "train.staleness=2", "routing.compare=true"],
+     "train.partial_rollouts=true with routing=none compare=true: a continued response's experts are recomputed"),
     (["train.attribution.every=-2"], "train.attribution.every: must be >= 0, got -2 (0: off)"),
     (["train.attribution.every=5", "trainer.zero_stage=3"], "train.attribution: the trainer's module must hold the full "
                                                             "weights: one rank of trainer=deepspeed (ZeRO-0/1/2)"),
