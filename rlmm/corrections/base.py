@@ -59,7 +59,7 @@ from rlmm.mismatch.kl import k3
 
 __all__ = ["Anchor", "BatchView", "CappedImportanceRatio", "Correction", "CorrectionOutput", "InUpdate", "METRIC_KEYS",
            "MicroBatchView", "OldPolicyChoice", "StepSize", "DROP_SPLIT_KEYS", "drop_split", "log_ratios", "finish",
-           "masked_mean", "masked_max", "masked_min", "choice", "sequence_ratio"]
+           "masked_mean", "masked_max", "masked_min", "choice", "sequence_ratio", "check_versions"]
 
 
 class Anchor(Enum):
@@ -236,13 +236,28 @@ class Correction:
         """Restore what `state_dict` returned (a resumed run continues as the uninterrupted one)."""
 
     def __call__(self, train_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, mask: torch.Tensor,
-                 advantages: torch.Tensor | None = None) -> CorrectionOutput:
+                 advantages: torch.Tensor | None = None, token_staleness: torch.Tensor | None = None
+                 ) -> CorrectionOutput:
         """`before_update` on ``[B, T]`` right-padded trainer and sampler log-probs of the sampled tokens, the bool
-        response mask and (for a method that reads them) the advantages."""
+        response mask and (for a method that reads them) the advantages and each token's staleness."""
         if advantages is None:
             advantages = torch.zeros(train_logprobs.shape, dtype=torch.float32, device=train_logprobs.device)
         return self.before_update(BatchView(trainer_logprobs=train_logprobs, sampler_logprobs=sampler_logprobs,
-                                            mask=mask, advantages=advantages))
+                                            mask=mask, advantages=advantages, token_staleness=token_staleness))
+
+
+def check_versions(correction: Correction, tracked: bool, option: str = "correction") -> None:
+    """Refuse a correction that reads each token's staleness (`needs_versions`) in a run that tracks no versions
+    (`tracked` False: train.staleness=0 without train.partial_rollouts), before any engine starts: ValueError in one
+    line naming `option` and the correction (a stack: its stages that read them)."""
+    if not correction.needs_versions or tracked:
+        return
+    stages = getattr(getattr(correction, "stack", correction), "stages", None)  # a Stack, or OnCurrentPolicy's
+    named = type(correction).__name__ if stages is None else \
+        "+".join(name for name, stage in stages.items() if stage.needs_versions)
+    raise ValueError(f"{option}: {named} reads each token's weight version, which this run does not track "
+                     "(train.staleness=0 without train.partial_rollouts); use train.staleness >= 1 or "
+                     "train.partial_rollouts=true")
 
 
 # What the correction dropped and what it kept, inside the update (`drop_split`; logged by every method).
