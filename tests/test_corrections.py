@@ -32,6 +32,14 @@ def random_batch(seed: int = 0, noise: float = 0.3, dtype=torch.float32):
     return train.to(dtype), sampler.to(dtype), mask
 
 
+def mixed_staleness(mask: torch.Tensor) -> torch.Tensor:
+    """[B, T] int64 token staleness as partial rollouts give it (each response begun by older weights and continued by
+    newer ones): 3, 3, 2, 2, 1, 1, 0, 0, ... updates behind pi_old along each response, 0 on padding. Every option is
+    given it; only those that read it (`needs_versions`) may depend on it."""
+    behind = (3 - torch.arange(mask.size(1)) // 2).clamp_min(0)
+    return torch.where(mask, behind, 0)
+
+
 def with_padding(x: torch.Tensor, mask: torch.Tensor, value: float) -> torch.Tensor:
     return torch.where(mask, x, torch.full_like(x, value))
 
@@ -59,7 +67,7 @@ def test_output_contract(name, dtype):
     train, sampler, mask = random_batch(dtype=dtype)
     train = with_padding(train, mask, math.nan).requires_grad_()
     sampler = with_padding(sampler, mask, math.inf)
-    out = build(name)(train, sampler, mask)
+    out = build(name)(train, sampler, mask, token_staleness=mixed_staleness(mask))
 
     assert isinstance(out, CorrectionOutput)
     for t in (out.old_logprobs, out.weights, out.mask):
@@ -81,8 +89,10 @@ def test_output_contract(name, dtype):
 def test_padding_garbage_never_leaks(name):
     train, sampler, mask = random_batch(seed=1)
     correction = build(name)
-    outs = [correction(with_padding(train, mask, a), with_padding(sampler, mask, b), mask)
-            for a, b in [(0.0, 0.0), (math.nan, math.nan), (math.inf, -math.inf), (-math.inf, math.inf), (1e30, -7)]]
+    outs = [correction(with_padding(train, mask, a), with_padding(sampler, mask, b), mask,
+                       token_staleness=with_padding(mixed_staleness(mask), mask, s))
+            for a, b, s in [(0.0, 0.0, 0), (math.nan, math.nan, 99), (math.inf, -math.inf, -5),
+                            (-math.inf, math.inf, 2), (1e30, -7, 1 << 40)]]
     for out in outs[1:]:
         assert torch.equal(out.old_logprobs, outs[0].old_logprobs)
         assert torch.equal(out.weights, outs[0].weights)
@@ -94,7 +104,8 @@ def test_padding_garbage_never_leaks(name):
 def test_identical_logprobs_change_nothing(name):
     train, _, mask = random_batch(seed=2)
     train = with_padding(train, mask, math.nan)
-    out = build(name)(train, train.clone(), mask)
+    # on-policy: the same weights sampled every token (staleness 0) and the trainer agrees with the sampler
+    out = build(name)(train, train.clone(), mask, token_staleness=torch.zeros(mask.shape, dtype=torch.int64))
     assert torch.equal(out.mask, mask)
     assert (out.weights[mask] == 1).all() and (out.weights[~mask] == 0).all()
     assert torch.equal(out.old_logprobs[mask], train[mask])
@@ -109,7 +120,7 @@ def test_extreme_ratios_keep_weights_finite(name):
     sampler = torch.full((3, 4), -1.0)
     train = sampler + torch.tensor([[800.0] * 4, [-800.0] * 4, [0.1, -0.1, 0.0, 0.0]])
     mask = torch.ones(3, 4, dtype=torch.bool)
-    out = build(name)(train, sampler, mask)
+    out = build(name)(train, sampler, mask, token_staleness=mixed_staleness(mask))
     assert torch.isfinite(out.weights).all() and (out.weights >= 0).all()
     assert out.metrics["seq_ratio_max"] == math.inf and out.metrics["ratio_max"] == math.inf
 
@@ -117,7 +128,7 @@ def test_extreme_ratios_keep_weights_finite(name):
 @pytest.mark.parametrize("name", NAMES)
 def test_empty_mask_gives_nan_metrics(name):
     train, sampler, mask = random_batch()
-    out = build(name)(train, sampler, torch.zeros_like(mask))
+    out = build(name)(train, sampler, torch.zeros_like(mask), token_staleness=mixed_staleness(mask))
     assert not out.mask.any() and (out.weights == 0).all() and (out.old_logprobs == 0).all()
     assert all(math.isnan(v) for v in out.metrics.values())
 

@@ -22,7 +22,7 @@ from rlmm.corrections.stack import Stack
 from rlmm.corrections.tis import TokenTIS
 from rlmm.corrections.token_mask import TokenMask
 from rlmm.corrections.tv_trust import TVTrustRegion
-from tests.test_corrections import random_batch, with_padding
+from tests.test_corrections import mixed_staleness, random_batch, with_padding
 
 NAMES = sorted(p.stem for p in CONF_DIR.glob("correction/*.yaml"))
 LOG = math.log
@@ -288,7 +288,8 @@ def test_a_stack_of_one_is_that_correction(name):
     train, sampler, mask = random_batch(seed=6)
     advantages = torch.randn(mask.shape, generator=torch.Generator().manual_seed(0))
     alone, stacked = build(name), Stack({name: build(name)})
-    one, many = alone(train, sampler, mask, advantages), stacked(train, sampler, mask, advantages)
+    staleness = mixed_staleness(mask)
+    one, many = alone(train, sampler, mask, advantages, staleness), stacked(train, sampler, mask, advantages, staleness)
     assert torch.equal(one.old_logprobs, many.old_logprobs) and torch.equal(one.weights, many.weights)
     assert torch.equal(one.mask, many.mask)
     assert {k: many.metrics[k] for k in METRIC_KEYS} == pytest.approx({k: one.metrics[k] for k in METRIC_KEYS},
@@ -311,7 +312,7 @@ def test_each_option_declares_the_pi_old_it_returns(name):
     really returns (the trainer's when it declares none)."""
     train, sampler, mask = random_batch(seed=7)
     fix = build(name)
-    out = fix(train, sampler, mask)
+    out = fix(train, sampler, mask, token_staleness=mixed_staleness(mask))
     assert fix.old_policy in (Anchor.sampler, Anchor.trainer, None), fix.old_policy
     side = sampler if fix.old_policy is Anchor.sampler else train
     assert torch.equal(out.old_logprobs[mask], side[mask]), fix.old_policy
