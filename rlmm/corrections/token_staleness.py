@@ -56,7 +56,7 @@ class TokenStalenessMask(Correction):
         staleness = batch.token_staleness.to(delta.device)
         response = batch.response_mask.to(delta.device) != 0
         stale = staleness > self.max_token_staleness
-        seen = torch.where(response, staleness, 0).to(torch.float64)  # padding may hold anything
+        seen = staleness.to(torch.float64)  # masked_mean and masked_max read the response tokens alone
         return finish(old_logprobs=batch.trainer_logprobs, weights=torch.ones_like(delta), keep=~stale, delta=delta,
                       mask=m, extra={"frac_tokens_stale": masked_mean(stale.double(), response),
                                      "token_staleness_mean": masked_mean(seen, response),
