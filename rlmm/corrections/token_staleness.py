@@ -31,10 +31,10 @@ class TokenStalenessMask(Correction):
     row stays in the batch (its reward in its group's advantages) with no token in the loss (``frac_sequences_masked``).
     xtuner counts N in weight-sync periods of sync_weights_interval steps; rlmm syncs every update, so N counts updates.
     Dropped tokens leave the loss's divisor unless ``algo.count_rejected`` (xtuner's reduced response mask removes
-    them). xtuner logs no figure of the mask; this logs, over the batch's response tokens (the same wherever it
-    stands in a stack), ``frac_tokens_stale`` (the share with s_t > N: alone, its ``frac_tokens_masked``) and
-    ``token_staleness_mean`` / ``token_staleness_max``. Needs the versions (`needs_versions`): a run that tracks none
-    refuses it (`check_versions`), and a batch without them raises.
+    them). xtuner logs no figure of the mask (its buffer counts the expired samples); this logs, over the batch's
+    response tokens (the same wherever it stands in a stack), ``frac_tokens_stale`` (the share with s_t > N: alone,
+    its ``frac_tokens_masked``) and ``token_staleness_mean`` / ``token_staleness_max``. Needs the versions
+    (`needs_versions`): a run that tracks none refuses it (`check_versions`), and a batch without them raises.
 
     Args:
         max_token_staleness: N, the most updates a kept token's weights may lag behind pi_old's; an integer >= 0.
