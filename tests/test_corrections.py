@@ -33,11 +33,11 @@ def random_batch(seed: int = 0, noise: float = 0.3, dtype=torch.float32):
 
 
 def mixed_staleness(mask: torch.Tensor) -> torch.Tensor:
-    """[B, T] int64 token staleness as partial rollouts give it (each response begun by older weights and continued by
-    newer ones): 3, 3, 2, 2, 1, 1, 0, 0, ... updates behind pi_old along each response, 0 on padding. Every option is
-    given it; only those that read it (`needs_versions`) may depend on it."""
-    behind = (3 - torch.arange(mask.size(1)) // 2).clamp_min(0)
-    return torch.where(mask, behind, 0)
+    """[B, T] int64 token staleness as partial rollouts give it, 0 on padding: row i begun i mod 4 updates before
+    pi_old and continued by newer weights, one version every two tokens (row 0: 0, 0, ...; row 3: 3, 3, 2, 2, 1, 1,
+    0, ...). Every option is given it; only those that read it (`needs_versions`) may depend on it."""
+    begun = torch.arange(mask.size(0))[:, None] % 4
+    return torch.where(mask, (begun - torch.arange(mask.size(1)) // 2).clamp_min(0), 0)
 
 
 def with_padding(x: torch.Tensor, mask: torch.Tensor, value: float) -> torch.Tensor:

@@ -2,6 +2,7 @@
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -11,10 +12,12 @@ from omegaconf import OmegaConf
 
 from rlmm.algos.surrogate import ClippedSurrogate
 from rlmm.config.options import CONF_DIR, from_yaml, group_options
+from rlmm.corrections.base import check_versions
 from rlmm.policy.precision import SidePrecision
 from rlmm.run.components import Components
-from rlmm.run.step import rl_step
+from rlmm.run.step import SampledBatch, rl_step, rl_update
 from tests.conftest import build_trainer, sampling, subprocess_env
+from tests.test_corrections import mixed_staleness
 
 # These tests train at staleness 0 with no per-token versions, which a method that reads each token's staleness
 # (`needs_versions`: prox_loglinear) cannot run on; tests/test_prox_approx.py runs its update through update_policy.
@@ -22,6 +25,17 @@ CORRECTIONS = sorted(p.stem for p in (CONF_DIR / "correction").glob("*.yaml")
                      if not from_yaml("correction", p.stem).needs_versions)
 ALGO = dict(group_size=4, normalize_std=True, objective=ClippedSurrogate(0.2, 0.28, None), loss_aggregation="token",
             kl_coef=0.0, kl_estimator="k3", entropy_coef=0.0, count_rejected=False, epochs=1, minibatches=1)
+
+
+def step_with_versions(c: Components, prompts: list, **step) -> dict[str, float]:
+    """`rl_step`, for a correction that reads each token's staleness: a synchronous run tracks no versions and
+    refuses it (`check_versions`), so the batch it samples gets `mixed_staleness` as its versions, a stand-in for
+    those partial rollouts give (the tokens are sampled now; the correction reads only the numbers)."""
+    with pytest.raises(ValueError, match="does not track"):
+        check_versions(c.correction, tracked=False)
+    batch = SampledBatch.now(c, prompts, step.pop("refill", None))
+    batch = replace(batch, token_staleness=mixed_staleness(batch.rollouts.padded_sampler_logprobs()[1]))
+    return rl_update(c, batch, **step)
 
 
 def make_components(model_path, task, sampler_name, trainer_name, precision_name):
@@ -81,8 +95,9 @@ def test_every_correction_runs_two_steps(small_model_path, arithmetic_task, samp
         for name in CORRECTIONS:
             c.correction = instantiate(OmegaConf.load(CONF_DIR / "correction" / f"{name}.yaml"))
             before = {k: v.clone() for k, v in c.trainer.state_dict().items()}
+            step = step_with_versions if c.correction.needs_versions else rl_step
             for reuse_training_forward in (False, True):  # scoring pass first, then the one-pass step
-                metrics = rl_step(c, prompts, ratio_cap=2.0, reuse_training_forward=reuse_training_forward)
+                metrics = step(c, prompts, ratio_cap=2.0, reuse_training_forward=reuse_training_forward)
             namespaces = ("rollout", "mismatch", "agreement", "correction", "loss", "perf", "train")
             assert all(k.split("/")[0] in namespaces for k in metrics)
             assert metrics["train/skipped"] == 0
@@ -121,9 +136,10 @@ def test_every_algorithm_runs_two_steps_with_each_correction(small_model_path, a
     prompts = arithmetic_task.examples("train", 8)
     try:
         before = {k: v.clone() for k, v in c.trainer.state_dict().items()}
+        step = step_with_versions if c.correction.needs_versions else rl_step
         for reuse_training_forward in (False, True):
-            metrics = rl_step(c, prompts[:4], ratio_cap=2.0, reuse_training_forward=reuse_training_forward,
-                              refill=lambda sampling_round: prompts[4:])
+            metrics = step(c, prompts[:4], ratio_cap=2.0, reuse_training_forward=reuse_training_forward,
+                           refill=lambda sampling_round: prompts[4:])
             assert metrics["train/skipped"] == 0 and torch.isfinite(torch.tensor(metrics["loss/loss"]))
         after = c.trainer.state_dict()
         assert any(not torch.equal(before[k], after[k]) for k in before), "the weights did not change"

@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -29,8 +30,9 @@ from rlmm.mismatch.metrics import mismatch_metrics
 from rlmm.policy.precision import SidePrecision
 from rlmm.policy.rollouts import Rollouts
 from rlmm.run.components import Components
-from rlmm.run.step import rl_step
+from rlmm.run.step import SampledBatch, rl_step, rl_update
 from tests.conftest import sampling, torchrun
+from tests.test_corrections import mixed_staleness
 
 FP32 = SidePrecision("fp32", False)
 OPTIONS = sampling(max_new_tokens=6, temperature=0.9)  # T != 1: the trainer must score under T too
@@ -210,13 +212,21 @@ def relative_error(actual: dict[str, torch.Tensor], expected: dict[str, torch.Te
 
 
 def check_step(model_path, arithmetic_task, tmp_path, backend, fix, reuse_training_forward, prompts=4):
-    """Run one `rl_step` with an SGD trainer; return its metrics, the weight change it made, and the reference."""
+    """Run one `rl_step` with an SGD trainer; return its metrics, the weight change it made, and the reference.
+    A correction that reads each token's staleness (`needs_versions`) gets the batch `rl_step` samples with
+    `mixed_staleness` as its versions: a stand-in for those partial rollouts give (the tokens are sampled now; the
+    correction reads only the numbers)."""
     trainer = sgd_trainer(backend, model_path, tmp_path)
     c = components(model_path, arithmetic_task, trainer, fix)
     examples = arithmetic_task.examples("train", prompts)
     try:
         before = weights_of(trainer)
-        metrics = rl_step(c, examples, ratio_cap=2.0, reuse_training_forward=reuse_training_forward)
+        if fix.needs_versions:
+            batch = SampledBatch.now(c, examples, None)
+            batch = replace(batch, token_staleness=mixed_staleness(batch.rollouts.padded_sampler_logprobs()[1]))
+            metrics = rl_update(c, batch, ratio_cap=2.0, reuse_training_forward=reuse_training_forward)
+        else:
+            metrics = rl_step(c, examples, ratio_cap=2.0, reuse_training_forward=reuse_training_forward)
         change = {k: v - before[k] for k, v in weights_of(trainer).items()}
     finally:
         trainer.close()
@@ -275,10 +285,12 @@ def test_each_correction_moves_the_weights_as_its_output_implies(small_model_pat
     fix = correction(name)
     metrics, change, ref = check_step(small_model_path, arithmetic_task, tmp_path, "torch", fix, True)
     advantages = torch.where(ref.mask, ref.advantages[:, None], 0.0)
-    expected = fix(ref.train_logprobs, ref.sampler_logprobs, ref.mask, advantages)
+    staleness = mixed_staleness(ref.mask) if fix.needs_versions else None  # check_step's stand-in versions
+    expected = fix(ref.train_logprobs, ref.sampler_logprobs, ref.mask, advantages, staleness)
     inside = fix.in_update(MicroBatchView(logprobs=ref.train_logprobs, old_logprobs=expected.old_logprobs,
                                           trainer_logprobs=ref.train_logprobs, sampler_logprobs=ref.sampler_logprobs,
-                                          advantages=advantages, mask=expected.mask, weights=expected.weights))
+                                          advantages=advantages, mask=expected.mask, weights=expected.weights,
+                                          token_staleness=staleness))
     assert expected.mask.any()  # something is kept, so the step is not trivially zero
     dropped_before = expected.metrics["frac_tokens_masked"] > 0
     dropped_inside = not torch.equal(inside.mask, expected.mask)
@@ -294,7 +306,8 @@ def test_each_correction_moves_the_weights_as_its_output_implies(small_model_pat
         assert 0 < dropped < 1 and dropped == pytest.approx(1 - (inside.mask.sum() / expected.mask.sum()).item())
     if dropped_before or dropped_inside:  # the split sees what it dropped, wherever it dropped it
         assert metrics["correction/kl_k3_dropped"] > 0, metrics
-    size = correction(name).step_size(BatchView(ref.train_logprobs, ref.sampler_logprobs, ref.mask, advantages))
+    size = correction(name).step_size(BatchView(ref.train_logprobs, ref.sampler_logprobs, ref.mask, advantages,
+                                                token_staleness=staleness))
     assert metrics.get("correction/lr_scale", 1.0) == pytest.approx(size.scale, rel=1e-6)
     if name == "vcpo":  # VCPO's factor is far enough from 1 for an update that ignored it to fail below
         assert size.scale < 0.95, size
