@@ -19,10 +19,8 @@ from rlmm.run.step import SampledBatch, rl_step, rl_update
 from tests.conftest import build_trainer, sampling, subprocess_env
 from tests.test_corrections import mixed_staleness
 
-# These tests train at staleness 0 with no per-token versions, which a method that reads each token's staleness
-# (`needs_versions`: prox_loglinear) cannot run on; tests/test_prox_approx.py runs its update through update_policy.
-CORRECTIONS = sorted(p.stem for p in (CONF_DIR / "correction").glob("*.yaml")
-                     if not from_yaml("correction", p.stem).needs_versions)
+# Every option, those that read each token's staleness (`needs_versions`) on stand-in versions (`step_with_versions`)
+CORRECTIONS = sorted(p.stem for p in (CONF_DIR / "correction").glob("*.yaml"))
 ALGO = dict(group_size=4, normalize_std=True, objective=ClippedSurrogate(0.2, 0.28, None), loss_aggregation="token",
             kl_coef=0.0, kl_estimator="k3", entropy_coef=0.0, count_rejected=False, epochs=1, minibatches=1)
 

@@ -44,7 +44,8 @@ CORRECTIONS = sorted(p.stem for p in (CONF_DIR / "correction").glob("*.yaml"))
 TEST_SETTINGS = {"icepop": {"low": 0.97, "high": 1.03}, "mis": {"high": 1.03}, "seq_mis": {"cap": 1.05},
                  "geo_rs": {"low": 0.97, "high": 1.03}, "token_rs": {"low": 0.97, "high": 1.03},
                  "seq_veto": {"threshold": 0.002}, "m2po": {"threshold": 0.001}, "tv_trust": {"eps": 0.01},
-                 "vcpo": {"power": 100.0}}  # ESS/B is ~0.9987 here: raised to the 100th, a step ~0.87 of the rate
+                 "vcpo": {"power": 100.0},  # ESS/B is ~0.9987 here: raised to the 100th, a step ~0.87 of the rate
+                 "prox_loglinear": {"cap": 1.0}}  # drops the stale tokens whose approximated pi_prox is above mu
 # The options that drop no token by design: weights, rescalings, step sizes, and verl's trust region around π_old,
 # which this test's single optimizer step never leaves (π_θ = π_old at its only forward). Every other option must drop
 # some tokens of this test's batch under its TEST_SETTINGS, so that the checks of what it drops bite: which options
@@ -312,7 +313,8 @@ def test_each_correction_moves_the_weights_as_its_output_implies(small_model_pat
     if name == "vcpo":  # VCPO's factor is far enough from 1 for an update that ignored it to fail below
         assert size.scale < 0.95, size
     rows = list(range(len(ref.rollouts)))
-    expected_change = ref.sgd_step(ref.surrogate(rows, expected.old_logprobs, expected.weights * inside.weights,
+    old = expected.old_logprobs if inside.old_logprobs is None else inside.old_logprobs  # prox_loglinear's own
+    expected_change = ref.sgd_step(ref.surrogate(rows, old, expected.weights * inside.weights,
                                                  expected.mask & inside.mask, counted=expected.mask,
                                                  penalty=inside.penalty), lr=size.scale)
     assert max(v.abs().max().item() for v in expected_change.values()) > 0
@@ -475,9 +477,12 @@ def recorded_rollouts(model_path, task, prompts: int) -> dict:
             "response_ids": rollouts.response_ids, "sampler_logprobs": [lp.tolist() for lp in rollouts.sampler_logprobs]}
 
 
-# The options that can drop tokens inside the update (their class overrides `in_update`) and do so here.
+# The options that can drop tokens inside the update (their class overrides `in_update`) and do so here; not those
+# that read each token's staleness (tests/ranks_step.py samples no versions): prox_loglinear is elementwise per token,
+# and tests/test_prox_approx.py checks its update over one and two micro-batches against AReaL's loss and gradient.
 MASKING_IN_UPDATE = [name for name in CORRECTIONS if name not in NEVER_DROPS
-                     and type(correction(name)).in_update is not Correction.in_update]
+                     and type(correction(name)).in_update is not Correction.in_update
+                     and not correction(name).needs_versions]
 
 
 @pytest.mark.parametrize("name", MASKING_IN_UPDATE)
