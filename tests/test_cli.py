@@ -125,6 +125,10 @@ TRAIN_CASES = [
      "train.rollout_chunk: must be 1 .. sampling.max_new_tokens (8) with train.partial_rollouts=true, got 9"),
     (["train.partial_rollouts=true", "train.staleness=2", "algo=dapo"],
      "train.partial_rollouts=true with algo.max_sampling_rounds=3: refilling dropped groups needs each batch's rewards"),
+    (["correction=token_staleness_mask"], "correction: TokenStalenessMask reads each token's weight version, which "
+                                          "this run does not track (train.staleness=0); use train.staleness >= 1"),
+    (["correction=seq_veto+token_staleness_mask"],
+     "correction: token_staleness_mask reads each token's weight version"),
     (["train.partial_rollouts=true", "train.staleness=2", "routing.compare=true"],
      "train.partial_rollouts=true with routing=none compare=true: a continued response's experts are recomputed"),
     (["train.attribution.every=-2"], "train.attribution.every: must be >= 0, got -2 (0: off)"),

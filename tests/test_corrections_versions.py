@@ -92,8 +92,8 @@ def test_a_batch_without_versions_raises_and_bad_bounds_are_refused():
 
 
 def test_check_versions_refuses_a_reader_of_versions_where_the_run_tracks_none():
-    message = ("{}: {} reads each token's weight version, which this run does not track (train.staleness=0 without "
-               "train.partial_rollouts); use train.staleness >= 1 or train.partial_rollouts=true")
+    message = ("{}: {} reads each token's weight version, which this run does not track (train.staleness=0); use "
+               "train.staleness >= 1, with whole responses or train.partial_rollouts=true")
     mask = TokenStalenessMask(1)
     with pytest.raises(ValueError) as err:
         check_versions(mask, tracked=False)

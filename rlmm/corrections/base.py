@@ -248,7 +248,7 @@ class Correction:
 
 def check_versions(correction: Correction, tracked: bool, option: str = "correction") -> None:
     """Refuse a correction that reads each token's staleness (`needs_versions`) in a run that tracks no versions
-    (`tracked` False: train.staleness=0 without train.partial_rollouts), before any engine starts: ValueError in one
+    (`tracked` False: train.staleness=0, where every token is pi_old's own), before any engine starts: ValueError in one
     line naming `option` and the correction (a stack: its stages that read them)."""
     if not correction.needs_versions or tracked:
         return
@@ -256,8 +256,7 @@ def check_versions(correction: Correction, tracked: bool, option: str = "correct
     named = type(correction).__name__ if stages is None else \
         "+".join(name for name, stage in stages.items() if stage.needs_versions)
     raise ValueError(f"{option}: {named} reads each token's weight version, which this run does not track "
-                     "(train.staleness=0 without train.partial_rollouts); use train.staleness >= 1 or "
-                     "train.partial_rollouts=true")
+                     "(train.staleness=0); use train.staleness >= 1, with whole responses or train.partial_rollouts=true")
 
 
 # What the correction dropped and what it kept, inside the update (`drop_split`; logged by every method).

@@ -23,6 +23,7 @@ from rlmm.run.critic import NoCritic, ValueCritic
 from rlmm.run.interfaces import Algorithm, Correction, Critic, Sampler, Trainer
 from rlmm.runtime.devices import init_process_group, select_device
 from rlmm.runtime.timing import timed
+from rlmm.corrections.base import check_versions
 from rlmm.run.partial_rollouts import check_partial_rollouts
 from rlmm.samplers.bitwise import bitwise_row_width, check_bitwise_arm
 
@@ -81,6 +82,8 @@ def build_components(cfg: DictConfig, prompts: Callable[[object], list], max_row
     quantization = instantiate(cfg.quantization)
     check_bitwise_arm(cfg, precision, quantization, sampling, routing)
     check_partial_rollouts(cfg.get("train"), sampling, routing, algo)
+    if correction is not None and cfg.get("train") is not None:  # per-token versions: the delay line's, k >= 1
+        check_versions(correction, tracked=cfg.train.staleness >= 1)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     prompt_tokens = longest_prompt(tokenizer, prompts(task))
     # sampler=bitwise: the trainer lays every row out alone at the width the sampler decodes at
