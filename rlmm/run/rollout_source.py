@@ -101,42 +101,72 @@ class DelayLine:
     def take(self, step: int) -> SampledBatch:
         seconds: dict[str, float] = {}
         if self.chunk:  # partial rollouts: what is in flight advances a chunk under v_{step-1}, batch `step` to its end
-            for waiting in self.in_flight:
-                waiting.partial.advance(self.c, step - 1, None if waiting.index == step else self.chunk, seconds)
+            self.sample_due(step, seconds)
+            self.sample_ahead(step, seconds)
+            if self.decompose:  # after all of this step's generate calls: vLLM's sleep level 2 drops their weights
+                self.c.sampler.sleep()
+                with timed(seconds, "stale_trainer_logprobs"):  # each batch's tokens sampled this step, at v_{step-1}
+                    for waiting in self.in_flight:
+                        waiting.partial.score_new_tokens(self.c)
+            due = self.pop_due(step)
+            batch = finished(self.c, due.partial, self.prompts_share(step), seconds)
+            return with_versions(replace(batch, seconds=seconds), step, due.version, tracked=True)
         fresh = []
         while self.next_batch <= min(step + self.staleness, self.last_step):
-            prompts, refill = self.prompts_of(self.next_batch)
-            if self.chunk:
-                tokens = None if self.next_batch == step else self.chunk
-                fresh.append(InFlight(self.next_batch, step - 1, None,
-                                      PartialBatch.start(self.c, rank_share(prompts, *rank_and_world()),
-                                                         rank_share(list(range(len(prompts))), *rank_and_world()),
-                                                         step - 1, tokens, self.decompose, seconds)))
-            else:
-                batch = SampledBatch.now(self.c, prompts, refill)
-                for stage, spent in batch.seconds.items():
-                    seconds[stage] = seconds.get(stage, 0.0) + spent
-                fresh.append(InFlight(self.next_batch, step - 1, batch))
+            batch = SampledBatch.now(self.c, *self.prompts_of(self.next_batch))
+            for stage, spent in batch.seconds.items():
+                seconds[stage] = seconds.get(stage, 0.0) + spent
+            fresh.append(InFlight(self.next_batch, step - 1, batch))
             self.next_batch += 1
         self.in_flight.extend(fresh)
-        if self.decompose and (fresh or self.chunk):
+        if self.decompose and fresh:
             # After all of this step's generate calls: vLLM's sleep level 2 would drop the weights they need.
             self.c.sampler.sleep()
             with timed(seconds, "stale_trainer_logprobs"):  # the trainer holds v_{step-1}: the sampling weights
-                if self.chunk:  # each batch's tokens sampled this step
-                    for waiting in self.in_flight:
-                        waiting.partial.score_new_tokens(self.c)
-                for waiting in fresh if not self.chunk else ():
+                for waiting in fresh:
                     # routed as the update will score it (r3: the sampler's experts replayed)
                     waiting.batch.stale_logprobs = self.c.trainer.logprobs(self.c.routing.scored(waiting.batch.rollouts))
+        due = self.pop_due(step)
+        return with_versions(replace(due.batch, seconds=seconds), step, due.version, self.tracked)
+
+    def sample_due(self, step: int, seconds: dict[str, float]) -> None:
+        """Partial rollouts, step `step`'s first generate calls (the sampler holds v_{step-1}): batch `step` to its
+        end (the oldest in flight), or at step 1 sampled whole. `pop_due` may hand it over before `sample_ahead`
+        (`train.overlap`'s sampler process does: the generate calls are the same, in the same order)."""
+        if self.in_flight and self.in_flight[0].index == step:
+            self.in_flight[0].partial.advance(self.c, step - 1, None, seconds)
+        elif not self.in_flight and self.next_batch == step:
+            self.start(step, None, seconds)
+
+    def sample_ahead(self, step: int, seconds: dict[str, float]) -> None:
+        """Partial rollouts, the rest of step `step`'s generate calls, after `sample_due`'s: every later batch in
+        flight a chunk more, in index order, then every batch up to step + k not yet started, its first chunk."""
+        for waiting in self.in_flight:
+            if waiting.index != step:
+                waiting.partial.advance(self.c, step - 1, self.chunk, seconds)
+        for index in range(self.next_batch, min(step + self.staleness, self.last_step) + 1):
+            self.start(step, None if index == step else self.chunk, seconds)
+
+    def start(self, step: int, tokens: int | None, seconds: dict[str, float]) -> None:
+        """Partial rollouts: start the next batch (`next_batch`) at step `step` with its first `tokens` (None:
+        whole)."""
+        prompts = self.prompts_of(self.next_batch)[0]
+        self.in_flight.append(InFlight(self.next_batch, step - 1, None, PartialBatch.start(
+            self.c, rank_share(prompts, *rank_and_world()), rank_share(list(range(len(prompts))), *rank_and_world()),
+            step - 1, tokens, self.decompose, seconds)))
+        self.next_batch += 1
+
+    def pop_due(self, step: int) -> InFlight:
+        """Batch `step`, taken out of the line."""
         if not self.in_flight or self.in_flight[0].index != step:
             held = [waiting.index for waiting in self.in_flight]
             raise RuntimeError(f"train.staleness={self.staleness}: step {step} has no rollouts in flight (holding "
                                f"the batches of steps {held})")
-        due = self.in_flight.popleft()
-        batch = due.batch or finished(self.c, due.partial, rank_share(self.prompts_of(step)[0], *rank_and_world()),
-                                      seconds)
-        return with_versions(replace(batch, seconds=seconds), step, due.version, self.tracked or bool(self.chunk))
+        return self.in_flight.popleft()
+
+    def prompts_share(self, step: int) -> list:
+        """This rank's share of step `step`'s prompts (the rewards of a partial batch are of these)."""
+        return rank_share(self.prompts_of(step)[0], *rank_and_world())
 
     def state_dict(self) -> dict:
         if not self.tracked:
