@@ -1,7 +1,8 @@
 """`train.overlap` (rlmm/run/sampler_process.py, rlmm/run/rollout_source.py's `Overlapped`): each rank's sampler in a
 process of its own, sampling the next batches while the trainer trains, gives the delay line's records on the same
 `train.staleness` (sampler=hf, trainer=torch, fp32 on CPU: every number but the timings, bit for bit), on one rank
-and on two, and through a SIGTERM and a resume; the combinations it cannot run are refused in one line. Every run
+and on two, and through a SIGTERM and a resume, with whole responses and with partial rollouts (whose checkpoint
+either mode resumes); the combinations it cannot run are refused in one line. Every run
 goes through `rlmm train` (about a minute each on 2 busy cores)."""
 import json
 import signal
@@ -97,6 +98,68 @@ def test_two_ranks_each_with_its_sampler_process_give_the_delay_lines_records(sm
     assert rewarded == delay_rewarded and not set(rewarded[0]) & set(rewarded[1])
 
 
+# Partial rollouts (rlmm/run/partial_rollouts.py), k = 2, a token a chunk: every batch spans three weight versions.
+PARTIAL = ("train.staleness=2", "train.partial_rollouts=true", "train.rollout_chunk=1")
+
+
+def partial_command(model_path, run_dir, *overrides):
+    common = [o for o in COMMON if not o.startswith("train.staleness=")]
+    return train_command(model_path, run_dir, *common, PARITY, *PARTIAL, *overrides)
+
+
+def rlmm_train_partial(model_path, run_dir, *overrides):
+    result = subprocess.run(partial_command(model_path, run_dir, *overrides), capture_output=True, text=True,
+                            timeout=600, env=subprocess_env(), stdin=subprocess.DEVNULL)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    return read_steps(run_dir)
+
+
+@pytest.fixture(scope="module")
+def partial_delay_line_rows(small_model_path, tmp_path_factory):
+    """The in-process delay line's record of the partial-rollout run every overlapped one must repeat."""
+    return rlmm_train_partial(small_model_path, tmp_path_factory.mktemp("partial_delay_line"))
+
+
+def test_overlapped_partial_rollouts_give_the_delay_lines_records(small_model_path, partial_delay_line_rows,
+                                                                  tmp_path):
+    """Partial rollouts, k = 2, chunks of 1 token: the sampler process holds the batches in flight and at each step,
+    after the weights of v_{u-1} arrived, finishes batch u, hands it over, then advances batch u+1 a token and
+    starts u+2: the delay line's generate calls, in its order, with its weights and seeds. Every logged number but
+    the timings is the in-process run's, the token staleness included."""
+    rows = rlmm_train_partial(small_model_path, tmp_path, "train.overlap=true")
+    assert [row["step"] for row in rows] == list(range(5))
+    assert [row["rollout/staleness"] for row in rows[1:]] == [0, 1, 2, 2]
+    assert comparable(rows) == comparable(partial_delay_line_rows)
+    assert max(row["rollout/frac_responses_mixed"] for row in rows[1:]) > 0  # responses straddle a sync
+    assert all("perf/rollout_wait_seconds" in row and "perf/generate_seconds" not in row for row in rows[1:])
+    assert all(row["loss/pg_loss"] != 0 for row in partial_delay_line_rows[1:])  # every update moved the weights
+
+
+@pytest.mark.slow  # two stops and resumes: minutes (docs/testing.md)
+@pytest.mark.parametrize("stopped_overlap", [True, False])
+def test_partial_rollouts_resume_across_modes(small_model_path, partial_delay_line_rows, tmp_path, stopped_overlap):
+    """SIGTERM after step 2 in one mode, resumed in the other: the checkpoint holds batches 3 and 4 part-sampled
+    in the delay line's format (3 by v0 and v1, 4 by v1), whichever mode wrote it, and the run ends with the
+    uninterrupted delay line's records."""
+    import torch
+
+    command = partial_command(small_model_path, tmp_path, f"train.overlap={str(stopped_overlap).lower()}")
+    stopped = subprocess.run([sys.executable, "-c", SIGNAL_AFTER_STEP_TWO, *command[3:]], capture_output=True,
+                             text=True, timeout=600, env=subprocess_env(), stdin=subprocess.DEVNULL)
+    assert stopped.returncode == 128 + signal.SIGTERM, (stopped.stdout + stopped.stderr)[-3000:]
+    last = checkpoint.latest(tmp_path)
+    assert json.loads((last / "state.json").read_text())["step"] == 2
+    in_flight = torch.load(last / "rank0.pt", weights_only=True)["rollouts"]["in_flight"]
+    assert [(b["index"], b["version"]) for b in in_flight] == [(3, 0), (4, 1)]
+    assert [{int(v) for row in b["partial"]["rollouts"]["versions"] for v in row} for b in in_flight] == [{0, 1}, {1}]
+
+    other_mode = partial_command(small_model_path, tmp_path, f"train.overlap={str(not stopped_overlap).lower()}")
+    resumed = subprocess.run(other_mode, capture_output=True, text=True, timeout=600, env=subprocess_env(),
+                             stdin=subprocess.DEVNULL)
+    assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-3000:]
+    assert comparable(read_steps(tmp_path)) == comparable(partial_delay_line_rows)
+
+
 def train_options(**values):
     options = OmegaConf.load(CONF_DIR / "train.yaml").train
     options.update(values)
@@ -112,5 +175,8 @@ def test_what_cannot_overlap_is_refused_in_one_line():
     with pytest.raises(ValueError, match=r"^train.overlap=true with train.decompose_staleness=true: .*\(run the "
                                          r"split with train.overlap=false: the same records\)$"):
         check_options(train_options(overlap=True, staleness=2, decompose_staleness=True))
+    with pytest.raises(ValueError, match=r"^train.overlap=true with train.decompose_staleness=true: "):
+        check_options(train_options(overlap=True, staleness=2, partial_rollouts=True, decompose_staleness=True))
     check_options(train_options(overlap=True, staleness=1))
+    check_options(train_options(overlap=True, staleness=2, partial_rollouts=True))  # the sampler process runs them
     check_options(train_options(decompose_staleness=True))

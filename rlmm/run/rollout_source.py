@@ -32,7 +32,9 @@ default), where scoring at training time would hold k copies of the weights (par
 own samples the same batches at the same points with the same weights while the trainer trains, and hands them
 over as they arrive (rlmm/run/sampler_process.py), so the records are the delay line's. It cannot score at sampling
 time (its trainer is past those weights by then), and keeping the weight versions to score later is not done:
-with it the decomposition is refused (the delay line measures it for the same records).
+with it the decomposition is refused (the delay line measures it for the same records). With partial rollouts the
+process runs a `DelayLine` of its own over its engine, which holds the partial batches, and hands batch u over
+between `sample_due` and `sample_ahead`: the delay line's generate calls, in its order, with its weights.
 """
 from __future__ import annotations
 
@@ -188,20 +190,31 @@ class Overlapped:
     records (tests/test_overlap.py). k >= 1 (at 0 the update waits for its own batch: nothing overlaps) and no
     decomposition (the trainer has trained past a batch's weights by the time it arrives): rlmm/run/train.py's
     `check_options` refuses both. The checkpoint's state is the delay line's (so either mode can resume the
-    other's run)."""
+    other's run).
 
-    def __init__(self, sampler, staleness: int, last_step: int):
+    Partial rollouts (`chunk`): the process runs the delay line's partial schedule itself (a `DelayLine` over its
+    engine, holding the partial batches). `take(u)` asks once for step u's sampling, after the weights of v_{u-1}
+    were sent: the process finishes batch u (`DelayLine.sample_due`), hands it over, then advances the later batches
+    a chunk and starts the new ones (`sample_ahead`) while update u trains: the delay line's generate calls, in its
+    order, with its weights. The checkpoint's batches in flight are the process's, sent back on `state_dict` and
+    to it on `load_state_dict`."""
+
+    def __init__(self, sampler, staleness: int, last_step: int, chunk: int | None = None):
         if staleness < 1:
             raise ValueError(f"train.overlap: needs train.staleness >= 1, got {staleness}")
-        self.sampler, self.staleness, self.last_step = sampler, staleness, last_step
-        self.in_flight: deque[InFlight] = deque()  # asked for; `batch` is None until it has arrived
+        self.sampler, self.staleness, self.last_step, self.chunk = sampler, staleness, last_step, chunk
+        # asked for; `batch` is None until it has arrived (partial rollouts: always, the process holds them)
+        self.in_flight: deque[InFlight] = deque()
         self.next_batch = 1  # the first batch not yet asked for
 
     def take(self, step: int) -> SampledBatch:
         seconds: dict[str, float] = {}
         with timed(seconds, "rollout_wait"):  # what the trainer waited; the sampling itself ran beside it
+            if self.chunk:
+                self.sampler.request_partial_step(step)
             while self.next_batch <= min(step + self.staleness, self.last_step):
-                self.sampler.request_batch(self.next_batch)
+                if not self.chunk:
+                    self.sampler.request_batch(self.next_batch)
                 self.in_flight.append(InFlight(self.next_batch, step - 1, None))
                 self.next_batch += 1
             if not self.in_flight or self.in_flight[0].index != step:
@@ -213,14 +226,27 @@ class Overlapped:
         return with_versions(replace(batch, seconds=seconds), step, due.version, tracked=True)
 
     def state_dict(self) -> dict:
-        """The delay line's state: every batch asked for is waited for first."""
+        """The delay line's state: every batch asked for is waited for first (partial rollouts: the process's
+        partial batches, once it has done every request sent before)."""
+        if self.chunk:
+            state = self.sampler.in_flight_state()
+            held = [(waiting.index, waiting.version) for waiting in self.in_flight]
+            sent = [(batch["index"], batch["version"]) for batch in state["in_flight"]]
+            if (sent, state["next_batch"]) != (held, self.next_batch):
+                raise RuntimeError(f"train.overlap: the sampler process holds the batches (index, version) {sent}, "
+                                   f"next {state['next_batch']}; the trainer asked for {held}, next {self.next_batch}")
+            return state
         for waiting in self.in_flight:
             waiting.batch = waiting.batch or self.sampler.receive_batch(waiting.index)
         return {"staleness": self.staleness, "next_batch": self.next_batch,
                 "in_flight": [in_flight_state(waiting) for waiting in self.in_flight]}
 
     def load_state_dict(self, state: dict | None, first_step: int) -> None:
-        self.in_flight, self.next_batch = loaded_in_flight(state, first_step, self.staleness, decompose=False)
+        self.in_flight, self.next_batch = loaded_in_flight(state, first_step, self.staleness, decompose=False,
+                                                           partial=bool(self.chunk))
+        if self.chunk:  # the process continues them; the trainer keeps their places
+            self.sampler.load_in_flight(state, first_step)
+            self.in_flight = deque(InFlight(waiting.index, waiting.version, None) for waiting in self.in_flight)
 
 
 def loaded_in_flight(state: dict | None, first_step: int, staleness: int, decompose: bool,

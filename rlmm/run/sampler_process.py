@@ -11,12 +11,18 @@ they were sent:
     ("weights", weights)  load the trainer's weights (`Sampler.load_weights`)
     ("generate", ...)     a generate call (the greedy evaluation: the deployed policy is the one measured), reply it
     ("calls", None | n)   reply the engine's sampling-call counter, or set it (a checkpoint's)
+    ("partial", s)        `train.partial_rollouts`: step s's sampling, the delay line's partial schedule run here (a
+                          `DelayLine` over this engine holds the partial batches): batch s finished, replied as soon
+                          as it is complete, then the later batches advanced a chunk and the new ones started
+    ("in_flight", None | state)  partial rollouts: reply the batches in flight as the delay line's checkpoint state,
+                          or load one (a checkpoint's, pickled)
     ("close",)            close the engine and end
 
 One queue of requests, answered in order, is what makes the records those of the delay line: a batch is
 sampled with the weights of every "weights" request sent before its "sample" request and of none after, and
 the engine's call counter, and with it every request's seed (rlmm/samplers/base.py::request_seed), counts the
-same calls in the same order.
+same calls in the same order. With partial rollouts a batch's chunks are sampled here across several "partial"
+requests, each after the weights of the update before it.
 
 The processes of the N ranks form a process group of their own (gloo; the port picked by trainer rank 0 and
 broadcast over the trainers' group), with the trainers' ranks: the trainers' group never includes a sampler, so
@@ -77,6 +83,7 @@ class SamplingSide:
     tokenizer: object
     sampler: object
     algo: object
+    sampling: object  # `SamplingOptions` (a partial batch reads max_new_tokens)
 
 
 def sampler_local_rank(local_rank: int, local_world: int, cuda: bool) -> int:
@@ -156,6 +163,21 @@ class SamplerProcess:
     def request_batch(self, index: int) -> None:
         """Ask for batch `index`, sampled with the weights sent so far."""
         self._send("sample", index)
+
+    def request_partial_step(self, step: int) -> None:
+        """Partial rollouts: ask for step `step`'s sampling with the weights sent so far (batch `step` comes back:
+        `receive_batch`)."""
+        self._send("partial", step)
+
+    def in_flight_state(self) -> dict:
+        """Partial rollouts: the process's batches in flight, as the delay line's `state_dict`."""
+        self._send("in_flight", None)
+        return self._receive("in_flight")
+
+    def load_in_flight(self, state: dict | None, first_step: int) -> None:
+        """Partial rollouts: the process continues from a checkpoint's batches in flight (pickled: many small
+        tensors, each of which would cost a file descriptor shared)."""
+        self._send("in_flight", pickle.dumps((state, first_step)))
 
     def receive_batch(self, index: int):
         """Batch `index` (a `SampledBatch`), waiting for it if it has not arrived."""
@@ -252,7 +274,12 @@ def serve(cfg, engine_args: dict, env: dict, threads: int, requests, responses, 
         return
     reply("ready", side.sampler.actual_precision)
     parent = multiprocessing.parent_process()
+    from rlmm.run.rollout_source import DelayLine, finished
     from rlmm.run.step import SampledBatch
+
+    options = cfg.train
+    line = (DelayLine(side, prompts_of, options.staleness, False, options.steps, chunk=options.rollout_chunk)
+            if options.partial_rollouts else None)  # partial rollouts: the batches in flight, held here
 
     try:
         while True:
@@ -274,6 +301,17 @@ def serve(cfg, engine_args: dict, env: dict, threads: int, requests, responses, 
                     prompt_ids, n, greedy, request_ids, max_new_tokens = value
                     reply("rollouts", side.sampler.generate(prompt_ids, n=n, greedy=greedy, request_ids=request_ids,
                                                             max_new_tokens=max_new_tokens))
+                elif kind == "partial":  # the delay line's calls at step `value`, the due batch handed over first
+                    seconds = {}
+                    line.sample_due(value, seconds)
+                    due = line.pop_due(value)
+                    reply("batch", (value, finished(side, due.partial, line.prompts_share(value), seconds)))
+                    line.sample_ahead(value, seconds)
+                elif kind == "in_flight":
+                    if value is None:
+                        reply("in_flight", line.state_dict())
+                    else:
+                        line.load_state_dict(*pickle.loads(value))
                 elif kind == "calls":
                     if value is None:
                         reply("calls", side.sampler.calls)
@@ -308,6 +346,7 @@ def build_sampling_side(cfg, engine_args: dict):
     task = instantiate(cfg.task)
     options = cfg.train
     side = SamplingSide(task=task, tokenizer=AutoTokenizer.from_pretrained(engine_args["model_path"]),
-                        sampler=build(cfg.sampler, **engine_args), algo=instantiate(cfg.algo))
+                        sampler=build(cfg.sampler, **engine_args), algo=instantiate(cfg.algo),
+                        sampling=engine_args["sampling"])
     examples = task.examples("train", options.steps * options.prompts_per_step)
     return side, prompt_stream(examples, cfg.seed, options.prompts_per_step)

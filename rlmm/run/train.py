@@ -56,9 +56,6 @@ def check_options(options: DictConfig) -> None:
     if options.partial_rollouts and options.staleness < 1:
         raise ValueError(f"train.partial_rollouts=true needs train.staleness >= 1, got {options.staleness} (at 0 no "
                          f"weight sync falls inside a batch's sampling: nothing to continue under new weights)")
-    if options.partial_rollouts and options.overlap:
-        raise ValueError("train.partial_rollouts=true with train.overlap=true: the sampler process samples whole "
-                         "responses only (run partial rollouts with train.overlap=false)")
     if options.overlap and options.decompose_staleness:
         raise ValueError("train.overlap=true with train.decompose_staleness=true: the overlapped trainer has trained "
                          "past the weights that sampled a batch by the time it arrives, so it cannot score it there "
@@ -118,10 +115,10 @@ def run_train(cfg: DictConfig, run_dir: Path, choices: dict[str, str], logger) -
     # Each update's rollouts: batch j holds step j's prompts (and DAPO's refills of (seed, j, round)), sampled
     # `train.staleness` updates before the update that trains on it, here or (`train.overlap`) by this rank's
     # sampler process while the trainer trains; those in flight come back from the checkpoint.
-    rollouts = (Overlapped(sampler, options.staleness, options.steps) if options.overlap else
+    chunk = options.rollout_chunk if options.partial_rollouts else None
+    rollouts = (Overlapped(sampler, options.staleness, options.steps, chunk) if options.overlap else
                 DelayLine(components, prompt_stream(train_examples, cfg.seed, options.prompts_per_step),
-                          options.staleness, options.decompose_staleness, options.steps,
-                          chunk=options.rollout_chunk if options.partial_rollouts else None))
+                          options.staleness, options.decompose_staleness, options.steps, chunk=chunk))
     if last:
         rollouts.load_state_dict(resumed["rollouts"], first_step)
 
