@@ -187,6 +187,15 @@ MUTANTS = [
             ("rlmm/run/sampler_process.py", "for name, tensor in state_dict.items()})",
              "for name, tensor in state_dict.items()}\n        if late is not None:\n"
              "            self._send(\"weights\", late)")], tests=("tests/test_overlap.py",)),
+    Mutant("partial_advance_after_newer_weights", "train.overlap with partial rollouts: the sampler process advances "
+           "the batches in flight and starts the new ones of step u at step u+1, after the weights of update u",
+           [("rlmm/run/sampler_process.py", "                    line.sample_due(value, seconds)\n",
+             "                    if getattr(line, \"pending\", None):\n"
+             "                        line.sample_ahead(line.pending, seconds)\n"
+             "                    line.sample_due(value, seconds)\n"),
+            ("rlmm/run/sampler_process.py", "                    line.sample_ahead(value, seconds)\n",
+             "                    line.pending = value\n")],
+           tests=("tests/test_overlap.py::test_overlapped_partial_rollouts_give_the_delay_lines_records",)),
     Mutant("loss_metrics_averaged_over_micro_batches", "the logged loss is the mean of micro-batch shares, not their sum",
            [("rlmm/mismatch/loss_stats.py", "    loss: Annotated[float, Combine.SUM]  # the value minimised",
              "    loss: Annotated[float, Combine.TOKEN_MEAN]  # the value minimised"),
