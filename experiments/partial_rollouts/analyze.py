@@ -10,8 +10,8 @@ x whole / partial x 8 seeds).
    `difference_stats`; Holm's p over the corrections: statsmodels).
 2. Within each mode, each correction against TIS (the recomputed pi_old with token IS: decoupled PPO as rlmm runs it),
    paired by seed, Holm over the 8 comparisons: does sequence TIS lose on mixed responses (seq_tis − tis under
-   partial rollouts, beside the same under whole responses), does the approximated proximal policy cost accuracy
-   (prox_loglinear − tis)?
+   partial rollouts, beside the same under whole responses, and their difference: the interaction), does the
+   approximated proximal policy cost accuracy (prox_loglinear − tis)?
 3. What each arm trained with (means over its steps, then over seeds): token staleness, the share of responses that
    straddle a sync, the mismatch (mean |δ|, KL k3), the tokens its correction dropped, and prox_loglinear's error
    against the recomputed pi_old.
@@ -78,6 +78,15 @@ def against_tis(runs: pd.DataFrame, key: str) -> pd.DataFrame:
                               for m in MODES for c in CORRECTIONS if c != "tis" and (m, c) in arm and (m, "tis") in arm]))
 
 
+def interaction(runs: pd.DataFrame, key: str) -> pd.DataFrame:
+    """(c − tis under partial rollouts) − (c − tis under whole responses), paired by seed: what mixing versions in a
+    response changes in a correction's gap to TIS."""
+    arm = {(m, c): part.set_index("seed")[key] for (m, c), part in runs.groupby(["mode", "correction"])}
+    gap = {m: {c: arm[m, c] - arm[m, "tis"] for c in CORRECTIONS if c != "tis" and (m, c) in arm} for m in MODES}
+    return holm(pd.DataFrame([{"correction": c, **paired(gap["partial"][c], gap["whole"][c])}
+                              for c in gap["partial"] if c in gap["whole"]]))
+
+
 def row(r) -> str:
     return (f"{r.n} | {r.a:.4f} | {r.b:.4f} | {r.mean_diff:+.4f} [{r.ci_low:+.4f}, {r.ci_high:+.4f}] | {r.p:.2g} | "
             f"{r.p_holm:.2g} |")
@@ -97,6 +106,11 @@ def main(sweep: str) -> None:
         print("| --- | --- | --- | --- | --- | --- | --- | --- |")
         for r in against_tis(runs, key).itertuples():
             print(f"| {r.mode} | {r.correction} | " + row(r))
+        print(f"\n{label}: (correction − tis | partial) − (correction − tis | whole), paired by seed, Holm\n")
+        print("| correction | n | gap, partial | gap, whole | Δ [95% CI] | p | p (Holm) |")
+        print("| --- | --- | --- | --- | --- | --- | --- |")
+        for r in interaction(runs, key).itertuples():
+            print(f"| {r.correction} | " + row(r))
     print("\nwhat each arm trained with (means over its steps, then over seeds)\n")
     print("| rollouts | correction | runs | " + " | ".join(STEPS.values()) + " |")
     print("| --- | --- | --- | " + " | ".join("---" for _ in STEPS) + " |")
@@ -114,8 +128,9 @@ def plot(runs: pd.DataFrame, path: Path) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.2), sharey=True)
     key = "eval_accuracy_trained_end"
     for ax, (table, names, title) in zip(axes, [
-            (t := partial_vs_whole(runs, key), list(t["correction"]), "partial − whole responses, same correction"),
-            (u := against_tis(runs, key), [f"{m}\n{c}" for m, c in zip(u["mode"], u["correction"])],
+            (t := partial_vs_whole(runs, key), [c.replace("_", "\n") for c in t["correction"]],
+             "partial − whole responses, same correction"),
+            (u := against_tis(runs, key), [f"{m}\n{c.replace('_', chr(10))}" for m, c in zip(u["mode"], u["correction"])],
              "correction − tis, same rollouts")]):
         ax.errorbar(range(len(table)), table["mean_diff"],
                     yerr=[table["mean_diff"] - table["ci_low"], table["ci_high"] - table["mean_diff"]], fmt="o")
