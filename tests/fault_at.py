@@ -8,7 +8,9 @@ At the N-th time (1-based) the run reaches POINT, ACTION happens:
     sigint  send this process SIGINT (Ctrl-C in its terminal), then go on
 
 POINT (the function whose N-th call it is):
-    sampling        entering rlmm.run.step.sample_groups (the sampler generating a step's rollouts)
+    sampling        entering rlmm.run.step.sample_groups (the sampler generating a step's rollouts) or, with
+                    `train.partial_rollouts`, PartialBatch.start or PartialBatch.advance (one batch's first chunk,
+                    or its next chunk or its rest: each batch in flight is one call, so several a step)
     update          entering rlmm.run.step.OldPolicy.score (the update, between the scoring forward and the optimizer)
     weight_sync     entering rlmm.run.step.send_weights (the trainer has stepped, the sampler has the old weights)
     record          RunRecord.log (a kill writes half of the row first: a torn last line)
@@ -115,7 +117,11 @@ def main() -> None:
     from rlmm.run.sampler_process import SamplerProcess
 
     if POINT == "sampling":
+        from rlmm.run.partial_rollouts import PartialBatch
+
         before(rlmm.run.step, "sample_groups")
+        before(PartialBatch, "start")  # a classmethod: looked up on the class, the wrapper gets (c, ...)
+        before(PartialBatch, "advance")
     elif POINT == "update":
         before(rlmm.run.step.OldPolicy, "score")
     elif POINT == "weight_sync":

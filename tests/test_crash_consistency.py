@@ -3,9 +3,10 @@ step: tests/fault_at.py), then the same command again, must end with the records
 every step row once, every number but the timings equal, the summary written, no half-written checkpoint left,
 and no file outside the run directory changed.
 
-The default run tries a few points (a torn row of steps.jsonl, a checkpoint half written, the weight sync); the
-whole sweep (every point at every step, with staleness 1 and its batch in flight, the overlapped sampler whose
-process is killed instead, and the MoE model under routing replay) is `slow`: docs/testing.md has its figures. So
+The default run tries a few points (a torn row of steps.jsonl, a checkpoint half written, the weight sync, a chunk
+of partial rollouts); the whole sweep (every point at every step, with staleness 1 and its batch in flight, the
+overlapped sampler whose process is killed instead, the MoE model under routing replay, and partial rollouts at
+staleness 2 with responses half sampled in flight) is `slow`: docs/testing.md has its figures. So
 is the sweep of damage a user or a disk does to a killed run's directory (a torn or repeated middle row, flipped
 checkpoint bytes, the newest checkpoint removed) and Ctrl-C, each in every variant (issue 50; each damage's
 default check is in tests/test_damaged_runs.py).
@@ -31,15 +32,24 @@ VARIANTS = {
     "staleness1": ("train.staleness=1",),  # a batch in flight between steps, in the checkpoint
     "overlap": ("train.staleness=1", "train.overlap=true"),  # the sampler in a process of its own
     "moe_r3": ("model=tiny_moe", "routing=r3"),  # the sampler's experts replayed in every policy forward
+    # responses sampled a token per weight sync: after step 1 batches 2 and 3 are in flight half sampled
+    "partial": ("train.staleness=2", "train.partial_rollouts=true", "train.rollout_chunk=1"),
 }
 # The calls of each point in a 3-step run with a checkpoint every step, counted (RunRecord.log is also step 0's).
 POINTS = {"sampling": 3, "update": 3, "weight_sync": 3, "record": 4, "record_written": 4, "checkpoint": 3,
           "checkpointed": 3}
-DEFAULT = [("sync", "record", 3), ("sync", "checkpoint", 2), ("staleness1", "weight_sync", 2)]
+# Partial rollouts: `sampling` is a call per batch and chunk (tests/fault_at.py): step 1 starts batches 1-3 (calls
+# 1-3: batch 1 whole, 2 and 3 a token each), step 2 advances batches 2 (to its end) and 3 (a token) (calls 4-5),
+# step 3 finishes batch 3 (call 6).
+POINTS_OF = {variant: POINTS for variant in VARIANTS} | {"partial": {**POINTS, "sampling": 6}}
+# partial, sampling 5: step 2, batch 2 finished in memory, batch 3 (a token sampled under v_0, in step 1's checkpoint)
+# being continued under v_1
+DEFAULT = [("sync", "record", 3), ("sync", "checkpoint", 2), ("staleness1", "weight_sync", 2),
+           ("partial", "sampling", 5)]
 
 
 def every_point() -> list[tuple[str, str, int]]:
-    points = [(variant, point, n) for variant in VARIANTS for point, calls in POINTS.items()
+    points = [(variant, point, n) for variant in VARIANTS for point, calls in POINTS_OF[variant].items()
               for n in range(1, calls + 1) if variant != "overlap" or point not in ("sampling",)]
     points += [("overlap", "sampler_process", n) for n in (1, 2, 3)]
     return [p for p in points if p not in DEFAULT]
@@ -101,7 +111,7 @@ def test_a_run_killed_at_a_point_resumes_to_the_uninterrupted_records(straight_r
     assert_killed_run_resumes_to_the_straight_records(straight_runs, tmp_path, variant, point, n)
 
 
-@pytest.mark.slow  # ~70 kill points x two runs of seconds each: minutes (docs/testing.md)
+@pytest.mark.slow  # 114 kill points x two runs of seconds each: tens of minutes (docs/testing.md)
 @pytest.mark.parametrize("variant,point,n", every_point())
 def test_every_kill_point_resumes_to_the_uninterrupted_records(straight_runs, tmp_path, variant, point, n):
     assert_killed_run_resumes_to_the_straight_records(straight_runs, tmp_path, variant, point, n)
@@ -138,7 +148,7 @@ def damage_then_resume(run_dir: Path, overrides: tuple, damage: str) -> None:
 DAMAGES = ("torn_middle_row", "repeated_middle_row", "flipped_checkpoint", "newest_checkpoint_removed", "sigint")
 
 
-@pytest.mark.slow  # 20 damaged runs x two runs of seconds each (docs/testing.md); each damage's default check:
+@pytest.mark.slow  # 25 damaged runs x two runs of seconds each (docs/testing.md); each damage's default check:
 @pytest.mark.parametrize("variant", VARIANTS)  # tests/test_damaged_runs.py
 @pytest.mark.parametrize("damage", DAMAGES)
 def test_every_damage_resumes_to_the_uninterrupted_records(straight_runs, tmp_path, variant, damage):
