@@ -50,8 +50,10 @@ def test_layouts_benchmark_counts_what_each_layout_computes(tmp_path):
 
 def test_staleness_benchmark_times_both_arms_in_one_process(tmp_path):
     """`benchmarks/staleness.py` runs a real train run per arm in one process and times the steps between its
-    logged rows; the staleness-1 arm's timed steps train on rollouts one update old, and `train.overlap` is a row
-    only where the config has the key (else skipped with a line saying so)."""
+    logged rows; the staleness-1 arms' timed steps train on rollouts one update old (the partial arm's tokens less:
+    only each response's first chunk is), `train.overlap` is a row only where the config has the key (else skipped
+    with a line saying so), and an arm `rlmm train` refuses (partial rollouts overlapped, while the sampler process
+    samples whole responses only) is a skipped row with the refusal."""
     from omegaconf import OmegaConf
 
     from rlmm.config.options import CONF_DIR
@@ -64,13 +66,26 @@ def test_staleness_benchmark_times_both_arms_in_one_process(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     record = json.loads(out.read_text())
     has_overlap = "overlap" in OmegaConf.load(CONF_DIR / "train.yaml").train
-    assert list(record["summary"]) == ["staleness=0", "staleness=1"] + (["overlap"] if has_overlap else [])
+    overlapped_partial = [] if "partial+overlap" in record["skipped"] else ["partial+overlap"]
+    assert list(record["summary"]) == (["staleness=0", "staleness=1"] + (["overlap"] if has_overlap else [])
+                                       + ["partial"] + overlapped_partial)
     assert ("overlap" in record["skipped"]) != has_overlap
-    assert record["summary"]["staleness=0"]["vs_staleness_0"] == 1.0
+    if "partial+overlap" in record["skipped"]:
+        assert "train.partial_rollouts=true with train.overlap=true" in record["skipped"]["partial+overlap"]
+    assert record["chunk"] == 2 and record["summary"]["staleness=0"]["vs_staleness_0"] == 1.0
+    for arm, s in record["summary"].items():
+        assert s["generate_median"] is None if "overlap" in arm else s["generate_median"] > 0
+        assert s["sampler_idle_median"] is None if "overlap" in arm else 0 < s["sampler_idle_median"] < s["step_max"]
+        assert s["train_median"] > 0 and (s["rollout_wait_median"] is not None) == ("overlap" in arm)
     for run in record["runs"]:
         assert sorted(int(s) for s in run["step_seconds"]) == [1, 2, 3, 4]  # step 0's evaluation row first
         assert all(t > 0 for t in run["step_seconds"].values())
-        assert run["staleness_logged"] == ([1.0, 1.0] if run["arm"] in ("staleness=1", "overlap") else [None, None])
+        assert run["staleness_logged"] == ([None, None] if run["arm"] == "staleness=0" else [1.0, 1.0])
+        # partial: each response's first 2 tokens (of up to 8) one update old, the rest fresh; whole: all of them old
+        if run["arm"].startswith("partial"):
+            assert all(0 < t < 1 for t in run["token_staleness_logged"]), run["token_staleness_logged"]
+        else:
+            assert run["token_staleness_logged"] == ([None, None] if run["arm"] == "staleness=0" else [1.0, 1.0])
 
 
 def test_moe_expert_kernel_benchmark_times_both_kernels_on_the_same_logits(tmp_path):
