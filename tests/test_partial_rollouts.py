@@ -150,7 +150,10 @@ def test_kept_sets_join_across_chunks():
     assert all(torch.equal(getattr(joined, k), getattr(whole, k)) for k in ("ids", "offsets", "capped"))
 
 
-@pytest.mark.parametrize("sampler", ["hf", pytest.param("vllm", marks=pytest.mark.slow)])  # slow: 3 vLLM starts
+# slow: three processes (20 s with hf, 2 min with vLLM); the default suite resumes a partial run killed mid-chunk in
+# tests/test_crash_consistency.py (its `partial` variant's default point)
+@pytest.mark.slow
+@pytest.mark.parametrize("sampler", ["hf", "vllm"])
 def test_partial_rollouts_stopped_by_sigterm_resume_to_the_uninterrupted_numbers(small_model_path, tmp_path, sampler):
     """k = 2, chunks of 2 tokens, with the decomposition; SIGTERM after step 2: the checkpoint holds batches 3 and 4
     part-sampled (3 by v0 and v1, 4 by v1), and the resumed run logs every number the uninterrupted one logs."""

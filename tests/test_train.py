@@ -493,7 +493,7 @@ class ShutdownWatch:
         monkeypatch.setattr(rlmm.run.train, "Evaluation", FakeEvaluation)
         monkeypatch.setattr(rlmm.run.train, "RunRecord", WatchedRecord)
         class NoRollouts:  # the delay line, with nothing to sample: `step` stands for the whole RL step
-            def __init__(self, *args):
+            def __init__(self, *args, **kwargs):
                 pass
 
             def take(self, step):

@@ -92,7 +92,7 @@ class LogLinearProximal(Correction):
     needs_versions = True
     replaces_old_logprobs = True
 
-    def __init__(self, cap: float, clock: VersionClock | str = VersionClock.trainer):
+    def __init__(self, cap: float, clock: VersionClock | str):
         self.cap = check_cap(cap)
         self.clock = choice(VersionClock, clock, "clock")
 
