@@ -30,9 +30,8 @@ overlapped sampler, whose process does not report its own); and the token stalen
 (`rollout/token_staleness_mean`).
 
 `train.overlap` is being built elsewhere: when conf/train.yaml has no such key, its row says so and is skipped. An
-arm that `rlmm train` refuses (exit 2: `rlmm.run.train.check_options`, e.g. partial rollouts overlapped while the
-sampler process samples whole responses only) is a skipped row with the refusal's reason; once the tree allows it,
-it runs.
+arm that `rlmm train` refuses (exit 2: `rlmm.run.train.check_options`) is a skipped row with the refusal's reason
+(partial rollouts overlapped were, before the sampler process could continue responses).
 """
 from __future__ import annotations
 
