@@ -52,8 +52,8 @@ def test_staleness_benchmark_times_both_arms_in_one_process(tmp_path):
     """`benchmarks/staleness.py` runs a real train run per arm in one process and times the steps between its
     logged rows; the staleness-1 arms' timed steps train on rollouts one update old (the partial arm's tokens less:
     only each response's first chunk is), `train.overlap` is a row only where the config has the key (else skipped
-    with a line saying so), and an arm `rlmm train` refuses (partial rollouts overlapped, while the sampler process
-    samples whole responses only) is a skipped row with the refusal."""
+    with a line saying so), and an arm `rlmm train` refuses (partial rollouts overlapped did, before the sampler process
+    could continue responses) is a skipped row with the refusal."""
     from omegaconf import OmegaConf
 
     from rlmm.config.options import CONF_DIR
