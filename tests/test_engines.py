@@ -317,7 +317,7 @@ def test_a_response_continued_in_chunks_is_the_response_decoded_whole(engine, vl
             logprobs[row].append(more.sampler_logprobs[i])
     assert tokens == whole.response_ids
     assert any(len(lp) == 3 for lp in logprobs)  # some response was continued twice
-    for row, lp in enumerate(logprobs):
-        torch.testing.assert_close(torch.cat(lp), whole.sampler_logprobs[row], atol=1e-5, rtol=0)
+    for row, lp in enumerate(logprobs):  # prefill against decode kernels: this file's cross-kernel bound in fp32
+        torch.testing.assert_close(torch.cat(lp), whole.sampler_logprobs[row], atol=1e-4, rtol=0)
     if engine != "vllm":
         sampler.close()
