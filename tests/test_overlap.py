@@ -4,22 +4,18 @@ process of its own, sampling the next batches while the trainer trains, gives th
 and on two, and through a SIGTERM and a resume, with whole responses and with partial rollouts (whose checkpoint
 either mode resumes); the combinations it cannot run are refused in one line. Every run
 goes through `rlmm train` (about a minute each on 2 busy cores)."""
-import json
-import signal
 import subprocess
-import sys
 from collections import Counter
 
 import pytest
 from omegaconf import OmegaConf
 
 from rlmm.config.options import CONF_DIR
-from rlmm.run import checkpoint
 from rlmm.run.records import read_steps
 from rlmm.run.train import check_options
 from tests.conftest import subprocess_env, torchrun
 from tests.test_reliability import comparable, train_command
-from tests.test_staleness import SIGNAL_AFTER_STEP_TWO
+from tests.test_staleness import stopped_after_step_two
 
 # trainer.lr 1e-3: every update moves the weights well beyond rounding, so a batch sampled with other weights
 # than the delay line's shows in its tokens and log-probs.
@@ -61,15 +57,8 @@ def test_overlapped_run_stopped_by_sigterm_resumes_to_the_uninterrupted_numbers(
     with the sampler's call count, as the delay line's would; the resumed overlapped run repeats the uninterrupted
     in-process one."""
     command = train_command(small_model_path, tmp_path, *COMMON, PARITY, "train.overlap=true")
-    stopped = subprocess.run([sys.executable, "-c", SIGNAL_AFTER_STEP_TWO, *command[3:]], capture_output=True,
-                             text=True, timeout=600, env=subprocess_env(), stdin=subprocess.DEVNULL)
-    assert stopped.returncode == 128 + signal.SIGTERM, (stopped.stdout + stopped.stderr)[-3000:]
-    last = checkpoint.latest(tmp_path)
-    state = json.loads((last / "state.json").read_text())
-    assert state["step"] == 2 and state["sampler_calls"] == 3  # batches 1, 2, 3: one generate call each
-    import torch
-
-    in_flight = torch.load(last / "rank0.pt", weights_only=True)["rollouts"]["in_flight"]
+    state, in_flight = stopped_after_step_two(command, tmp_path)
+    assert state["sampler_calls"] == 3  # batches 1, 2, 3: one generate call each
     assert [(b["index"], b["version"]) for b in in_flight] == [(3, 1)]
 
     resumed = subprocess.run(command, capture_output=True, text=True, timeout=600, env=subprocess_env(),
@@ -141,15 +130,8 @@ def test_partial_rollouts_resume_across_modes(small_model_path, partial_delay_li
     """SIGTERM after step 2 in one mode, resumed in the other: the checkpoint holds batches 3 and 4 part-sampled
     in the delay line's format (3 by v0 and v1, 4 by v1), whichever mode wrote it, and the run ends with the
     uninterrupted delay line's records."""
-    import torch
-
     command = partial_command(small_model_path, tmp_path, f"train.overlap={str(stopped_overlap).lower()}")
-    stopped = subprocess.run([sys.executable, "-c", SIGNAL_AFTER_STEP_TWO, *command[3:]], capture_output=True,
-                             text=True, timeout=600, env=subprocess_env(), stdin=subprocess.DEVNULL)
-    assert stopped.returncode == 128 + signal.SIGTERM, (stopped.stdout + stopped.stderr)[-3000:]
-    last = checkpoint.latest(tmp_path)
-    assert json.loads((last / "state.json").read_text())["step"] == 2
-    in_flight = torch.load(last / "rank0.pt", weights_only=True)["rollouts"]["in_flight"]
+    _, in_flight = stopped_after_step_two(command, tmp_path)
     assert [(b["index"], b["version"]) for b in in_flight] == [(3, 0), (4, 1)]
     assert [{int(v) for row in b["partial"]["rollouts"]["versions"] for v in row} for b in in_flight] == [{0, 1}, {1}]
 

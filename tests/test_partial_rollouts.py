@@ -2,24 +2,20 @@
 each token labelled with the version that sampled it. In-process runs use the tests' small model with transformers
 sampling and the torch trainer in fp32 (tests/test_staleness.py's components); the resume goes through `rlmm train`
 with the real vLLM sampler."""
-import json
-import signal
 import subprocess
-import sys
 
 import pytest
 import torch
 
 from rlmm.mismatch.metrics import staleness_decomposition
 from rlmm.policy.rollouts import KeptTokens
-from rlmm.run import checkpoint
 from rlmm.run.records import read_steps
 from rlmm.run.rollout_source import DelayLine
 from rlmm.run.step import rl_update, token_staleness_metrics
 from tests.conftest import subprocess_env
 from tests.test_reliability import comparable, train_command
-from tests.test_staleness import (PROMPTS_PER_STEP, SIGNAL_AFTER_STEP_TWO, closing, components, fingerprint,
-                                  prompts_of, without_timings)
+from tests.test_staleness import (PROMPTS_PER_STEP, closing, components, fingerprint, prompts_of,
+                                  stopped_after_step_two, without_timings)
 from tests.test_train import ParityTask
 
 MAX_NEW_TOKENS = 6  # tests/test_staleness.py's components sample at most 6 tokens
@@ -164,12 +160,7 @@ def test_partial_rollouts_stopped_by_sigterm_resume_to_the_uninterrupted_numbers
                             timeout=600, env=subprocess_env(), stdin=subprocess.DEVNULL)
     assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
     command = train_command(small_model_path, interrupted, *common)
-    stopped = subprocess.run([sys.executable, "-c", SIGNAL_AFTER_STEP_TWO, *command[3:]], capture_output=True,
-                             text=True, timeout=600, env=subprocess_env(), stdin=subprocess.DEVNULL)
-    assert stopped.returncode == 128 + signal.SIGTERM, (stopped.stdout + stopped.stderr)[-3000:]
-    last = checkpoint.latest(interrupted)
-    assert json.loads((last / "state.json").read_text())["step"] == 2
-    in_flight = torch.load(last / "rank0.pt", weights_only=True)["rollouts"]["in_flight"]
+    _, in_flight = stopped_after_step_two(command, interrupted)
     assert [(b["index"], b["version"]) for b in in_flight] == [(3, 0), (4, 1)]
     held = [{int(v) for row in b["partial"]["rollouts"]["versions"] for v in row} for b in in_flight]
     assert held == [{0, 1}, {1}]  # batch 3: a chunk under v0, the open rows one more under v1

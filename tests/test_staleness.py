@@ -228,6 +228,19 @@ main(sys.argv[1:])
 """
 
 
+def stopped_after_step_two(command: list[str], run_dir) -> tuple[dict, list[dict]]:
+    """`rlmm train` `command` (tests/test_reliability.py's `train_command`, writing to `run_dir`) SIGTERMed after
+    step 2: it must exit as a stop does, its newest checkpoint at step 2; returns that checkpoint's state.json and
+    its rank 0's rollouts in flight."""
+    stopped = subprocess.run([sys.executable, "-c", SIGNAL_AFTER_STEP_TWO, *command[3:]], capture_output=True,
+                             text=True, timeout=600, env=subprocess_env(), stdin=subprocess.DEVNULL)
+    assert stopped.returncode == 128 + signal.SIGTERM, (stopped.stdout + stopped.stderr)[-3000:]
+    last = checkpoint.latest(run_dir)
+    state = json.loads((last / "state.json").read_text())
+    assert state["step"] == 2
+    return state, torch.load(last / "rank0.pt", weights_only=True)["rollouts"]["in_flight"]
+
+
 def test_staleness_2_stopped_by_sigterm_resumes_to_the_uninterrupted_numbers(small_model_path, tmp_path):
     """k = 2 with the decomposition, SIGTERM after step 2: the checkpoint holds the two batches in flight (sampled
     with v_0 and v_1) with their stale log-probs, and the resumed run logs every number the uninterrupted one
@@ -241,12 +254,7 @@ def test_staleness_2_stopped_by_sigterm_resumes_to_the_uninterrupted_numbers(sma
     assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
 
     command = train_command(small_model_path, interrupted, *common)
-    stopped = subprocess.run([sys.executable, "-c", SIGNAL_AFTER_STEP_TWO, *command[3:]], capture_output=True,
-                             text=True, timeout=600, env=subprocess_env(), stdin=subprocess.DEVNULL)
-    assert stopped.returncode == 128 + signal.SIGTERM, (stopped.stdout + stopped.stderr)[-3000:]
-    last = checkpoint.latest(interrupted)
-    assert json.loads((last / "state.json").read_text())["step"] == 2
-    in_flight = torch.load(last / "rank0.pt", weights_only=True)["rollouts"]["in_flight"]
+    _, in_flight = stopped_after_step_two(command, interrupted)
     assert [(b["index"], b["version"]) for b in in_flight] == [(3, 0), (4, 1)]
     assert all(b["stale_logprobs"].shape[0] == 4 * 4 for b in in_flight)  # 4 prompts x 4 samples, scored
 
