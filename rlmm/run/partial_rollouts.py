@@ -52,7 +52,7 @@ class PartialBatch:
         with timed(seconds, "generate"):
             first = c.sampler.generate([c.tokenizer(e.prompt).input_ids for e in prompts], n=group,
                                        request_ids=places, max_new_tokens=tokens)
-        refuse_per_row_records(first)
+        without_uncontinuable_records(first)
         rows = len(first)
         first.versions = [torch.full((len(r),), version, dtype=torch.int64) for r in first.response_ids]
         batch = cls(first, [p * group + s for p in places for s in range(group)], [False] * rows,
@@ -80,7 +80,7 @@ class PartialBatch:
             more = c.sampler.generate([list(r.prompt_ids[row]) + list(r.response_ids[row]) for row in rows], n=1,
                                       request_ids=[self.places[row] for row in rows],
                                       max_new_tokens=left if tokens is None else min(tokens, left))
-        refuse_per_row_records(more)
+        without_uncontinuable_records(more)
         for i, row in enumerate(rows):
             r.response_ids[row] = list(r.response_ids[row]) + list(more.response_ids[i])
             r.sampler_logprobs[row] = torch.cat([r.sampler_logprobs[row], more.sampler_logprobs[i]])
@@ -126,7 +126,7 @@ class PartialBatch:
                    state["stale_logprobs"], list(state["scored"]))
 
 
-def refuse_per_row_records(rollouts: Rollouts) -> None:
+def without_uncontinuable_records(rollouts: Rollouts) -> None:
     """What a continuation cannot extend, laid out over prompt + response and recomputed for the old tokens by the
     next chunk's prefill: an MoE sampler's routed experts are dropped (its routing/ metrics are not measured under
     partial rollouts; `check_partial_rollouts` refuses replaying or comparing them before any engine starts), and
