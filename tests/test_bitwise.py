@@ -85,8 +85,9 @@ def test_a_step_that_is_not_bitwise_fails_naming_the_first_token_that_differs():
 
 
 @pytest.mark.parametrize("arm", [
-    # the default trainer (DeepSpeed), one pass: pi_old is the update's own forward with grad
-    ["precision=bf16"],
+    # the default trainer (DeepSpeed), one pass: pi_old is the update's own forward with grad; OPSM (anchored at the
+    # sampler) then sees every ratio exactly 1 and drops nothing (experiments/bitwise_control: OPSM here is the control)
+    ["precision=bf16", "correction=opsm"],
     # fp32 on the torch trainer, top-p's kept sets, and one update of staleness scored at the sampling weights
     pytest.param(["precision=fp32", "trainer=torch", "sampling.top_p=0.9", "train.staleness=1",
                   "train.decompose_staleness=true"], marks=pytest.mark.slow),  # the stale reference: also a unit test
@@ -106,6 +107,9 @@ def test_a_bitwise_run_trains_with_agreement_exact_at_every_step(tmp_path, arm):
     assert all(s["agreement/bitwise"] == 1.0 and s["agreement/frac_tokens_identical"] == 1.0 for s in trained)
     # stale arms: the numerical part is the sampler against the trainer at the sampling weights (the rest is lag)
     assert all(s.get("mismatch/numerical/kl_k3", s["mismatch/kl_k3"]) == 0 for s in trained)
+    if "correction=opsm" in arm:
+        assert all(s["correction/ratio_min"] == s["correction/ratio_max"] == 1.0 for s in trained)
+        assert all(s["correction/frac_sequences_dropped"] == 0 for s in trained)
     report = json.loads((run_dir / "summary.json").read_text())
     assert "sampler=bitwise" in json.dumps(report.get("precision", report))
 
