@@ -3,12 +3,16 @@
     .venv/bin/python experiments/bitwise_control/analyze.py SWEEP [SWEEP ...]
 
 SWEEP: the sweep directories of `rlmm train -m experiment=bitwise_control` (vLLM bf16, plain), the same with
-`sampler.perturb=0.2` (amplified) and with `sampler=bitwise correction=none` (the control), in any order.
+`sampler.perturb=0.2` (amplified), with `train.staleness=2 train.decompose_staleness=true` (stale), and with
+`sampler=bitwise correction=none` (the control, with and without the staleness), in any order. Each vLLM run is
+paired with the control at its own staleness: the stale arms against a bitwise control that is as stale, so the
+difference is the mismatch's alone.
 
 1. Held-out accuracy at the last step (summary.json): the trained weights (`eval_accuracy_trained_end`, the same
    evaluation engine for every arm) and the deployed sampler (`eval_accuracy_end`). For each vLLM arm (condition x
    correction): the mean and the paired difference from the control (by seed: mean, 95% paired-t interval, p, and
-   Holm's p over the arms of the table: rlmm/table/paired.py's `difference_stats` and statsmodels' Holm).
+   Holm's p over the arms of the table: rlmm/table/paired.py's `difference_stats` and statsmodels' Holm); and the
+   stale control against the fresh one (what the staleness costs without any mismatch).
 2. The mismatch each arm trained with (mean |δ|, KL k3 over its steps) and its share of bitwise-identical tokens
    (`agreement/frac_tokens_identical`; the control's is 1 at every step, or it would have stopped).
 Writes bitwise_control.png beside the first sweep: the paired differences with their intervals.
@@ -32,31 +36,42 @@ STEPS = {"mismatch/logprob_abs_diff_mean": "mean |δ|", "mismatch/kl_k3": "KL k3
 CONTROL = "bitwise"
 
 
+def arm_of(overrides: dict) -> tuple[str, int]:
+    """The run's arm (its label) and its staleness, which picks its control."""
+    staleness = int(overrides.get("train.staleness", 0))
+    stale = f", staleness {staleness}" if staleness else ""
+    if overrides.get("sampler", "vllm") == "bitwise":
+        return CONTROL + stale, staleness
+    return ("vllm, perturb 0.2" if float(overrides.get("sampler.perturb", 0)) else "vllm") + stale, staleness
+
+
 def runs_of(sweeps: list[str]) -> pd.DataFrame:
     rows = []
     for sweep in sweeps:
         for run in sorted(p for p in Path(sweep).iterdir() if (p / "summary.json").exists()):
             overrides = read_overrides(run)
-            sampler = overrides.get("sampler", "vllm")
-            perturb = float(overrides.get("sampler.perturb", 0))
-            arm = CONTROL if sampler == "bitwise" else ("vllm, perturb 0.2" if perturb else "vllm")
+            arm, staleness = arm_of(overrides)
             summary = json.loads((run / "summary.json").read_text())
             steps = pd.DataFrame([s for s in read_steps(run) if s["step"] > 0])
-            rows.append({"arm": arm, "correction": overrides.get("correction", "none"), "seed": int(overrides["seed"]),
+            rows.append({"arm": arm, "staleness": staleness, "control": arm.startswith(CONTROL),
+                         "correction": overrides.get("correction", "none"), "seed": int(overrides["seed"]),
                          **{key: summary.get(key) for key in ACCURACY},
                          **{key: steps[key].mean() if key in steps else float("nan") for key in STEPS}})
     return pd.DataFrame(rows)
 
 
 def compared(runs: pd.DataFrame, key: str) -> pd.DataFrame:
-    """Each vLLM arm x correction against the control, paired by seed, Holm over the table's rows."""
-    control = runs[runs["arm"] == CONTROL].set_index("seed")[key]
+    """Each vLLM arm x correction against the control at its staleness, paired by seed, Holm over the table's rows."""
+    controls = {k: part.set_index("seed")[key] for k, part in runs[runs["control"]].groupby("staleness")}
     rows = []
-    for (arm, correction), part in runs[runs["arm"] != CONTROL].groupby(["arm", "correction"], sort=False):
-        here = part.set_index("seed")[key]
+    for (arm, staleness, correction), part in runs[~runs["control"]].groupby(["arm", "staleness", "correction"],
+                                                                          sort=False):
+        if staleness not in controls:
+            continue
+        control, here = controls[staleness], part.set_index("seed")[key]
         seeds = sorted(set(here.index) & set(control.index))
         stats = difference_stats(here.loc[seeds].to_numpy(), control.loc[seeds].to_numpy())
-        rows.append({"arm": arm, "correction": correction, "mean": here.loc[seeds].mean(),
+        rows.append({"arm": arm, "staleness": staleness, "correction": correction, "mean": here.loc[seeds].mean(),
                      "control": control.loc[seeds].mean(), **stats})
     table = pd.DataFrame(rows)
     tested = table["p"].notna()
@@ -70,23 +85,37 @@ def main(sweeps: list[str]) -> None:
     runs = runs_of(sweeps)
     print(f"{len(runs)} runs: " + ", ".join(f"{arm} x {sorted(set(part.correction))} ({len(part)})"
                                             for arm, part in runs.groupby("arm")))
-    control = runs[runs["arm"] == CONTROL]
     for key, label in ACCURACY.items():
         table = compared(runs, key)
+        controls = ", ".join(f"{arm} {part[key].mean():.4f} ({len(part)} seeds)"
+                             for arm, part in runs[runs["control"]].groupby("arm"))
         print(f"\nheld-out accuracy at the last step, {label} ({key}); control (sampler=bitwise, no correction): "
-              f"{control[key].mean():.4f} over {len(control)} seeds\n")
+              f"{controls}\n")
         print("| rollouts | correction | n | mean | control, same seeds | Δ vs the bitwise control [95% CI] | p | "
               "p (Holm) |")
         print("| --- | --- | --- | --- | --- | --- | --- | --- |")
         for row in table.itertuples():
             print(f"| {row.arm} | {row.correction} | {row.n} | {row.mean:.4f} | {row.control:.4f} | {row.mean_diff:+.4f} "
                   f"[{row.ci_low:+.4f}, {row.ci_high:+.4f}] | {row.p:.2g} | {row.p_holm:.2g} |")
+        print_staleness_cost(runs, key)
     print("\nwhat each arm trained with (means over its steps, then over seeds)\n")
     print("| rollouts | correction | runs | " + " | ".join(STEPS.values()) + " |")
     print("| --- | --- | --- | " + " | ".join("---" for _ in STEPS) + " |")
     for (arm, correction), part in runs.groupby(["arm", "correction"], sort=False):
         print(f"| {arm} | {correction} | {len(part)} | " + " | ".join(f"{part[k].mean():.3g}" for k in STEPS) + " |")
     plot(runs, Path(sweeps[0]) / "bitwise_control.png")
+
+
+def print_staleness_cost(runs: pd.DataFrame, key: str) -> None:
+    """The stale control against the fresh one, paired by seed: the staleness's cost with no mismatch at all."""
+    controls = {k: part.set_index("seed")[key] for k, part in runs[runs["control"]].groupby("staleness")}
+    for staleness in sorted(k for k in controls if k):
+        seeds = sorted(set(controls[staleness].index) & set(controls.get(0, pd.Series()).index))
+        if not seeds:
+            continue
+        stats = difference_stats(controls[staleness].loc[seeds].to_numpy(), controls[0].loc[seeds].to_numpy())
+        print(f"\nthe bitwise control at staleness {staleness} vs at 0 ({stats['n']} seeds): "
+              f"{stats['mean_diff']:+.4f} [{stats['ci_low']:+.4f}, {stats['ci_high']:+.4f}], p {stats['p']:.2g}")
 
 
 def plot(runs: pd.DataFrame, path: Path) -> None:
@@ -98,7 +127,8 @@ def plot(runs: pd.DataFrame, path: Path) -> None:
     fig, axes = plt.subplots(1, len(ACCURACY), figsize=(12, 4.2), sharey=True)
     for ax, (key, label) in zip(axes, ACCURACY.items()):
         table = compared(runs, key)
-        names = [f"{'vLLM + noise' if 'perturb' in r.arm else 'vLLM'}\n{r.correction}" for r in table.itertuples()]
+        names = [f"{'vLLM + noise' if 'perturb' in r.arm else 'vLLM'}{' stale' if r.staleness else ''}\n{r.correction}"
+                 for r in table.itertuples()]
         ax.errorbar(range(len(table)), table["mean_diff"],
                     yerr=[table["mean_diff"] - table["ci_low"], table["ci_high"] - table["mean_diff"]], fmt="o")
         ax.axhline(0, color="grey", lw=0.8)
