@@ -68,9 +68,13 @@ def test_overlapped_run_stopped_by_sigterm_resumes_to_the_uninterrupted_numbers(
 
 
 @pytest.mark.slow  # torchrun or a stop and resume: minutes (docs/testing.md)
-def test_two_ranks_each_with_its_sampler_process_give_the_delay_lines_records(small_model_path, tmp_path):
+@pytest.mark.parametrize("rollouts", ["whole", "partial"])
+def test_two_ranks_each_with_its_sampler_process_give_the_delay_lines_records(small_model_path, tmp_path, rollouts):
     """Two trainer ranks (gloo), each with its sampler process (the two processes in a group of their own): the
-    records of the two-rank delay line, and each rank's sampler process rewards that rank's prompts."""
+    records of the two-rank delay line, and each rank's sampler process rewards that rank's prompts; with whole
+    responses and with partial rollouts (k = 2, a token a chunk: each rank holds its own part-sampled rows, in the
+    trainer process or in its sampler process)."""
+    mode = COMMON if rollouts == "whole" else (*(o for o in COMMON if not o.startswith("train.staleness=")), *PARTIAL)
     runs = {}
     for overlap in (False, True):
         records = tmp_path / f"rewarded-{overlap}"
@@ -78,13 +82,16 @@ def test_two_ranks_each_with_its_sampler_process_give_the_delay_lines_records(sm
         torchrun(["-m", "rlmm.cli", "train", "model=hf", f"model.path={small_model_path}", "precision=fp32",
                   "task._target_=tests.recording.RecordedArithmetic", f"+task.record_dir={records}",
                   "train.eval_every=4", "train.eval_prompts=8", "train.prompts_per_step=4", "algo.group_size=4",
-                  *COMMON, f"train.overlap={str(overlap).lower()}", f"hydra.run.dir={tmp_path / str(overlap)}"])
+                  *mode, f"train.overlap={str(overlap).lower()}", f"hydra.run.dir={tmp_path / str(overlap)}"])
         runs[overlap] = (read_steps(tmp_path / str(overlap)),
                          [Counter((records / f"rank{r}.txt").read_text().split()) for r in (0, 1)])
     (rows, rewarded), (delay_rows, delay_rewarded) = runs[True], runs[False]
     assert [row["step"] for row in rows] == list(range(5))
     assert comparable(rows) == comparable(delay_rows)
     assert rewarded == delay_rewarded and not set(rewarded[0]) & set(rewarded[1])
+    if rollouts == "partial":
+        assert [row["rollout/staleness"] for row in rows[1:]] == [0, 1, 2, 2]
+        assert max(row["rollout/frac_responses_mixed"] for row in rows[1:]) > 0  # responses straddle a sync
 
 
 # Partial rollouts (rlmm/run/partial_rollouts.py), k = 2, a token a chunk: every batch spans three weight versions.
@@ -122,6 +129,25 @@ def test_overlapped_partial_rollouts_give_the_delay_lines_records(small_model_pa
     assert max(row["rollout/frac_responses_mixed"] for row in rows[1:]) > 0  # responses straddle a sync
     assert all("perf/rollout_wait_seconds" in row and "perf/generate_seconds" not in row for row in rows[1:])
     assert all(row["loss/pg_loss"] != 0 for row in partial_delay_line_rows[1:])  # every update moved the weights
+
+
+@pytest.mark.slow  # two vLLM runs: minutes (docs/testing.md)
+def test_overlapped_partial_rollouts_with_vllm_give_the_delay_lines_records(small_model_path, tmp_path):
+    """vLLM's engine inside the sampler process, partial rollouts (k = 2, a token a chunk): each chunk is a generate
+    call with `max_new_tokens` 1 from prompt + the tokens so far, in the delay line's order with its weights and seeds,
+    so every logged number but the timings is the in-process run's."""
+    common = [o for o in COMMON if not o.startswith(("sampler=", "train.staleness="))]
+    rows = {}
+    for overlap in (False, True):
+        command = train_command(small_model_path, tmp_path / str(overlap), "sampler=vllm", *common, PARITY, *PARTIAL,
+                                f"train.overlap={str(overlap).lower()}")
+        result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=subprocess_env(),
+                                stdin=subprocess.DEVNULL)
+        assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+        rows[overlap] = read_steps(tmp_path / str(overlap))
+    assert [row["rollout/staleness"] for row in rows[True][1:]] == [0, 1, 2, 2]
+    assert max(row["rollout/frac_responses_mixed"] for row in rows[True][1:]) > 0
+    assert comparable(rows[True]) == comparable(rows[False])
 
 
 @pytest.mark.slow  # two stops and resumes: minutes (docs/testing.md)

@@ -13,7 +13,7 @@ difference is the mismatch's alone.
    correction): the mean and the paired difference from the control (by seed: mean, 95% paired-t interval, p, and
    Holm's p over the arms of the table: rlmm/table/paired.py's `difference_stats` and statsmodels' Holm); and the
    stale control against the fresh one (what the staleness costs without any mismatch).
-2. The mismatch each arm trained with (mean |δ|, KL k3 over its steps) and its share of bitwise-identical tokens
+2. The mismatch each arm trained with (mean |δ|, KL k3 over its steps; a stale arm's numerical part too) and its share of bitwise-identical tokens
    (`agreement/frac_tokens_identical`; the control's is 1 at every step, or it would have stopped).
 Writes bitwise_control.png beside the first sweep: the paired differences with their intervals.
 """
@@ -32,7 +32,8 @@ from rlmm.table.paired import difference_stats
 
 ACCURACY = {"eval_accuracy_trained_end": "trained weights", "eval_accuracy_end": "deployed sampler"}
 STEPS = {"mismatch/logprob_abs_diff_mean": "mean |δ|", "mismatch/kl_k3": "KL k3",
-         "agreement/frac_tokens_identical": "bitwise tokens"}
+         # stale arms (train.decompose_staleness): the sampler against the trainer at the weights that sampled
+         "mismatch/numerical/kl_k3": "numerical KL k3", "agreement/frac_tokens_identical": "bitwise tokens"}
 CONTROL = "bitwise"
 
 
