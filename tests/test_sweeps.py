@@ -367,10 +367,17 @@ def test_slurm_sweep_with_a_failing_and_a_killed_job(slurm_cluster, small_model_
     # SLURM's SIGTERM reached rlmm: it checkpointed at the step boundary before the job ended
     assert f"stop signal 15 at step {stopped}: checkpoint in" in job_log(runs[1])
     for num in (2, 3):
+        # the sweep command gives up at job 1's CANCELLED state: on a loaded machine a failing job may still be
+        # starting then, so wait (bounded) for the result submitit writes when the job ends
+        task = array_task(sweep_dir, num)
+        result_file = sweep_dir / ".submitit" / task / f"{task}_0_result.pkl"
+        deadline = time.monotonic() + 300
+        while not result_file.exists():
+            assert time.monotonic() < deadline, f"job {num} wrote no result 300 s after the sweep command ended"
+            time.sleep(0.5)
         assert not (runs[num] / "summary.json").exists() and not (runs[num] / "steps.jsonl").exists()
         assert "rlmm: error: model.path: cannot fetch hub model" in job_log(runs[num])  # the job's own log says why
-        task = array_task(sweep_dir, num)
-        with open(sweep_dir / ".submitit" / task / f"{task}_0_result.pkl", "rb") as result:
+        with open(result_file, "rb") as result:
             outcome, job_return = pickle.load(result)  # Hydra's JobReturn: the sweep raises its error as JobFailed
         assert outcome == "success" and job_return.status.name == "FAILED"  # the job ran; the task in it failed
         assert "rlmm: error: model.path: cannot fetch hub model 'nobody/no-such-model'" in str(job_return._return_value)
