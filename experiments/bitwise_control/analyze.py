@@ -145,8 +145,8 @@ def plot(runs: pd.DataFrame, path: Path) -> None:
     fig, axes = plt.subplots(1, len(ACCURACY), figsize=(12, 4.2), sharey=True)
     for ax, (key, label) in zip(axes, ACCURACY.items()):
         table = compared(runs, key)
-        names = [f"{'vLLM + noise' if 'perturb' in r.arm else 'vLLM'}{' stale' if r.staleness else ''}\n{r.correction}"
-                 for r in table.itertuples()]
+        names = [f"{'noise' if 'perturb' in r.arm else 'stale' if r.staleness else 'plain'}\n{r.correction}"
+                 for r in table.itertuples()]  # every arm is vLLM bf16; its condition, then its correction
         ax.errorbar(range(len(table)), table["mean_diff"],
                     yerr=[table["mean_diff"] - table["ci_low"], table["ci_high"] - table["mean_diff"]], fmt="o")
         ax.axhline(0, color="grey", lw=0.8)
