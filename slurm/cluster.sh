@@ -149,7 +149,9 @@ real_memory_mb() {
 
 slurm_conf_text() {
     local cpus memory
-    cpus="$(nproc)"
+    # the host's CPUs: GNU nproc honours OMP_NUM_THREADS, and a start from a shell with OMP_NUM_THREADS=1 wrote
+    # CPUs=1, where a 2-task test job then pends forever (PartitionConfig)
+    cpus="$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)"
     memory="$(real_memory_mb)"
     cat <<EOF
 $MARKER
