@@ -24,6 +24,12 @@ COMMON = ("sampler=hf", "trainer=torch", "trainer.lr=1e-3", "logger=none", "trai
 PARITY = "task._target_=tests.recording.ParityArithmetic"  # rewards that vary inside groups: the weights move
 
 
+def replacing(base, *overrides):
+    """`base`'s overrides with those of `overrides` set otherwise (Hydra refuses a key given twice), then the rest."""
+    keys = {o.split("=", 1)[0] for o in overrides}
+    return (*(o for o in base if o.split("=", 1)[0] not in keys), *overrides)
+
+
 def rlmm_train(model_path, run_dir, *overrides):
     result = subprocess.run(train_command(model_path, run_dir, *COMMON, PARITY, *overrides), capture_output=True,
                             text=True, timeout=600, env=subprocess_env(), stdin=subprocess.DEVNULL)
@@ -74,7 +80,7 @@ def test_two_ranks_each_with_its_sampler_process_give_the_delay_lines_records(sm
     records of the two-rank delay line, and each rank's sampler process rewards that rank's prompts; with whole
     responses and with partial rollouts (k = 2, a token a chunk: each rank holds its own part-sampled rows, in the
     trainer process or in its sampler process)."""
-    mode = COMMON if rollouts == "whole" else (*(o for o in COMMON if not o.startswith("train.staleness=")), *PARTIAL)
+    mode = COMMON if rollouts == "whole" else replacing(COMMON, *PARTIAL)
     runs = {}
     for overlap in (False, True):
         records = tmp_path / f"rewarded-{overlap}"
@@ -99,8 +105,7 @@ PARTIAL = ("train.staleness=2", "train.partial_rollouts=true", "train.rollout_ch
 
 
 def partial_command(model_path, run_dir, *overrides):
-    common = [o for o in COMMON if not o.startswith("train.staleness=")]
-    return train_command(model_path, run_dir, *common, PARITY, *PARTIAL, *overrides)
+    return train_command(model_path, run_dir, *replacing((*COMMON, PARITY), *PARTIAL, *overrides))
 
 
 def rlmm_train_partial(model_path, run_dir, *overrides):
@@ -136,15 +141,8 @@ def test_overlapped_partial_rollouts_with_vllm_give_the_delay_lines_records(smal
     """vLLM's engine inside the sampler process, partial rollouts (k = 2, a token a chunk): each chunk is a generate
     call with `max_new_tokens` 1 from prompt + the tokens so far, in the delay line's order with its weights and seeds,
     so every logged number but the timings is the in-process run's."""
-    common = [o for o in COMMON if not o.startswith(("sampler=", "train.staleness="))]
-    rows = {}
-    for overlap in (False, True):
-        command = train_command(small_model_path, tmp_path / str(overlap), "sampler=vllm", *common, PARITY, *PARTIAL,
-                                f"train.overlap={str(overlap).lower()}")
-        result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=subprocess_env(),
-                                stdin=subprocess.DEVNULL)
-        assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
-        rows[overlap] = read_steps(tmp_path / str(overlap))
+    rows = {overlap: rlmm_train_partial(small_model_path, tmp_path / str(overlap), "sampler=vllm",
+                                        f"train.overlap={str(overlap).lower()}") for overlap in (False, True)}
     assert [row["rollout/staleness"] for row in rows[True][1:]] == [0, 1, 2, 2]
     assert max(row["rollout/frac_responses_mixed"] for row in rows[True][1:]) > 0
     assert comparable(rows[True]) == comparable(rows[False])

@@ -94,11 +94,13 @@ def slurm_sweep_started(sweep_dir: Path, overrides: list[str], **env: str) -> It
         cancel_jobs(sweep_dir)
 
 
-def wait_for(what: str, condition, process: subprocess.Popen, timeout: float = 600):
-    """Poll `condition()` until it returns something true; fail if the sweep command ends first."""
+def wait_for(what: str, condition, process: subprocess.Popen | None, timeout: float = 600):
+    """Poll `condition()` until it returns something true; fail if the sweep command (`process`; None: none to
+    watch) ends first."""
     deadline = time.monotonic() + timeout
     while not (value := condition()):
-        assert process.poll() is None, f"the sweep command ended (exit {process.returncode}) before {what}"
+        assert process is None or process.poll() is None, \
+            f"the sweep command ended (exit {process.returncode}) before {what}"
         assert time.monotonic() < deadline, f"no {what} after {timeout:.0f} s"
         time.sleep(0.5)
     return value
@@ -371,10 +373,7 @@ def test_slurm_sweep_with_a_failing_and_a_killed_job(slurm_cluster, small_model_
         # starting then, so wait (bounded) for the result submitit writes when the job ends
         task = array_task(sweep_dir, num)
         result_file = sweep_dir / ".submitit" / task / f"{task}_0_result.pkl"
-        deadline = time.monotonic() + 300
-        while not result_file.exists():
-            assert time.monotonic() < deadline, f"job {num} wrote no result 300 s after the sweep command ended"
-            time.sleep(0.5)
+        wait_for(f"job {num}'s result", result_file.exists, None, timeout=300)
         assert not (runs[num] / "summary.json").exists() and not (runs[num] / "steps.jsonl").exists()
         assert "rlmm: error: model.path: cannot fetch hub model" in job_log(runs[num])  # the job's own log says why
         with open(result_file, "rb") as result:
