@@ -222,7 +222,7 @@ def test_tokenizer_without_pad_or_eos_is_named():
 def test_a_raising_reward_function_names_the_prompt():
     from types import SimpleNamespace
 
-    from rlmm.run.step import reward
+    from rlmm.conversation.episodes import task_reward as reward
 
     class Broken:
         def reward(self, example, completion):

@@ -9,12 +9,13 @@ from hydra.utils import get_class
 from omegaconf import OmegaConf
 
 from rlmm.config.options import CONF_DIR, from_yaml, group_options
-from rlmm.run.interfaces import Algorithm, Correction, Critic, CriticStep, MinibatchUpdate, Sampler, Trainer, ValueLoss
+from rlmm.run.interfaces import (Algorithm, Correction, Critic, CriticStep, MinibatchUpdate, PromptFormat, Sampler,
+                                 TokenPath, Trainer, ValueLoss)
 
 # Engines take minutes to start: their classes are checked for the protocol's methods; the cheap groups
 # are built from their YAML and checked whole (attributes too) with isinstance.
 ENGINE_GROUPS = {"sampler": Sampler, "trainer": Trainer}
-BUILT_GROUPS = {"correction": Correction, "algo": Algorithm}
+BUILT_GROUPS = {"correction": Correction, "algo": Algorithm, "token_path": TokenPath, "chat_template": PromptFormat}
 
 
 def protocol_methods(protocol) -> set[str]:

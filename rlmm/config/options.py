@@ -43,6 +43,8 @@ BUILD_TIME_ARGS: dict[str, set[str]] = {
     "routing": set(),
     "support": set(),
     "quantization": set(),
+    "chat_template": set(),
+    "token_path": set(),
 }
 
 # Keys of an option's node that became config groups of their own, by the group: `sampler.quantization: int8` (before

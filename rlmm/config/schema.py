@@ -74,6 +74,8 @@ class ProbeConfig:
     routing: Any = MISSING
     support: Any = MISSING
     quantization: Any = MISSING
+    chat_template: Any = MISSING
+    token_path: Any = MISSING
     logger: Any = MISSING
     seed: int = MISSING
     sampling: SamplingOptions = MISSING
@@ -132,6 +134,8 @@ class TrainConfig:
     routing: Any = MISSING
     support: Any = MISSING
     quantization: Any = MISSING
+    chat_template: Any = MISSING
+    token_path: Any = MISSING
     logger: Any = MISSING
     seed: int = MISSING
     sampling: SamplingOptions = MISSING

@@ -348,7 +348,7 @@ class TrainingAttribution:
     def __init__(self, c, examples: list, every: int, sampler_dtype: str | torch.dtype, ratio_cap: float):
         self.c, self.every, self.ratio_cap = c, every, ratio_cap
         self.dtype = to_dtype(sampler_dtype, "precision.sampler_dtype")
-        self.prompt_ids = [c.tokenizer(e.prompt).input_ids for e in examples]
+        self.prompt_ids = [c.prompts.ids(e) for e in examples]
 
     def due(self, step: int) -> bool:
         return step % self.every == 0

@@ -36,7 +36,7 @@ import torch
 
 from rlmm.mismatch.kl import k1, k2, k3
 
-__all__ = ["mismatch_metrics", "staleness_decomposition", "position_profile", "entropy_profile", "early_vs_late",
+__all__ = ["mismatch_metrics", "turn_boundary_metrics", "turn_boundaries", "staleness_decomposition", "position_profile", "entropy_profile", "early_vs_late",
            "METRIC_KEYS"]
 
 METRIC_KEYS = (
@@ -420,4 +420,34 @@ def early_vs_late(
         out[f"{name}_logprob_abs_diff_mean"] = dd.abs().mean().item() if dd.numel() else math.nan
         out[f"{name}_kl_k3"] = k3(dd).mean().item() if dd.numel() else math.nan
     out["late_minus_early_logprob_abs_diff"] = out["late_logprob_abs_diff_mean"] - out["early_logprob_abs_diff_mean"]
+    return out
+
+
+def turn_boundaries(sampled: torch.Tensor) -> torch.Tensor:
+    """[B, T] bool: the sampled tokens at a turn's edge, its first or its last (its end-of-turn token), given the
+    [B, T] mask of the tokens the policy sampled (a multi-turn response's turns are its runs of sampled tokens)."""
+    before = torch.nn.functional.pad(sampled[:, :-1], (1, 0), value=False)
+    after = torch.nn.functional.pad(sampled[:, 1:], (0, 1), value=False)
+    return sampled & ~(before & after)
+
+
+def turn_boundary_metrics(train_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor,
+                          mask: torch.Tensor) -> dict[str, float]:
+    """A multi-turn batch's mismatch at the turns' edges and inside them (`mask`: the sampled tokens):
+
+    - ``token_mult_prob_error_boundary``, ``token_mult_prob_error_generated``: NeMo-RL's
+      ``token_mult_prob_error`` = mean over tokens of exp(|log pi_train - log pi_sampler|) (ClippedPGLossFn,
+      nemo_rl/algorithms/loss/loss_functions.py; 1 where the two agree), over the tokens at a turn's edge
+      (`turn_boundaries`: where a re-rendered conversation most often differs from the sampled one: the
+      end-of-turn token, the first token after the environment's) and over the others;
+    - ``frac_trainer_logprob_below_neg10``: the share of sampled tokens whose trainer log-prob is below -10 (a
+      token the trainer all but rules out: re-tokenization's signature, -0.02 -> -28 in the reports).
+    NaN for a part with no token."""
+    lt, ls, m = _gather(train_logprobs, sampler_logprobs, mask)
+    edge = turn_boundaries(m)
+    error = (lt - ls).abs().exp()
+    out = {}
+    for name, part in (("boundary", edge), ("generated", m & ~edge)):
+        out[f"token_mult_prob_error_{name}"] = error[part].mean().item() if part.any() else math.nan
+    out["frac_trainer_logprob_below_neg10"] = (lt[m] < -10).double().mean().item() if m.any() else math.nan
     return out

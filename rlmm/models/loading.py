@@ -8,6 +8,22 @@ from rlmm.models.head import install_output_head
 from rlmm.policy.precision import SidePrecision, dtype_name
 
 
+def load_tokenizer(model_path: str):
+    """The checkpoint's tokenizer as it encodes text. A built-in model (rlmm wrote it: `rlmm_model.json` beside it) is
+    read as its tokenizer.json says, through `PreTrainedTokenizerFast`: transformers' AutoTokenizer gives every Qwen2
+    checkpoint its `Qwen2Tokenizer`, which rebuilds a BPE tokenizer's pipeline as Qwen's byte-level one (read in
+    transformers 5.19, models/auto/tokenization_auto.py: MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS), so the built-in
+    BPE model's text would encode to other ids (its special tokens keep theirs: an engine that only reads the
+    end-of-sequence id, vLLM's, may load it its own way). Any other checkpoint: AutoTokenizer's choice."""
+    from pathlib import Path
+
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    if (Path(model_path) / "rlmm_model.json").is_file():
+        return PreTrainedTokenizerFast.from_pretrained(model_path)
+    return AutoTokenizer.from_pretrained(model_path)
+
+
 def checkpoint_ties_head(model_path: str) -> bool:
     """Whether the checkpoint's config ties its LM head to the input embedding (Qwen2.5-0.5B's does)."""
     from transformers import AutoConfig

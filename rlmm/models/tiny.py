@@ -41,6 +41,8 @@ BUILDER_VERSION = 1
 # Models shipped with rlmm, one directory per cache key, and the SHA-256 of each of their files.
 BUILTIN_DIR = Path(__file__).resolve().parent / "builtin"
 BUILTIN_SUMS = BUILTIN_DIR / "SHA256SUMS"
+# The built-in tokenizers' chat templates (rlmm/conversation/chat.py renders prompts and conversations with them).
+TEMPLATES = Path(__file__).resolve().parent / "templates"
 # A warm start whose loss over its last tenth of steps is not below this fraction of its first step's did not
 # learn: an error naming the model, not a useless model cached for every later run.
 LOSS_CAME_DOWN = 0.95
@@ -153,7 +155,8 @@ def remove_abandoned_builds(models: Path) -> None:
 
 
 def build_char_tokenizer():
-    """Character-level tokenizer in Hugging Face format (one token per character)."""
+    """Character-level tokenizer in Hugging Face format (one token per character), with its chat template
+    (rlmm/models/templates/char.jinja, saved beside it as chat_template.jinja)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
@@ -164,8 +167,11 @@ def build_char_tokenizer():
     # <bos> is added by the tokenizer itself, so vLLM, transformers and rlmm encode prompts alike.
     core.post_processor = processors.TemplateProcessing(
         single="<bos> $A", special_tokens=[("<bos>", vocab["<bos>"])])
-    return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", bos_token="<bos>",
-                                   eos_token="<eos>", unk_token="<unk>", padding_side="left")
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", bos_token="<bos>",
+                                        eos_token="<eos>", unk_token="<unk>", padding_side="left")
+    # A user turn renders as its text: a single-turn prompt is the same ids with the template as without it.
+    tokenizer.chat_template = (TEMPLATES / "char.jinja").read_text()
+    return tokenizer
 
 
 class TinyModel:
@@ -265,7 +271,7 @@ class TinyModel:
         return str(path)
 
     def _build(self, task, out: Path) -> dict:
-        tokenizer = build_char_tokenizer()
+        tokenizer = self._new_tokenizer(task)
         torch.manual_seed(self.seed)
         model = self._new_model(tokenizer)
         report = warm_start(model, tokenizer, task, seed=self.seed, objective=self._warm_start_objective(),
@@ -275,6 +281,10 @@ class TinyModel:
         tokenizer.save_pretrained(out)
         report["num_parameters"] = sum(p.numel() for p in model.parameters())
         return report
+
+    def _new_tokenizer(self, task):
+        """The model's tokenizer (the character one; `TinyBpeModel`'s is trained on the task's text)."""
+        return build_char_tokenizer()
 
     def _config_values(self, tokenizer) -> dict:
         """The Hugging Face config's values every built-in architecture shares."""
@@ -355,10 +365,27 @@ def warm_start(model, tokenizer, task, *, steps: int, lr: float, batch_size: int
 
 
 def _sft_batch(tokenizer, task, batch):
-    """Right-padded ids with labels -100 on the prompt and padding (no loss there)."""
+    """Right-padded ids with labels -100 on the prompt and padding (no loss there): a single-turn task's prompt as
+    the runs give it (through the chat template: the character model's renders it as its own text), its target and
+    the end-of-sequence token; a multi-turn task's demonstration rendered whole, the loss on its assistant turns
+    (each one's text and end-of-turn token, tokenized as the template renders them)."""
+    from rlmm.conversation.chat import ChatTemplate
+    from rlmm.conversation.token_path import assistant_spans
+    from rlmm.tasks.environment import is_multi_turn
+
+    chat = ChatTemplate(required=False).bind(tokenizer, "the built-in model", task)
     rows, labels = [], []
     for example in batch:
-        prompt = tokenizer.encode(example.prompt)
+        if is_multi_turn(task):
+            messages = task.demonstration(example)
+            ids = chat.encode(chat.render(messages, generation_prompt=False))
+            label = [-100] * len(ids)
+            for start, end in assistant_spans(chat, messages, ids):
+                label[start:end] = ids[start:end]
+            rows.append(ids)
+            labels.append(label)
+            continue
+        prompt = chat.ids(example)
         target = tokenizer.encode(task.target(example), add_special_tokens=False) + [tokenizer.eos_token_id]
         rows.append(prompt + target)
         labels.append([-100] * len(prompt) + target)

@@ -186,13 +186,25 @@ class Rollouts:
     # whole-response staleness; with `train.partial_rollouts` a response continued after a weight sync holds
     # several (rlmm/run/rollout_source.py).
     versions: list[torch.Tensor] | None = None
+    # Which response tokens the policy sampled (None: all of them, a single-turn response): one bool tensor per row,
+    # [len(response)]. A multi-turn conversation's response holds the environment's tokens between the policy's turns
+    # (a tool's answer, the template's turn markers), which it did not sample: they are scored as context, never
+    # trained on, never in the mismatch (their `sampler_logprobs` are 0). rlmm/conversation/.
+    sampled: list[torch.Tensor] | None = None
+    # A multi-turn conversation's record (None: single-turn): one dict per row, its messages, each turn's ids as the
+    # sampler saw and produced them, the environment's replies and the token path's drift (rlmm/conversation/).
+    conversations: list[dict] | None = None
 
     def __len__(self) -> int:
         return len(self.response_ids)
 
     def padded_sampler_logprobs(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """[B, T] float32 log-probs and [B, T] bool mask, right-padded."""
-        return pad_right(self.sampler_logprobs)
+        """[B, T] float32 log-probs and [B, T] bool mask of the tokens the policy sampled, right-padded (a
+        multi-turn response's environment tokens are outside the mask, like padding)."""
+        logprobs, mask = pad_right(self.sampler_logprobs)
+        if self.sampled is not None:
+            mask &= pad_right(self.sampled)[0].bool()
+        return logprobs, mask
 
     def select(self, rows: list[int]) -> Rollouts:
         """The rollouts of `rows`, in that order."""
@@ -213,7 +225,8 @@ class Rollouts:
 
 ROW_FIELDS = ("prompt_ids", "response_ids", "sampler_logprobs", "finish_reasons")
 # None, or one entry per row
-OPTIONAL_ROW_FIELDS = ("routed_experts", "replayed_experts", "layer_states", "kept_tokens", "versions")
+OPTIONAL_ROW_FIELDS = ("routed_experts", "replayed_experts", "layer_states", "kept_tokens", "versions", "sampled",
+                       "conversations")
 
 
 def pad_right(rows: list[torch.Tensor], value: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:

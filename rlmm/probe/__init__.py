@@ -63,7 +63,7 @@ def run_probe(cfg: DictConfig, run_dir: Path, choices: dict[str, str]) -> dict:
     task, tokenizer, sampler, trainer = components.task, components.tokenizer, components.sampler, components.trainer
     precision_report, model_path = components.precision_report, components.model_path
     examples = task.examples(options.split, options.num_prompts)
-    prompt_ids = [tokenizer(e.prompt).input_ids for e in examples]
+    prompt_ids = [components.prompts.ids(e) for e in examples]
 
     with timed(stage_seconds, "generate"), sampler.capturing_layers() if options.layers else nullcontext():
         rollouts = sampler.generate(prompt_ids, n=options.samples_per_prompt)
@@ -108,7 +108,7 @@ def run_probe(cfg: DictConfig, run_dir: Path, choices: dict[str, str]) -> dict:
     with timed(stage_seconds, "decode_vs_prefill"):
         decoding = decode_vs_prefill(sampler, sampled, components.sampling, options.ratio_cap, bucket_size)
     with timed(stage_seconds, "sampler_vs_itself"):
-        sampler_vs_itself = batch_invariance(sampler, task, tokenizer, options)
+        sampler_vs_itself = batch_invariance(sampler, task, components.prompts, options)
     sampler.close()
     with timed(stage_seconds, "simulated"):
         simulated = ({} if not options.simulated else real_vs_simulated(sampler_vs_trainer, {

@@ -49,7 +49,7 @@ def trainer_against_itself(trainer, rollouts: Rollouts, micro_batch_sizes: list[
                                ratio_cap=ratio_cap)}
 
 
-def batch_invariance(sampler, task, tokenizer, options) -> dict:
+def batch_invariance(sampler, task, prompts, options) -> dict:
     """Greedy decoding of the same prompts inside batches of different sizes, and alone.
 
     Batch sizes: `num_completions` sizes from 1 to `max_batch_size` (linspace, rounded). A batch of size s
@@ -64,8 +64,8 @@ def batch_invariance(sampler, task, tokenizer, options) -> dict:
       disagreement with itself).
     """
     settings = options.batch_invariance
-    fillers = [tokenizer(e.prompt).input_ids for e in task.examples("train", settings.max_batch_size)]
-    targets = [tokenizer(e.prompt).input_ids for e in task.examples(options.split, settings.num_prompts)]
+    fillers = [prompts.ids(e) for e in task.examples("train", settings.max_batch_size)]
+    targets = [prompts.ids(e) for e in task.examples(options.split, settings.num_prompts)]
 
     sizes = torch.linspace(1, settings.max_batch_size, settings.num_completions).round().int().tolist()
     completions = [[] for _ in targets]

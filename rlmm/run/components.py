@@ -15,8 +15,9 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 
 from rlmm.config.options import build, from_yaml, to_container
+from rlmm.conversation.episodes import SingleTurn, build_episodes
 from rlmm.mismatch.routing import RoutingReplay
-from rlmm.models.loading import checkpoint_vocab_size
+from rlmm.models.loading import checkpoint_vocab_size, load_tokenizer
 from rlmm.policy.precision import SidePrecision, check_precision
 from rlmm.policy.rollouts import SamplingOptions
 from rlmm.run.critic import NoCritic, ValueCritic
@@ -47,6 +48,8 @@ class Components:
     # engine of the same kind, e.g. the probe's `sampler.perturb` stand-ins, is built with the same)
     bitwise: bool = False  # the sampler and the trainer promise log-probs equal to the bit (`sampler=bitwise`): a step
     # where they are not is an error (rlmm/run/step.py)
+    prompts: object = None  # the bound prompt format (`chat_template=`, rlmm/conversation/chat.py): `prompts.ids(example)`
+    episodes: object = None  # one response or a conversation per example (rlmm/conversation/episodes.py), the token path's
 
     def close(self) -> None:
         self.critic.close()
@@ -63,8 +66,6 @@ def build_components(cfg: DictConfig, prompts: Callable[[object], list], max_row
     trainer build times are added to it. `sampler_factory(cfg, engine_args)`: what stands in for the
     sampler instead of building it here (`train.overlap`: rlmm/run/sampler_process.py's `SamplerProcess`, its engine
     built in that process with the same arguments)."""
-    from transformers import AutoTokenizer
-
     seconds = {} if seconds is None else seconds
     select_device()
     init_process_group()
@@ -84,8 +85,9 @@ def build_components(cfg: DictConfig, prompts: Callable[[object], list], max_row
     check_partial_rollouts(cfg.get("train"), sampling, routing, algo)
     if correction is not None and cfg.get("train") is not None:  # per-token versions: the delay line's, k >= 1
         check_versions(correction, tracked=cfg.train.staleness >= 1)
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    prompt_tokens = longest_prompt(tokenizer, prompts(task))
+    tokenizer = load_tokenizer(model_path)
+    prompt_format, episodes = conversation_parts(cfg, tokenizer, model_path, task, sampling)  # before any engine
+    prompt_tokens = longest_prompt(prompt_format, prompts(task), episodes, sampling.max_new_tokens)
     # sampler=bitwise: the trainer lays every row out alone at the width the sampler decodes at
     row_width = bitwise_row_width(cfg.sampler, prompt_tokens, sampling.max_new_tokens)
     with timed(seconds, "sampler_init"):
@@ -96,7 +98,7 @@ def build_components(cfg: DictConfig, prompts: Callable[[object], list], max_row
                            quantization=quantization)
         if "kv_scales" in cfg.sampler:  # sampler=vllm's FP8 KV cache scales: calibrated on the run's first prompts
             first = prompts(task)[:cfg.sampler.kv_calibration_prompts]
-            engine_args["calibration_prompts"] = tokenizer([e.prompt for e in first]).input_ids
+            engine_args["calibration_prompts"] = [prompt_format.ids(e) for e in first]
         if sampler_factory is not None:  # e.g. the engine built in a process of its own while the trainer is here
             sampler = sampler_factory(cfg, engine_args)
         else:
@@ -130,10 +132,49 @@ def build_components(cfg: DictConfig, prompts: Callable[[object], list], max_row
     return Components(task=task, tokenizer=tokenizer, sampler=sampler, trainer=trainer, correction=correction,
                       algo=algo, sampling=sampling, model_path=model_path, critic=critic,
                       trainer_precision=precision.trainer, routing=routing, engine_args=engine_args,
-                      bitwise=row_width is not None,
+                      bitwise=row_width is not None, prompts=prompt_format, episodes=episodes,
                       precision_report=check_precision(precision, sampler.actual_precision, trainer.actual_precision))
 
 
-def longest_prompt(tokenizer, examples: list) -> int:
-    """The longest of the examples' prompts in tokens (sizes the sampler's max_model_len)."""
-    return max(len(ids) for ids in tokenizer([e.prompt for e in examples]).input_ids)
+def conversation_parts(cfg: DictConfig, tokenizer, model_path: str, task, sampling: SamplingOptions):
+    """The bound prompt format (`chat_template=`) and the episodes (one response, or a multi-turn task's
+    conversations along `token_path=`), each refusal of what a conversation cannot do yet in one line."""
+    prompt_format = instantiate(cfg.chat_template).bind(tokenizer, model_path, task)
+    episodes = build_episodes(task, prompt_format, tokenizer, sampling.max_new_tokens, instantiate(cfg.token_path))
+    if episodes.multi_turn:
+        check_multi_turn(cfg, episodes, sampling)
+    return prompt_format, episodes
+
+
+def check_multi_turn(cfg: DictConfig, episodes, sampling: SamplingOptions) -> None:
+    """What a multi-turn task cannot run with (yet), before any engine starts."""
+    train = cfg.get("train")
+    if train is None:
+        raise ValueError(f"task: rlmm probe measures single-turn tasks; {cfg.task._target_.rsplit('.', 1)[-1]} is "
+                         f"multi-turn (run it with rlmm train, whose steps log mismatch/ and token_path/)")
+    if train.partial_rollouts:
+        raise ValueError("train.partial_rollouts=true with a multi-turn task: a conversation is not continued across "
+                         "weight syncs yet (allowed: train.partial_rollouts=false; train.staleness works)")
+    routing = instantiate(cfg.routing)
+    if routing.replays or routing.compare:
+        raise ValueError(f"routing={routing.name}{' compare=true' if routing.compare else ''} with a multi-turn task: "
+                         f"the experts of a conversation's turns are not carried from turn to turn yet (allowed: "
+                         f"routing=none with compare=false)")
+    if episodes.path.rescores and (sampling.temperature != 1.0 or sampling.truncates):
+        raise ValueError(f"token_path={episodes.path.name}: the sampler's log-probs of the re-rendered ids come from "
+                         f"its prefill, which scores the untempered, untruncated distribution (allowed with "
+                         f"sampling.temperature=1.0, top_p=1.0, top_k=0)")
+
+
+def longest_prompt(prompt_format, examples: list, episodes, max_new_tokens: int) -> int:
+    """The longest prompt a turn may have, in tokens (sizes the sampler's max_model_len): the examples' longest, or a
+    multi-turn task's context less a whole turn (`task.max_context_tokens`), which no first prompt may exceed."""
+    longest = max(len(prompt_format.ids(e)) for e in examples)
+    if isinstance(episodes, SingleTurn):
+        return longest
+    context = episodes.max_context
+    if longest + max_new_tokens > context:
+        raise ValueError(f"task.max_context_tokens: {context} tokens do not hold the longest first prompt ({longest} "
+                         f"tokens) and a whole turn (sampling.max_new_tokens={max_new_tokens}): allowed >= "
+                         f"{longest + max_new_tokens}")
+    return context - max_new_tokens

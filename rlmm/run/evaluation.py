@@ -14,7 +14,6 @@ from rlmm.config.options import CONF_DIR
 from rlmm.policy.quantization import NoQuantization
 from rlmm.policy.rollouts import Rollouts
 from rlmm.run.components import Components
-from rlmm.run.step import reward
 
 
 class Evaluation:
@@ -73,7 +72,9 @@ class TrainedWeights:
     def sync(self, rank: int) -> None:
         raise NotImplementedError
 
-    def generate(self, prompt_ids: list[list[int]], *, n: int = 1, greedy: bool = False) -> Rollouts:
+    def generate(self, prompt_ids: list[list[int]], *, n: int = 1, greedy: bool = False,
+                 request_ids: list[int] | None = None) -> Rollouts:
+        """Greedy rollouts (`request_ids`: ignored, greedy decoding draws nothing)."""
         raise NotImplementedError
 
     def accuracies(self, c: Components, examples: list) -> dict[str, float]:
@@ -119,7 +120,8 @@ class TrainerModuleEngine(TrainedWeights):
     def sync(self, rank: int) -> None:
         """Nothing to load: the module is the trained weights."""
 
-    def generate(self, prompt_ids: list[list[int]], *, n: int = 1, greedy: bool = False) -> Rollouts:
+    def generate(self, prompt_ids: list[list[int]], *, n: int = 1, greedy: bool = False,
+                 request_ids: list[int] | None = None) -> Rollouts:
         with generating(self.trainer.model):
             return self.sampler.generate(prompt_ids, n=n, greedy=greedy)
 
@@ -180,7 +182,8 @@ class TrainedCopyEngine(TrainedWeights):
                                      batch_size=hf_batch_size(), perturb=0.0, quantization=NoQuantization())
         self.sampler.load_weights(weights)
 
-    def generate(self, prompt_ids: list[list[int]], *, n: int = 1, greedy: bool = False) -> Rollouts:
+    def generate(self, prompt_ids: list[list[int]], *, n: int = 1, greedy: bool = False,
+                 request_ids: list[int] | None = None) -> Rollouts:
         return self.sampler.generate(prompt_ids, n=n, greedy=greedy)
 
     def close(self) -> None:
@@ -196,7 +199,6 @@ def hf_batch_size() -> int:
 
 
 def accuracy(c: Components, sampler, examples: list) -> float:
-    """Greedy accuracy of `sampler` on `examples` (the task's reward of each greedy response)."""
-    rollouts: Rollouts = sampler.generate([c.tokenizer(e.prompt).input_ids for e in examples], greedy=True)
-    texts = c.tokenizer.batch_decode(rollouts.response_ids, skip_special_tokens=True)
-    return sum(reward(c.task, e, t) for e, t in zip(examples, texts)) / len(examples)
+    """Greedy accuracy of `sampler` on `examples` (the task's reward of each greedy response, or of each greedy
+    conversation's answer: rlmm/conversation/episodes.py)."""
+    return c.episodes.accuracy(examples, c.episodes.sample(sampler, examples, greedy=True))

@@ -14,6 +14,9 @@ Each config group's options are classes that satisfy one of these (structurally:
   carries from step to step).
 - `Algorithm` (`algo=`): advantages from rewards and the policy loss of one micro-batch; one with a critic
   (`critic` set: PPO) is also a `ValueLoss`.
+- `PromptFormat` (`chat_template=`): how a task's prompt becomes ids (rlmm/conversation/chat.py).
+- `TokenPath` (`token_path=`): which ids a multi-turn conversation's sampler reads and its trainer scores
+  (rlmm/conversation/token_path.py).
 - `Critic`: the value model an algorithm with `critic` set trains beside the policy (rlmm/run/critic.py::
   ValueCritic), or `NoCritic` with the same calls doing nothing; `CriticStep` is one RL step of it.
 """
@@ -24,6 +27,8 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from rlmm.conversation.chat import PromptFormat
+from rlmm.conversation.token_path import TokenPath
 from rlmm.corrections.base import Correction, CorrectionOutput
 from rlmm.policy.precision import SidePrecision
 from rlmm.policy.quantization import QuantizationMode
@@ -31,8 +36,8 @@ from rlmm.policy.rollouts import Rollouts
 from rlmm.samplers.base import Sampler
 from rlmm.trainers.packing import MicroBatching
 
-__all__ = ["Algorithm", "Correction", "CorrectionOutput", "Critic", "CriticStep", "MinibatchUpdate", "Rollouts",
-           "Sampler", "Trainer", "ValueLoss"]
+__all__ = ["Algorithm", "Correction", "CorrectionOutput", "Critic", "CriticStep", "MinibatchUpdate", "PromptFormat",
+           "Rollouts", "Sampler", "TokenPath", "Trainer", "ValueLoss"]
 
 
 @runtime_checkable

@@ -50,7 +50,7 @@ class PartialBatch:
         `places` in the step) under the sampler's weights, version `version` (None: to the end)."""
         group = c.algo.group_size
         with timed(seconds, "generate"):
-            first = c.sampler.generate([c.tokenizer(e.prompt).input_ids for e in prompts], n=group,
+            first = c.sampler.generate([c.prompts.ids(e) for e in prompts], n=group,
                                        request_ids=places, max_new_tokens=tokens)
         without_uncontinuable_records(first)
         rows = len(first)

@@ -84,6 +84,8 @@ class SamplingSide:
     sampler: object
     algo: object
     sampling: object  # `SamplingOptions` (a partial batch reads max_new_tokens)
+    prompts: object  # the bound prompt format and the episodes, as rlmm/run/components.py builds them
+    episodes: object
 
 
 def sampler_local_rank(local_rank: int, local_world: int, cuda: bool) -> int:
@@ -333,9 +335,8 @@ def build_sampling_side(cfg, engine_args: dict):
     """The sampler process's task, tokenizer, algorithm and engine, and its prompt stream (rlmm/run/rollout_source.py's `prompt_stream`),
     from the run's config; its own process group first (the sampler processes', module docstring)."""
     from hydra.utils import instantiate
-    from transformers import AutoTokenizer
-
     from rlmm.config.options import build
+    from rlmm.models.loading import load_tokenizer
     from rlmm.run.rollout_source import prompt_stream
     from rlmm.runtime.devices import init_process_group, select_device
 
@@ -344,9 +345,13 @@ def build_sampling_side(cfg, engine_args: dict):
     precision = instantiate(cfg.precision)
     precision.apply()
     task = instantiate(cfg.task)
+    from rlmm.run.components import conversation_parts
+
     options = cfg.train
-    side = SamplingSide(task=task, tokenizer=AutoTokenizer.from_pretrained(engine_args["model_path"]),
-                        sampler=build(cfg.sampler, **engine_args), algo=instantiate(cfg.algo),
-                        sampling=engine_args["sampling"])
+    tokenizer = load_tokenizer(engine_args["model_path"])
+    prompts, episodes = conversation_parts(cfg, tokenizer, engine_args["model_path"], task, engine_args["sampling"])
+    side = SamplingSide(task=task, tokenizer=tokenizer, sampler=build(cfg.sampler, **engine_args),
+                        algo=instantiate(cfg.algo), sampling=engine_args["sampling"], prompts=prompts,
+                        episodes=episodes)
     examples = task.examples("train", options.steps * options.prompts_per_step)
     return side, prompt_stream(examples, cfg.seed, options.prompts_per_step)

@@ -253,7 +253,7 @@ def rl_update(c: Components, batch: SampledBatch, ratio_cap: float, reuse_traini
     c.sampler.sleep()  # the trainer has the accelerator until the weight sync
     sampler_logprobs, response_mask = rollouts.padded_sampler_logprobs()
     lengths = response_mask.sum(1)
-    rewards = algo.shape_rewards(batch.task_rewards, lengths, c.sampling.max_new_tokens)  # e.g. DAPO's overlong one
+    rewards = algo.shape_rewards(batch.task_rewards, lengths, c.episodes.max_sampled_tokens)  # e.g. DAPO's overlong one
 
     train_policy = not c.critic.warming_up  # PPO's critic warm-up: its first steps train the critic alone
     scores = TrainerScores.of(c, rollouts, reuse_training_forward and train_policy, seconds)  # π_old
@@ -284,6 +284,7 @@ def rl_update(c: Components, batch: SampledBatch, ratio_cap: float, reuse_traini
         "train/skipped": float(fault is not None),
         **batch.rollout_metrics(rewards, lengths),
         **old.mismatch_metrics(),
+        **c.episodes.metrics(rollouts, scores.logprobs, sampler_logprobs, response_mask),  # a conversation's turns
         **agreement,
         **batch.staleness_metrics(scores.logprobs, response_mask, ratio_cap),  # with train.staleness or its split
         **old.batch_correction_metrics(),
@@ -366,7 +367,7 @@ def update_policy(c: Components, old: OldPolicy, critic, scores: TrainerScores, 
     """PPO's update: for each epoch and minibatch the critic's step, then per micro-batch the forward, the correction
     inside the update (OPSM, tv_trust act here, on π_θ), the loss and its backward, and the optimizer step at the
     correction's rate. An MoE model trains on `routing.trained(...)`. A fault skips it on every rank."""
-    algo, max_length = c.algo, c.sampling.max_new_tokens
+    algo, max_length = c.algo, c.episodes.max_sampled_tokens
     trained = c.routing.trained(rollouts, scores.own_routing)
     first_update, held = scores.first_update, scores.held
     losses, in_update = [], InUpdateCounts()  # one loss entry per optimizer step; the correction's counts summed
@@ -425,11 +426,10 @@ def sample_groups(c: Components, prompts: list, refill: Callable[[int], list] | 
     kept, dropped = [], []  # (rollouts of one group, its rewards)
     rounds, candidates, sampled_reward = 0, rank_share(prompts, rank, world), None
     while True:
-        with timed(seconds, "generate"):
-            rollouts = c.sampler.generate([c.tokenizer(e.prompt).input_ids for e in candidates], n=algo.group_size,
-                                          request_ids=places)
+        with timed(seconds, "generate"):  # a multi-turn task's conversations, its environment's turns included
+            rollouts = c.episodes.sample(c.sampler, candidates, n=algo.group_size, request_ids=places)
         with timed(seconds, "reward"):
-            rewards = rollout_rewards(c, candidates, rollouts)
+            rewards = c.episodes.rewards(candidates, rollouts, algo.group_size)
         sampled_reward = rewards.mean().item() if sampled_reward is None else sampled_reward
         keep = algo.keep_groups(rewards)
         for g in range(len(candidates)):
@@ -449,17 +449,7 @@ def sample_groups(c: Components, prompts: list, refill: Callable[[int], list] | 
 
 def rollout_rewards(c: Components, prompts: list, rollouts: Rollouts) -> torch.Tensor:
     """[B] rewards of the rollouts (grouped: `algo.group_size` responses per prompt, in prompt order)."""
-    texts = c.tokenizer.batch_decode(rollouts.response_ids, skip_special_tokens=True)
-    return torch.tensor([reward(c.task, prompts[i // c.algo.group_size], t) for i, t in enumerate(texts)])
-
-
-def reward(task, example, completion: str) -> float:
-    """The task's reward; when the task's function raises, a one-line error naming the prompt."""
-    try:
-        return float(task.reward(example, completion))
-    except Exception as err:
-        raise ValueError(f"task.reward raised {type(err).__name__} ({err}) on prompt {example.prompt!r} with "
-                         f"completion {completion!r}") from None
+    return c.episodes.rewards(prompts, rollouts, c.algo.group_size)
 
 
 def minibatch_rows(num_rows: int, minibatches: int) -> list[list[int]]:
