@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 from rlmm.tasks.arithmetic import ArithmeticTask
+from rlmm.tasks.calculator import CalculatorTask
 
 
 class RecordedArithmetic(ArithmeticTask):
@@ -67,3 +68,22 @@ class ParityArithmetic(ArithmeticTask):
 
     def reward(self, example, completion):
         return float(len(completion) % 2)
+
+
+class RecordedCalculator(CalculatorTask):
+    """The calculator task writing every (split, prompt, answer) it rewards to DIR/rank<RANK>.txt (selected with
+    `task=calculator task._target_=tests.recording.RecordedCalculator +task.record_dir=DIR`)."""
+
+    def __init__(self, record_dir: str, seed: int, min_value: int, max_value: int, operations: list[str],
+                 operands: int, direct_demos: float, max_turns: int, max_context_tokens: int, tool_timeout_s: float):
+        super().__init__(seed=seed, min_value=min_value, max_value=max_value, operations=operations,
+                         operands=operands, direct_demos=direct_demos, max_turns=max_turns,
+                         max_context_tokens=max_context_tokens, tool_timeout_s=tool_timeout_s)
+        self.record = Path(record_dir) / f"rank{os.environ.get('RANK', '0')}.txt"
+
+    def reward(self, example, completion):
+        from rlmm.tasks.arithmetic import _in_test_split
+
+        with self.record.open("a") as out:
+            out.write(f"{'test' if _in_test_split(example.prompt) else 'train'}\t{example.prompt}\t{completion!r}\n")
+        return super().reward(example, completion)

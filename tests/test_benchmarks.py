@@ -141,3 +141,57 @@ def test_kept_sets_benchmark_sizes_and_caps_the_sets(tmp_path):
             assert row["kept_bytes_per_token"] <= 3 * 4 + 8 + 1
         else:
             assert row["frac_capped"] == 0 and row["kept_size_mean"] >= 1
+
+
+def test_retokenize_cost_benchmark_counts_each_paths_renders(tmp_path):
+    """`benchmarks/retokenize_cost.py` at its dry size: each token path's bookkeeping is counted (renders, tokens
+    encoded) before it is timed, and the counts are what rlmm's code must do per conversation of T turns:
+    `tokens` renders a dummy exchange twice per next prompt (the same few tokens every turn), `retokenize` and
+    `realign` the whole conversation once per next prompt (growing with T: quadratic in all), `retokenize`'s
+    trained row one whole render and two per assistant turn, and the drift measurement two per assistant turn on
+    every path. Times are only checked to be there."""
+    out = tmp_path / "retokenize_cost.json"
+    result = subprocess.run([sys.executable, "-m", "benchmarks.retokenize_cost", "--dry", "--out", str(out)],
+                            capture_output=True, text=True, timeout=600, env=subprocess_env())
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "| retokenize | 8 |" in result.stdout and "HFSampler" in result.stdout
+    record = json.loads(out.read_text())
+    summary = record["summary"]
+    assert list(summary) == ["tokens", "retokenize", "realign"]
+    turns = [1, 2, 4, 8]
+    renders = {"tokens": lambda t: {"next_prompt": 2 * (t - 1), "trained": 0, "turn_drift": 2 * t},
+               "retokenize": lambda t: {"next_prompt": t - 1, "trained": 1 + 2 * t, "turn_drift": 2 * t},
+               "realign": lambda t: {"next_prompt": t - 1, "trained": 0, "turn_drift": 2 * t}}
+    for name, per_turns in summary.items():
+        assert [int(t) for t in per_turns] == turns
+        for t, s in per_turns.items():
+            t = int(t)
+            counts = s["counts"]
+            assert {stage: c["renders"] for stage, c in counts.items()} == renders[name](t), (name, t)
+            assert all(c["encodes"] == c["renders"] for c in counts.values())
+            assert counts["turn_drift"] == summary["tokens"][str(t)]["counts"]["turn_drift"]  # the same conversation
+            assert s["total_seconds"] > 0 and all(v >= 0 for v in s["seconds"].values())
+            assert s["generation_decode_seconds"] > 0 and s["ratio_to_generation"] > 0
+            # canonical sampled ids: no drift, every turn clean, every sampled token (eos included) trained
+            assert s["drifted_turns"] == 0 and set(s["kinds"]) <= {"clean"}
+            assert s["sampled_in_row"] == s["sampled_tokens"] == summary["tokens"][str(t)]["sampled_tokens"]
+            assert s["tokens"] > s["sampled_tokens"] >= t
+            # the same conversation's ids; the re-rendered one ends with the template's newline after <|end|>
+            assert s["tokens"] == summary["tokens"][str(t)]["tokens"] + (name == "retokenize")
+        assert [s["tokens"] for s in per_turns.values()] == sorted({s["tokens"] for s in per_turns.values()})
+
+    def encoded(name, t, stage=None):
+        counts = summary[name][str(t)]["counts"]
+        return sum(c["encoded_tokens"] for k, c in counts.items() if stage in (None, k))
+
+    # tokens: each next prompt encodes the dummy exchange and one tool reply, whatever came before (linear in T)
+    assert encoded("tokens", 8, "next_prompt") <= 1.5 * 7 * encoded("tokens", 2, "next_prompt")
+    # the whole conversation per turn: 4x the turns encode far more than 4x the tokens (quadratic: ~16x)
+    for name in ("retokenize", "realign"):
+        assert encoded(name, 8, "next_prompt") > 8 * encoded(name, 2, "next_prompt"), name
+        assert encoded(name, 8, "next_prompt") > encoded("tokens", 8, "next_prompt"), name
+    assert encoded("retokenize", 8) > 8 * encoded("retokenize", 2)
+    assert encoded("retokenize", 8, "trained") > 8 * encoded("retokenize", 2, "trained")
+    generation = record["generation"]
+    assert "HFSampler" in generation["reference"] and generation["num_parameters"] > 2_000_000
+    assert all(r["new_tokens"] == [8] and r["decode_seconds_per_token"] > 0 for r in generation["rows"])

@@ -10,6 +10,8 @@ from rlmm.config.options import from_yaml, group_options
 from tests.conftest import subprocess_env
 
 CASES = [
+    (["task=calculator"], "task: rlmm probe measures single-turn tasks, and CalculatorTask is multi-turn (run it with "
+                          "rlmm train"),
     (["sampler=vlm"], "unknown sampler 'vlm' (allowed: bitwise, hf, vllm)"),
     (["precision=fp8"], "unknown precision 'fp8' (allowed: bf16, bf16_fp32head,"),
     (["trainer=jax"], "unknown trainer 'jax' (allowed: deepspeed, fsdp, torch)"),
@@ -156,6 +158,23 @@ TRAIN_CASES = [
     (["-m", "trainer=torch,fsdp", "precision=bf16", "quantization=int8", "trainer.fake_quantize=true"],
      "trainer.fake_quantize=true: trainer=fsdp sends its fp32 masters and multiplies with them cast to bf16"),
     (["trainer.fake_quantize=maybe"], "trainer=deepspeed: fake_quantize: Value 'maybe' is not a valid bool"),
+    # multi-turn tasks and the token path (issue 60): before the model is built
+    (["task=calculator", "task.max_turns=0"], "task.max_turns: must be an integer >= 1, got 0 (a turn is one response "
+                                              "of the policy)"),
+    (["task=gsm8k_tools", "task.tool=sql"], "task.tool: unknown tool 'sql' (allowed: calculator, python)"),
+    (["token_path=realign"], "token_path=realign: the task answers in one response, with no conversation to re-render "
+                             "(allowed: token_path=tokens, or a multi-turn task such as task=calculator)"),
+    (["token_path=tokenz"], f"unknown token_path 'tokenz' (allowed: {', '.join(group_options('token_path'))})"),
+    (["chat_template=off"], f"unknown chat_template 'off' (allowed: {', '.join(group_options('chat_template'))})"),
+    (["task=calculator", "chat_template=none"], "chat_template=none: a multi-turn task renders its turns with the "
+                                                "model's chat template (allowed: chat_template=auto or model)"),
+    (["task=calculator", "algo=ppo"], "algo=ppo with a multi-turn task: its critic's GAE runs over a contiguous "
+                                      "response"),
+    (["task=calculator", "train.partial_rollouts=true", "train.staleness=1"],
+     "train.partial_rollouts=true with a multi-turn task: a conversation is not continued across weight syncs yet"),
+    (["task=calculator", "token_path=retokenize", "sampling.temperature=0.7"],
+     "token_path=retokenize: the sampler's log-probs of the re-rendered ids come from its prefill, which scores the "
+     "untempered, untruncated distribution"),
 ]
 
 
@@ -222,7 +241,7 @@ def test_tokenizer_without_pad_or_eos_is_named():
 def test_a_raising_reward_function_names_the_prompt():
     from types import SimpleNamespace
 
-    from rlmm.conversation.episodes import task_reward as reward
+    from rlmm.run.episodes import task_reward as reward
 
     class Broken:
         def reward(self, example, completion):

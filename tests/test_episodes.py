@@ -1,4 +1,4 @@
-"""rlmm/conversation/episodes.py: conversations with the environment, turn by turn, on a scripted sampler (the
+"""rlmm/run/episodes.py: conversations with the environment, turn by turn, on a scripted sampler (the
 policy's turns given, the rest real: the char model's chat template, the calculator task's environment, the token
 paths), so every limit and record can be checked exactly."""
 import math
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from rlmm.conversation.chat import ChatTemplate, NoChatTemplate
-from rlmm.conversation.episodes import MultiTurn, SingleTurn, build_episodes
+from rlmm.run.episodes import MultiTurn, SingleTurn, build_episodes
 from rlmm.conversation.token_path import Realign, Retokenize, TokenInTokenOut
 from rlmm.models.tiny import build_char_tokenizer
 from rlmm.policy.rollouts import Rollouts
@@ -86,6 +86,8 @@ def test_a_demonstrated_policy_solves_every_problem_with_the_calculator(path):
     # Later turns: one request per row, placed by its row in the step (place x n + sample)
     assert sampler.requests == [[0, 1, 2, 3], list(range(8)), list(range(8))]
     logprobs, mask = rollouts.padded_sampler_logprobs()
+    # the mask every stage trains and measures on: the sampled tokens, not the environment's between them
+    assert mask.sum().item() == sum(int(s.sum()) for s in rollouts.sampled) < sum(map(len, rollouts.response_ids))
     metrics = multi.metrics(rollouts, logprobs, logprobs, mask)
     assert metrics["conversation/turns_mean"] == 3 and metrics["conversation/frac_stop"] == 1
     assert metrics["conversation/tool_calls_mean"] == 2 and metrics["conversation/frac_tool_error"] == 0

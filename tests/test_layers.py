@@ -18,7 +18,7 @@ LAYERS = (
     ("runtime",),
     ("policy",),
     ("config",),
-    ("models", "tasks"),
+    ("models", "tasks", "conversation"),
     ("mismatch",),
     ("samplers", "trainers", "corrections", "algos"),
     ("run",),

@@ -1,6 +1,7 @@
 """rlmm/tasks/tools.py and rlmm/tasks/environment.py: tools that fail become that turn's answer, never a crash;
 tool calls parsed in both formats; the calculator task's problems, demonstrations, environment and reward."""
 import time
+from pathlib import Path
 
 import pytest
 
@@ -104,3 +105,24 @@ def test_calculator_task_refuses_bad_values(key, value, message):
     with pytest.raises(ValueError, match="^" + message.replace("(", r"\(").replace(")", r"\)")
                        .replace("[", r"\[").replace("]", r"\]")):
         calculator_task(**{key: value})
+
+
+def test_gsm8k_with_a_tool_answers_hermes_calls_and_scores_the_last_message():
+    from rlmm.tasks.gsm8k_tools import Gsm8kToolsTask
+
+    values = dict(path=str(Path(__file__).parent / "data" / "gsm8k_sample.jsonl"), seed=0, system_prompt="Solve.",
+                  max_turns=3, max_context_tokens=1024, tool_timeout_s=5.0)
+    task = Gsm8kToolsTask(tool="calculator", **values)
+    example = task.examples("train", 1)[0]
+    messages = task.first_messages(example)
+    assert [m["role"] for m in messages] == ["system", "user"] and messages[1]["content"] == example.prompt
+    assert task.tools[0]["function"]["name"] == "calculator"
+    call = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "48/2"}}\n</tool_call>'
+    assert task.reply(example, messages + [{"role": "assistant", "content": call}]).message["content"] == "24"
+    assert task.reply(example, messages + [{"role": "assistant", "content": "#### 72"}]).done
+    assert task.reward(example, f"so\n#### {example.answer}") == 1.0
+    python = Gsm8kToolsTask(tool="python", **values)
+    code = '<tool_call>{"name": "python", "arguments": {"code": "print(48 // 2)"}}</tool_call>'
+    assert python.reply(example, messages + [{"role": "assistant", "content": code}]).message["content"] == "24"
+    with pytest.raises(ValueError, match=r"^task.tool: unknown tool 'sql' \(allowed: calculator, python\)$"):
+        Gsm8kToolsTask(tool="sql", **values)

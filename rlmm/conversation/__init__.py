@@ -1,3 +1,3 @@
-"""Conversations: prompts through a model's chat template (`chat_template=`), multi-turn rollouts with an
-environment (rlmm/tasks/environment.py), and the token path from the sampler's tokens to the trainer's
-(`token_path=`)."""
+"""Conversations: prompts through a model's chat template (`chat_template=`), and the token path from a multi-turn
+conversation's sampled tokens to the trainer's (`token_path=`). The conversations themselves, turn by turn with a
+task's environment (rlmm/tasks/environment.py), are run by rlmm/run/episodes.py."""

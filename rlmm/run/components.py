@@ -15,7 +15,9 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 
 from rlmm.config.options import build, from_yaml, to_container
-from rlmm.conversation.episodes import SingleTurn, build_episodes
+from rlmm.conversation.chat import NoChatTemplate
+from rlmm.run.episodes import SingleTurn, build_episodes, check_token_path
+from rlmm.tasks.environment import is_multi_turn
 from rlmm.mismatch.routing import RoutingReplay
 from rlmm.models.loading import checkpoint_vocab_size, load_tokenizer
 from rlmm.policy.precision import SidePrecision, check_precision
@@ -49,7 +51,7 @@ class Components:
     bitwise: bool = False  # the sampler and the trainer promise log-probs equal to the bit (`sampler=bitwise`): a step
     # where they are not is an error (rlmm/run/step.py)
     prompts: object = None  # the bound prompt format (`chat_template=`, rlmm/conversation/chat.py): `prompts.ids(example)`
-    episodes: object = None  # one response or a conversation per example (rlmm/conversation/episodes.py), the token path's
+    episodes: object = None  # one response or a conversation per example (rlmm/run/episodes.py), the token path's
 
     def close(self) -> None:
         self.critic.close()
@@ -70,11 +72,12 @@ def build_components(cfg: DictConfig, prompts: Callable[[object], list], max_row
     select_device()
     init_process_group()
     task = instantiate(cfg.task)
+    sampling = SamplingOptions(**cfg.sampling, support=instantiate(cfg.support))
+    check_conversation(cfg, task, sampling)  # before the model is built
     with timed(seconds, "model"):
         model_path = instantiate(cfg.model).resolve(task, to_container(cfg.task))
     precision = instantiate(cfg.precision)
     precision.apply()
-    sampling = SamplingOptions(**cfg.sampling, support=instantiate(cfg.support))
     sampling.check_vocabulary(checkpoint_vocab_size(model_path))  # a hub model's, known once it is fetched
     algo = instantiate(cfg.algo) if "algo" in cfg else None
     correction = instantiate(cfg.correction) if "correction" in cfg else None
@@ -138,20 +141,32 @@ def build_components(cfg: DictConfig, prompts: Callable[[object], list], max_row
 
 def conversation_parts(cfg: DictConfig, tokenizer, model_path: str, task, sampling: SamplingOptions):
     """The bound prompt format (`chat_template=`) and the episodes (one response, or a multi-turn task's
-    conversations along `token_path=`), each refusal of what a conversation cannot do yet in one line."""
+    conversations along `token_path=`), once the tokenizer is known (`check_conversation` has run)."""
     prompt_format = instantiate(cfg.chat_template).bind(tokenizer, model_path, task)
-    episodes = build_episodes(task, prompt_format, tokenizer, sampling.max_new_tokens, instantiate(cfg.token_path))
-    if episodes.multi_turn:
-        check_multi_turn(cfg, episodes, sampling)
-    return prompt_format, episodes
+    return prompt_format, build_episodes(task, prompt_format, tokenizer, sampling.max_new_tokens,
+                                         instantiate(cfg.token_path))
 
 
-def check_multi_turn(cfg: DictConfig, episodes, sampling: SamplingOptions) -> None:
-    """What a multi-turn task cannot run with (yet), before any engine starts."""
+def check_conversation(cfg: DictConfig, task, sampling: SamplingOptions) -> None:
+    """What the task's kind (one response, or a conversation) cannot run with, in one line, before the model is
+    built or any engine starts: another token path than `tokens` for a single-turn task; for a multi-turn one, no
+    template, `rlmm probe`, a critic (PPO), partial rollouts, routing replay or comparison, `retokenize`'s prefill
+    under a tempered or truncated sampler."""
+    path = instantiate(cfg.token_path)
+    check_token_path(task, path)
+    if not is_multi_turn(task):
+        return
+    if isinstance(instantiate(cfg.chat_template), NoChatTemplate):
+        raise ValueError("chat_template=none: a multi-turn task renders its turns with the model's chat template "
+                         "(allowed: chat_template=auto or model)")
     train = cfg.get("train")
     if train is None:
-        raise ValueError(f"task: rlmm probe measures single-turn tasks; {cfg.task._target_.rsplit('.', 1)[-1]} is "
-                         f"multi-turn (run it with rlmm train, whose steps log mismatch/ and token_path/)")
+        raise ValueError(f"task: rlmm probe measures single-turn tasks, and {type(task).__name__} is multi-turn (run "
+                         f"it with rlmm train, whose steps log mismatch/, conversation/ and token_path/)")
+    if instantiate(cfg.algo).critic:
+        raise ValueError(f"algo={cfg.algo._target_.rsplit('.', 1)[-1].lower()} with a multi-turn task: its critic's GAE runs "
+                         f"over a contiguous response, and a conversation's sampled tokens have the environment's "
+                         f"between them (allowed: algo=grpo, dr_grpo, dapo, gspo, cispo)")
     if train.partial_rollouts:
         raise ValueError("train.partial_rollouts=true with a multi-turn task: a conversation is not continued across "
                          "weight syncs yet (allowed: train.partial_rollouts=false; train.staleness works)")
@@ -160,10 +175,10 @@ def check_multi_turn(cfg: DictConfig, episodes, sampling: SamplingOptions) -> No
         raise ValueError(f"routing={routing.name}{' compare=true' if routing.compare else ''} with a multi-turn task: "
                          f"the experts of a conversation's turns are not carried from turn to turn yet (allowed: "
                          f"routing=none with compare=false)")
-    if episodes.path.rescores and (sampling.temperature != 1.0 or sampling.truncates):
-        raise ValueError(f"token_path={episodes.path.name}: the sampler's log-probs of the re-rendered ids come from "
-                         f"its prefill, which scores the untempered, untruncated distribution (allowed with "
-                         f"sampling.temperature=1.0, top_p=1.0, top_k=0)")
+    if path.rescores and (sampling.temperature != 1.0 or sampling.truncates):
+        raise ValueError(f"token_path={path.name}: the sampler's log-probs of the re-rendered ids come from its prefill, "
+                         f"which scores the untempered, untruncated distribution (allowed with sampling.temperature=1.0, "
+                         f"top_p=1.0, top_k=0)")
 
 
 def longest_prompt(prompt_format, examples: list, episodes, max_new_tokens: int) -> int:

@@ -200,5 +200,5 @@ def hf_batch_size() -> int:
 
 def accuracy(c: Components, sampler, examples: list) -> float:
     """Greedy accuracy of `sampler` on `examples` (the task's reward of each greedy response, or of each greedy
-    conversation's answer: rlmm/conversation/episodes.py)."""
+    conversation's answer: rlmm/run/episodes.py)."""
     return c.episodes.accuracy(examples, c.episodes.sample(sampler, examples, greedy=True))

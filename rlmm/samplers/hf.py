@@ -100,7 +100,7 @@ class HFSampler:
         if not greedy:
             torch.manual_seed(request_seed(self.seed, self.calls, request_ids[0] if request_ids else 0))
             self.calls += 1
-        step = self.batch_size or len(prompt_ids)
+        step = self.batch_size or max(1, len(prompt_ids))  # a rank with no conversation left still makes the call
         out = Rollouts([], [], [], [], routed_experts=None if self.routing is None else [],
                        layer_states=[] if self.captured_sites else None,
                        kept_tokens=[] if self.sampling.returns_kept_tokens and not greedy else None)

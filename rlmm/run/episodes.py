@@ -185,11 +185,16 @@ def answer(record: dict) -> str:
 
 
 def build_episodes(task, prompts, tokenizer, max_new_tokens: int, token_path: TokenPath):
-    """`MultiTurn` for a task with an environment, else `SingleTurn` (where a token path other than `tokens` is
-    refused: a single response has no conversation to re-render)."""
+    """`MultiTurn` for a task with an environment, else `SingleTurn` (`check_token_path` first)."""
+    check_token_path(task, token_path)
     if is_multi_turn(task):
         return MultiTurn(task, prompts, tokenizer, max_new_tokens, token_path)
-    if token_path.name != "tokens":
+    return SingleTurn(task, prompts, tokenizer, max_new_tokens)
+
+
+def check_token_path(task, token_path: TokenPath) -> None:
+    """A token path other than `tokens` for a single-turn task, refused: a single response has no conversation to
+    re-render."""
+    if not is_multi_turn(task) and token_path.name != "tokens":
         raise ValueError(f"token_path={token_path.name}: the task answers in one response, with no conversation to "
                          f"re-render (allowed: token_path=tokens, or a multi-turn task such as task=calculator)")
-    return SingleTurn(task, prompts, tokenizer, max_new_tokens)

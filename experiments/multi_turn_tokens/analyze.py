@@ -1,0 +1,130 @@
+"""Token path x correction on the calculator task, from the experiment's sweep:
+
+    .venv/bin/python experiments/multi_turn_tokens/analyze.py SWEEP
+
+SWEEP: the sweep directory of `rlmm train -m experiment=multi_turn_tokens` (3 token paths x 3 corrections x 8 seeds).
+
+1. How often and where drift happens (means over each arm's steps, then over seeds): the share of assistant turns
+   whose sampled ids differ from their re-rendering, the sampled tokens after the first difference, the first
+   differing position, realign's REALIGN / FORK turns; and what the trainer sees: KL k3 and mean |δ| between the
+   sampler's log-probs and the trainer's, NeMo-RL's token_mult_prob_error at the turns' edges and inside them, the
+   share of sampled tokens the trainer gives a log-prob below -10; conversation turns and tool calls.
+2. Held-out accuracy at the last step (summary.json: the trained weights and the deployed sampler), each token path
+   against `tokens` with the same correction, paired by seed (mean, 95% paired-t interval, p:
+   rlmm/table/paired.py's `difference_stats`; Holm's p over the 6 comparisons: statsmodels): what the path costs.
+3. Within each token path, tis and icepop against none, paired by seed, Holm over the 6 comparisons: can a correction
+   absorb what the path does, or does only the path remove it?
+Writes multi_turn_tokens.png beside the sweep: the paired differences of (2) and (3) with their intervals.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pandas as pd
+from statsmodels.stats.multitest import multipletests
+
+from rlmm.run.records import read_steps
+from rlmm.table.discovery import read_overrides
+from rlmm.table.paired import difference_stats
+
+ACCURACY = {"eval_accuracy_trained_end": "trained weights", "eval_accuracy_end": "deployed sampler"}
+STEPS = {"token_path/frac_turns_drifted": "turns drifted", "token_path/frac_tokens_changed": "tokens changed",
+         "token_path/first_drift_position_mean": "first diff at", "token_path/frac_turns_realign": "REALIGN",
+         "token_path/frac_turns_fork": "FORK", "mismatch/kl_k3": "KL k3", "mismatch/logprob_abs_diff_mean": "mean |δ|",
+         "mismatch/token_mult_prob_error_boundary": "mult err (edges)",
+         "mismatch/token_mult_prob_error_generated": "mult err (inside)",
+         "mismatch/frac_trainer_logprob_below_neg10": "log p < -10", "conversation/turns_mean": "turns",
+         "conversation/tool_calls_mean": "tool calls", "rollout/reward_mean": "reward"}
+PATHS = ("tokens", "retokenize", "realign")
+CORRECTIONS = ("none", "tis", "icepop")
+
+
+def runs_of(sweep: str) -> pd.DataFrame:
+    rows = []
+    for run in sorted(p for p in Path(sweep).iterdir() if (p / "summary.json").exists()):
+        overrides = read_overrides(run)
+        summary = json.loads((run / "summary.json").read_text())
+        steps = pd.DataFrame([s for s in read_steps(run) if s["step"] > 0])
+        rows.append({"token_path": overrides["token_path"], "correction": overrides["correction"],
+                     "seed": int(overrides["seed"]), **{key: summary.get(key) for key in ACCURACY},
+                     **{key: steps[key].mean() if key in steps else float("nan") for key in STEPS}})
+    return pd.DataFrame(rows)
+
+
+def holm(table: pd.DataFrame) -> pd.DataFrame:
+    tested = table["p"].notna()
+    table["p_holm"] = float("nan")
+    if tested.any():
+        table.loc[tested, "p_holm"] = multipletests(table.loc[tested, "p"], method="holm")[1]
+    return table
+
+
+def paired(a: pd.Series, b: pd.Series) -> dict:
+    seeds = sorted(set(a.index) & set(b.index))
+    return {"n": len(seeds), "a": a.loc[seeds].mean(), "b": b.loc[seeds].mean(),
+            **difference_stats(a.loc[seeds].to_numpy(), b.loc[seeds].to_numpy())}
+
+
+def arms(runs: pd.DataFrame, key: str) -> dict:
+    return {(p, c): part.set_index("seed")[key] for (p, c), part in runs.groupby(["token_path", "correction"])}
+
+
+def path_vs_tokens(runs: pd.DataFrame, key: str) -> pd.DataFrame:
+    arm = arms(runs, key)
+    return holm(pd.DataFrame([{"token_path": p, "correction": c, **paired(arm[p, c], arm["tokens", c])}
+                              for c in CORRECTIONS for p in PATHS[1:] if (p, c) in arm and ("tokens", c) in arm]))
+
+
+def correction_vs_none(runs: pd.DataFrame, key: str) -> pd.DataFrame:
+    arm = arms(runs, key)
+    return holm(pd.DataFrame([{"token_path": p, "correction": c, **paired(arm[p, c], arm[p, "none"])}
+                              for p in PATHS for c in CORRECTIONS[1:] if (p, c) in arm and (p, "none") in arm]))
+
+
+def show(table: pd.DataFrame, label: str) -> str:
+    cols = ["token_path", "correction", "n", "a", "b", "mean_diff", "ci_low", "ci_high", "p", "p_holm"]
+    table = table[[c for c in cols if c in table]].rename(columns={"a": label, "b": "against"})
+    return table.to_markdown(index=False, floatfmt=".3f")
+
+
+def plot(first: pd.DataFrame, second: pd.DataFrame, out: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharex=False)
+    for ax, table, title in ((axes[0], first, "token path − tokens (same correction)"),
+                             (axes[1], second, "correction − none (same token path)")):
+        labels = [f"{r.token_path} / {r.correction}" for r in table.itertuples()]
+        y = range(len(table))
+        ax.errorbar(table["mean_diff"], y, xerr=[table["mean_diff"] - table["ci_low"], table["ci_high"] - table["mean_diff"]],
+                    fmt="o", capsize=3)
+        ax.axvline(0, color="grey", lw=0.8)
+        ax.set_yticks(list(y), labels)
+        ax.set_title(title)
+        ax.set_xlabel("held-out accuracy, trained weights (paired difference, 95% CI)")
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+
+
+def main(sweep: str) -> None:
+    runs = runs_of(sweep)
+    print(f"{len(runs)} runs in {sweep}\n")
+    means = runs.groupby(["token_path", "correction"])[list(STEPS) + list(ACCURACY)].mean()
+    print("## What each arm trained with (means over steps, then seeds)\n")
+    print(means[list(STEPS)].rename(columns=STEPS).to_markdown(floatfmt=".4g"), "\n")
+    print("## Held-out accuracy at the last step (means over seeds)\n")
+    print(means[list(ACCURACY)].rename(columns=ACCURACY).to_markdown(floatfmt=".3f"), "\n")
+    for key, label in ACCURACY.items():
+        print(f"## Each token path against tokens, {label}\n")
+        print(show(path_vs_tokens(runs, key), label), "\n")
+        print(f"## Each correction against none, {label}\n")
+        print(show(correction_vs_none(runs, key), label), "\n")
+    plot(path_vs_tokens(runs, "eval_accuracy_trained_end"), correction_vs_none(runs, "eval_accuracy_trained_end"),
+         Path(sweep) / "multi_turn_tokens.png")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,91 @@
+"""`rlmm train` on a multi-turn task (issue 60), end to end on the shipped calculator model: every sampler, the token
+paths, stale rollouts, the bitwise arm, two ranks against one, and a run stopped and resumed."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import subprocess_env, torchrun
+
+# The calculator's turns need more than debug=train's 8 tokens (a call such as calc(57-43) is 11 and <eos>).
+SHORT = ["task=calculator", "debug=train", "sampling.max_new_tokens=16", "train.eval_prompts=8"]
+
+
+def rlmm_train(run_dir: Path, *overrides: str, timeout: float = 900) -> list[dict]:
+    result = subprocess.run([sys.executable, "-m", "rlmm.cli", "train", *SHORT, *overrides, f"hydra.run.dir={run_dir}"],
+                            capture_output=True, text=True, timeout=timeout, env=subprocess_env(),
+                            stdin=subprocess.DEVNULL)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    return [json.loads(line) for line in (run_dir / "steps.jsonl").read_text().splitlines()]
+
+
+def test_the_calculator_trains_on_vllm_and_deepspeed(tmp_path):
+    """The default engines on the calculator task: conversations of several turns, the environment's tokens outside
+    the mismatch, the drift and turn-edge metrics logged, the held-out accuracy of greedy conversations."""
+    steps = rlmm_train(tmp_path)
+    assert [s["step"] for s in steps] == [0, 1, 2]
+    for step in steps[1:]:
+        assert step["conversation/turns_mean"] > 1 and step["conversation/tool_calls_mean"] > 0
+        assert step["token_path/frac_turns_drifted"] == 0  # the character model re-renders what it sampled
+        assert step["mismatch/num_tokens"] > 0 and step["mismatch/token_mult_prob_error_generated"] >= 1
+        assert 0 <= step["eval/accuracy"] <= 1 and 0 <= step["eval/accuracy_trained"] <= 1
+    assert steps[0]["eval/accuracy"] > 0.2  # the warm-started model solves problems with the calculator
+
+
+@pytest.mark.parametrize("token_path", ["retokenize", "realign"])
+def test_each_token_path_trains_on_transformers(tmp_path, token_path):
+    steps = rlmm_train(tmp_path, "sampler=hf", "trainer=torch", f"token_path={token_path}")
+    assert steps[-1]["conversation/turns_mean"] > 1 and steps[-1]["train/skipped"] == 0
+    if token_path == "realign":
+        assert steps[-1]["token_path/frac_turns_realign"] == 0  # nothing drifted: every turn clean
+
+
+def test_the_bitwise_arm_agrees_to_the_bit_over_whole_conversations(tmp_path):
+    """sampler=bitwise on conversations: the trainer scores each sampled token of every turn, with the environment's
+    tokens before it, to the bits the sampler drew it with (a step that is not is an error naming the token)."""
+    steps = rlmm_train(tmp_path, "sampler=bitwise", "precision=bf16", "trainer=torch")
+    assert all(s["agreement/bitwise"] == 1 for s in steps[1:])
+    assert steps[-1]["conversation/turns_mean"] > 1
+
+
+def test_stale_conversations_train(tmp_path):
+    steps = rlmm_train(tmp_path, "train.staleness=1", "train.steps=3", "sampler=hf", "trainer=torch")
+    assert [s["rollout/staleness"] for s in steps[1:]] == [0, 1, 1]
+
+
+def calculator_draws(path: Path) -> list[tuple[str, str]]:
+    return [tuple(line.split("\t")) for line in path.read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_two_ranks_hold_the_conversations_one_rank_holds(tmp_path):
+    """Two ranks hold, between them, the conversations one rank holds (fp32 vLLM, seeded requests): a turn one rank
+    no longer needs is still a call there, so every later turn's seeds are the one-rank run's."""
+    for ranks in (1, 2):
+        record = tmp_path / f"draws{ranks}"
+        record.mkdir()
+        torchrun(["-m", "rlmm.cli", "train", "task=calculator", "task._target_=tests.recording.RecordedCalculator",
+                  f"+task.record_dir={record}", "model=hf", f"model.path={shipped_calculator_model()}", "train.steps=1",
+                  "train.eval_prompts=4", "train.eval_trained_weights=false", "train.prompts_per_step=4",
+                  "algo.group_size=4", "sampling.temperature=1.5", "precision=fp32", "logger=none",
+                  "train.checkpoint_every=0", f"hydra.run.dir={tmp_path / f'run{ranks}'}"], ranks=ranks)
+    one = calculator_draws(tmp_path / "draws1" / "rank0.txt")
+    two = calculator_draws(tmp_path / "draws2" / "rank0.txt") + calculator_draws(tmp_path / "draws2" / "rank1.txt")
+    training = [d for d in one if d[0] == "train"]
+    assert len(training) == 16 and Counter(training) == Counter(d for d in two if d[0] == "train")
+    assert len({d[2] for d in training}) > 1  # the answers vary: the draws are not all alike
+
+
+def shipped_calculator_model() -> str:
+    from rlmm.config.options import from_yaml, option_node, to_container
+    from rlmm.models.tiny import BUILTIN_DIR, shipped_digests
+
+    task_config = to_container(option_node("task", "calculator"))
+    name = f"tiny-{from_yaml('model', 'tiny').cache_key(task_config)}"
+    assert name in shipped_digests(), f"{name} does not ship (rlmm/models/builtin/SHA256SUMS)"
+    return str(BUILTIN_DIR / name)
