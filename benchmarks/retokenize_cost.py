@@ -38,16 +38,17 @@ process's CPU seconds); the table gives medians.
 
 The generation reference, to relate the bookkeeping to generation as TRL did: rlmm's `HFSampler`
 (rlmm/samplers/hf.py, transformers `generate`, greedy, one prompt) on a random-init Qwen2 of the built-in size
-(hidden 256, 4 layers, 4 heads / 2 KV heads, MLP 704, vocabulary 320: 3.0M parameters, fp32) saved with the BPE
+(hidden 256, 4 layers, 4 heads / 2 KV heads, MLP 704, vocabulary 320: 3.1M parameters, fp32) saved with the BPE
 tokenizer, its eos made unreachable so that every call generates exactly what it asks. At each --contexts length:
 one call generating 1 token (the prefill) and one generating --new-tokens, --repeats times (medians); the decode
 time per token is their difference over new tokens - 1. One torch thread by default (--threads): the bookkeeping
-runs on one core, and two threads on this machine's two cores, shared with other jobs, ran 5-10x slower. A conversation's generation time is then its sampled tokens at the decode time of
-the context each turn sampled at (interpolated linearly between the measured lengths), without the prefills
-(recorded apart: vLLM's prefix cache makes most of them free, transformers' generate recomputes them every turn).
-The ratio bookkeeping / generation is for this 3M-parameter model on this CPU: a larger model, or a GPU, makes a
-sampled token dearer or cheaper, while the bookkeeping stays the same CPU work (it depends on the tokenizer and the
-template only), so the ratio scales with the generation time per token.
+runs on one core, and two threads on this machine's two cores, shared with other jobs, ran 5-10x slower. A
+conversation's generation time is then its sampled tokens at the decode time of the context each turn sampled at
+(interpolated linearly between the measured lengths), without the prefills (recorded apart: vLLM's prefix cache
+makes most of them free, transformers' generate recomputes them every turn). The ratio bookkeeping / generation is
+for this 3M-parameter model on this CPU: a larger model, or a GPU, makes a sampled token dearer or cheaper, while the
+bookkeeping stays the same CPU work (it depends on the tokenizer and the template only), so the ratio scales
+inversely with the generation time per token.
 """
 from __future__ import annotations
 
@@ -154,6 +155,7 @@ def run_conversation(chat, path, first, messages: list[dict], counter: Counted |
     for k, i in enumerate(assistant):
         text = messages[i]["content"]
         output = chat.encode(text) + [eos]
+        assert chat.decode(output) == text.strip(), (chat.decode(output), text)  # the message MultiTurn would append
         conversation.turns.append(Turn(prompt, output, torch.zeros(len(output)), "stop"))
         conversation.messages.append(copy.deepcopy(messages[i]))
         if k + 1 < len(assistant):
@@ -168,7 +170,8 @@ def run_conversation(chat, path, first, messages: list[dict], counter: Counted |
     return {"wall": wall, "cpu": cpu, "ids": row.prompt_ids + row.response_ids,
             "sampled_in_row": sum(row.sampled), "kinds": row.kinds,
             "sampled_tokens": sum(len(t.output_ids) for t in turns),
-            "contexts": [(len(t.prompt_ids), len(t.output_ids)) for t in turns],  # what each turn's sampler read, sampled
+            # what each turn's sampler read, and sampled
+            "contexts": [(len(t.prompt_ids), len(t.output_ids)) for t in turns],
             "drifted_turns": sum(d.drifted for d in drift)}
 
 
@@ -241,11 +244,13 @@ def generation_reference(tokenizer, contexts: list[int], new_tokens: int, repeat
                 made.add(len(out.response_ids[0]))
             prefill, whole = statistics.median(one), statistics.median(full)
             rows.append({"context": context, "new_tokens": sorted(made), "prefill_seconds": prefill,
-                         "call_seconds": whole, "decode_seconds_per_token": max(whole - prefill, 0.0) / (new_tokens - 1)})
+                         "call_seconds": whole,
+                         "decode_seconds_per_token": max(whole - prefill, 0.0) / (new_tokens - 1)})
     return {"reference": f"rlmm.samplers.hf.HFSampler (transformers generate, greedy, batch 1, fp32, {threads} torch "
                          f"thread{'s' if threads > 1 else ''}) on a random-init Qwen2 of the built-in size "
                          f"({parameters / 1e6:.1f}M parameters) on this CPU",
-            "num_parameters": parameters, "torch_threads": threads, "arch": ARCH, "new_tokens": new_tokens, "rows": rows}
+            "num_parameters": parameters, "torch_threads": threads, "arch": ARCH, "new_tokens": new_tokens,
+            "rows": rows}
 
 
 def interpolate(rows: list[dict], key: str, context: float) -> float:
@@ -294,20 +299,21 @@ def table(summary: dict, reference: dict) -> str:
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, per_turns in summary.items():
         for t, s in per_turns.items():
-            ratio = s["ratio_to_generation"]
-            no_drift = s["total_without_drift_seconds"] / s["generation_decode_seconds"]
+            decode = s["generation_decode_seconds"]
+            ratio = "-" if not decode else f"{100 * s['total_seconds'] / decode:.1f}%"
+            no_drift = "-" if not decode else f"{100 * s['total_without_drift_seconds'] / decode:.1f}%"
             lines.append(f"| {name} | {t} | {s['tokens']} | {s['sampled_tokens']} | {s['renders']} | "
                          f"{s['encoded_tokens']} | {s['seconds']['next_prompt']:.4f} | {s['seconds']['trained']:.4f} | "
                          f"{s['seconds']['turn_drift']:.4f} | {s['total_seconds']:.4f} | "
                          f"{1000 * s['seconds_per_turn']:.2f} | {s['generation_decode_seconds']:.3f} | "
-                         f"{100 * ratio:.1f}% | {100 * no_drift:.1f}% |")
+                         f"{ratio} | {no_drift} |")
     ref = ["", "Generation reference: " + reference["reference"] + ".",
            "| context | prefill s | decode ms / token |", "|---:|---:|---:|"]
     ref += [f"| {r['context']} | {r['prefill_seconds']:.4f} | {1000 * r['decode_seconds_per_token']:.2f} |"
             for r in reference["rows"]]
     ref.append("Generation s: the conversation's sampled tokens at the decode time per token of the context each turn "
-               "sampled at (prefills not counted). The ratio is for this 3M-parameter model on this CPU: a bigger model "
-               "or a GPU changes the generation time per token, not the bookkeeping (the same CPU work).")
+               "sampled at (prefills not counted). The ratio is for this 3M-parameter model on this CPU: a bigger "
+               "model or a GPU changes the generation time per token, not the bookkeeping (the same CPU work).")
     return "\n".join(lines + ref)
 
 
@@ -316,7 +322,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--turns", default="1,2,4,8,16,32,64,128", help="policy turns per conversation (a list)")
     parser.add_argument("--repeats", type=int, default=5, help="timed runs of each conversation (medians reported)")
     parser.add_argument("--corpus", type=int, default=4096, help="training problems the BPE tokenizer is trained on")
-    parser.add_argument("--contexts", default="64,512,1024,1536,2048", help="context lengths of the generation reference")
+    parser.add_argument("--contexts", default="64,512,1024,1536,2048",
+                        help="context lengths of the generation reference")
     parser.add_argument("--new-tokens", type=int, default=64, help="tokens generated per reference call")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads of the generation reference (1: the bookkeeping's one core; 2 threads on "

@@ -171,7 +171,8 @@ def test_retokenize_cost_benchmark_counts_each_paths_renders(tmp_path):
             assert all(c["encodes"] == c["renders"] for c in counts.values())
             assert counts["turn_drift"] == summary["tokens"][str(t)]["counts"]["turn_drift"]  # the same conversation
             assert s["total_seconds"] > 0 and all(v >= 0 for v in s["seconds"].values())
-            assert s["generation_decode_seconds"] > 0 and s["ratio_to_generation"] > 0
+            # a difference of two timed calls: present, not asserted positive (a loaded machine can invert it)
+            assert s["generation_decode_seconds"] >= 0 and "ratio_to_generation" in s
             # canonical sampled ids: no drift, every turn clean, every sampled token (eos included) trained
             assert s["drifted_turns"] == 0 and set(s["kinds"]) <= {"clean"}
             assert s["sampled_in_row"] == s["sampled_tokens"] == summary["tokens"][str(t)]["sampled_tokens"]
@@ -194,4 +195,6 @@ def test_retokenize_cost_benchmark_counts_each_paths_renders(tmp_path):
     assert encoded("retokenize", 8, "trained") > 8 * encoded("retokenize", 2, "trained")
     generation = record["generation"]
     assert "HFSampler" in generation["reference"] and generation["num_parameters"] > 2_000_000
-    assert all(r["new_tokens"] == [8] and r["decode_seconds_per_token"] > 0 for r in generation["rows"])
+    assert [r["context"] for r in generation["rows"]] == [16, 64]
+    assert all(r["new_tokens"] == [8] and r["call_seconds"] > 0 and r["prefill_seconds"] > 0
+               for r in generation["rows"])  # every call generated what it asked (the eos cannot be sampled)
