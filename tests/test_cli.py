@@ -172,6 +172,8 @@ TRAIN_CASES = [
                                       "response"),
     (["task=calculator", "train.partial_rollouts=true", "train.staleness=1"],
      "train.partial_rollouts=true with a multi-turn task: a conversation is not continued across weight syncs yet"),
+    (["task=calculator", "token_path=realign", "routing=r3"], "routing=r3 with token_path=realign: the trainer scores ids "
+                                                              "the sampler's forwards did not all see"),
     (["task=calculator", "token_path=retokenize", "sampling.temperature=0.7"],
      "token_path=retokenize: the sampler's log-probs of the re-rendered ids come from its prefill, which scores the "
      "untempered, untruncated distribution"),

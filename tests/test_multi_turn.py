@@ -89,3 +89,28 @@ def shipped_calculator_model() -> str:
     name = f"tiny-{from_yaml('model', 'tiny').cache_key(task_config)}"
     assert name in shipped_digests(), f"{name} does not ship (rlmm/models/builtin/SHA256SUMS)"
     return str(BUILTIN_DIR / name)
+
+
+def test_conversations_in_flight_resume_to_the_uninterrupted_records(tmp_path):
+    """Staleness 1 on the calculator, SIGTERM after step 2: the checkpoint holds batch 3's conversations, sampled and
+    not yet trained (their messages, turns and sampled masks), and the resumed run logs every number the
+    uninterrupted one logs (fp32 transformers: the same draws)."""
+    from tests.test_reliability import comparable
+    from tests.test_staleness import stopped_after_step_two
+
+    from rlmm.run.records import read_steps
+
+    common = [*SHORT, "train.steps=4", "train.staleness=1", "sampler=hf", "trainer=torch", "precision=fp32",
+              "train.checkpoint_every=0"]
+    straight, interrupted = tmp_path / "straight", tmp_path / "interrupted"
+    rlmm_train(straight, *common[len(SHORT):])
+    command = [sys.executable, "-m", "rlmm.cli", "train", *common, f"hydra.run.dir={interrupted}"]
+    _, in_flight = stopped_after_step_two(command, interrupted)
+    (batch,) = in_flight
+    rollouts = batch["rollouts"]
+    assert batch["index"] == 3 and len(rollouts["conversations"]) == len(rollouts["sampled"]) == 4
+    assert all(record["messages"][0]["role"] == "user" for record in rollouts["conversations"])
+    resumed = subprocess.run(command, capture_output=True, text=True, timeout=600, env=subprocess_env(),
+                             stdin=subprocess.DEVNULL)
+    assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-3000:]
+    assert comparable(read_steps(interrupted)) == comparable(read_steps(straight))

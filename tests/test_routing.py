@@ -371,3 +371,53 @@ def test_replayed_gates_are_the_routers_softmax_on_the_replayed_experts(normalis
     assert torch.allclose(gates, expected, rtol=0, atol=1e-7)
     (gates[0] * torch.tensor([1.0, 2.0])).sum().backward()
     assert logits.grad[0, [2, 3]].abs().min() > 0 and torch.equal(logits.grad[1], torch.zeros(4))
+
+
+def test_a_conversations_stitched_experts_line_up_with_the_trainers_positions(moe_model_path):
+    """token_path=tokens over three turns of a real sampler (fp32 transformers, experts captured), the environment's
+    text between them: the row's experts, each taken from the forward that first fed its token while sampling
+    (`stitched_routing`), agree with the trainer's own on the whole row almost everywhere, as a single response's do;
+    taking every position's from the last turn's prefill instead (what sampled tokens were *not* routed by) is not
+    what the step replays, and a stitch one position off disagrees."""
+    from rlmm.conversation.chat import TemplatePrompts
+    from rlmm.conversation.token_path import Conversation, TokenInTokenOut, Turn, stitched_routing
+    from rlmm.models.loading import load_tokenizer
+    from tests.conftest import build_sampler
+
+    tokenizer = load_tokenizer(moe_model_path)
+    chat = TemplatePrompts(tokenizer, None)
+    path = TokenInTokenOut()
+    sampler = build_sampler("hf", moe_model_path, FP32, sampling(max_new_tokens=6), seed=0, capture_routing=True)
+    conversations = []
+    try:
+        for question in ("5+5=", "61-9=", "2*2="):
+            conversation = Conversation([{"role": "user", "content": question}])
+            prompt = chat.encode(chat.render(conversation.messages, generation_prompt=True))
+            for answer in ("7", "ok", "12"):
+                out = sampler.generate([prompt], n=1)
+                # whatever it sampled, the turn ends on <eos> as a finished one does (a random model rarely stops)
+                output = out.response_ids[0][:5] + [tokenizer.eos_token_id]
+                fed = sampler.generate([prompt + output[:-1]], n=1, max_new_tokens=1)  # the forwards that fed them
+                routed = torch.cat([fed.routed_experts[0][:len(prompt) + len(output) - 1],
+                                    torch.full_like(fed.routed_experts[0][:1], NO_ROUTE)])
+                conversation.turns.append(Turn(prompt, output, torch.zeros(len(output)), "stop", routed=routed))
+                conversation.messages += [{"role": "assistant", "content": chat.decode(output)},
+                                          {"role": "tool", "content": answer}]
+                prompt = path.next_prompt(chat, conversation)
+            conversations.append(conversation)
+    finally:
+        sampler.close()
+    rows = [path.trained(chat, c) for c in conversations]
+    rollouts = Rollouts([r.prompt_ids for r in rows], [r.response_ids for r in rows],
+                        [torch.zeros(len(r.response_ids)) for r in rows], ["stop"] * len(rows),
+                        routed_experts=[r.routed for r in rows])
+    assert all(len(r.routed) == len(r.prompt_ids) + len(r.response_ids) for r in rows)
+    assert torch.equal(rows[0].routed, stitched_routing(conversations[0].turns))
+    trainer = build_trainer("torch", moe_model_path, FP32, OPTIONS)
+    try:
+        own = own_routing(trainer, rollouts)
+    finally:
+        trainer.close()
+    assert routing_disagreement(rollouts.routed_experts, own)["routing/frac_decisions_differ"] < 0.02
+    shifted = [torch.cat([r[1:], r[:1]]) for r in rollouts.routed_experts]
+    assert routing_disagreement(shifted, own)["routing/frac_decisions_differ"] > 0.3

@@ -54,6 +54,9 @@ class Turn:
     logprobs: torch.Tensor  # float32 [len(output_ids)]
     finish: str  # "stop" | "length"
     kept: KeptTokens | None = None
+    # An MoE sampler's experts of this generate call's row (`Rollouts.routed_experts`: [prompt + output, MoE layers,
+    # top-k], entry p the experts of the forward whose input was token p; None: not captured)
+    routed: torch.Tensor | None = None
 
 
 @dataclass
@@ -78,7 +81,9 @@ class TrainedRow:
     """What the trainer scores of one conversation: the first prompt's ids, the rest (the policy's turns and the
     environment's ids between them), which of those the policy sampled (trained, in the mismatch), their sampler
     log-probs (0 elsewhere), their kept sets (a truncating sampler's; the environment's ids keep only themselves)
-    and each later turn's class (clean, realign, fork: `Realign`'s; clean for the others)."""
+    and each later turn's class (clean, realign, fork: `Realign`'s; clean for the others); the sampler's experts of
+    every position where they were captured (`tokens` only: the other paths score ids the sampler's forwards did not
+    all see)."""
 
     prompt_ids: list[int]
     response_ids: list[int]
@@ -86,6 +91,7 @@ class TrainedRow:
     logprobs: list[float]
     kept: KeptTokens | None
     kinds: list[str]
+    routed: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -156,7 +162,9 @@ class TokenInTokenOut:
                 sampled[start + i], logprobs[start + i] = True, lp
             for i, ids_kept in enumerate(kept_sets(turn)):
                 kept[start + i] = ids_kept
-        return row(ids, len(first.prompt_ids), sampled, logprobs, kept, [CLEAN] * (len(conversation.turns) - 1))
+        trained = row(ids, len(first.prompt_ids), sampled, logprobs, kept, [CLEAN] * (len(conversation.turns) - 1))
+        trained.routed = stitched_routing(conversation.turns)
+        return trained
 
 
 class Retokenize:
@@ -254,6 +262,24 @@ def row(ids: list[int], prompt_length: int, sampled: list[bool], logprobs: list[
                                        zip(kept[prompt_length:], response)], [False] * len(response))
     return TrainedRow(ids[:prompt_length], response, sampled[prompt_length:], logprobs[prompt_length:], kept_row,
                       kinds)
+
+
+def stitched_routing(turns: list[Turn]) -> torch.Tensor | None:
+    """The experts of every position of a token-in/token-out row ([prompt + response, MoE layers, top-k]), each taken
+    from the forward that first fed the token to the sampler as it sampled: the first prompt's from the first turn's
+    prefill; a turn's sampled tokens but its last from that turn's decode steps; its last (the end-of-turn token, never
+    fed back while it was sampled) and the environment's tokens after it from the next turn's prefill; the row's last
+    token NO_ROUTE, as in a single response (rlmm/policy/rollouts.py). None when a turn has none."""
+    if not turns or any(turn.routed is None for turn in turns):
+        return None
+    parts = [turns[0].routed[:len(turns[0].prompt_ids)]]
+    for turn, following in zip(turns, [*turns[1:], None]):
+        start, end = len(turn.prompt_ids), len(turn.prompt_ids) + len(turn.output_ids)
+        if following is None:
+            parts.append(turn.routed[start:end])
+        else:
+            parts += [turn.routed[start:end - 1], following.routed[end - 1:len(following.prompt_ids)]]
+    return torch.cat(parts)
 
 
 def kept_sets(turn: Turn) -> list:

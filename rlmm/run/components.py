@@ -150,8 +150,8 @@ def conversation_parts(cfg: DictConfig, tokenizer, model_path: str, task, sampli
 def check_conversation(cfg: DictConfig, task, sampling: SamplingOptions) -> None:
     """What the task's kind (one response, or a conversation) cannot run with, in one line, before the model is
     built or any engine starts: another token path than `tokens` for a single-turn task; for a multi-turn one, no
-    template, `rlmm probe`, a critic (PPO), partial rollouts, routing replay or comparison, `retokenize`'s prefill
-    under a tempered or truncated sampler."""
+    template, `rlmm probe`, a critic (PPO), partial rollouts, routing replay or comparison off `token_path=tokens`,
+    `retokenize`'s prefill under a tempered or truncated sampler."""
     path = instantiate(cfg.token_path)
     check_token_path(task, path)
     if not is_multi_turn(task):
@@ -171,10 +171,10 @@ def check_conversation(cfg: DictConfig, task, sampling: SamplingOptions) -> None
         raise ValueError("train.partial_rollouts=true with a multi-turn task: a conversation is not continued across "
                          "weight syncs yet (allowed: train.partial_rollouts=false; train.staleness works)")
     routing = instantiate(cfg.routing)
-    if routing.replays or routing.compare:
-        raise ValueError(f"routing={routing.name}{' compare=true' if routing.compare else ''} with a multi-turn task: "
-                         f"the experts of a conversation's turns are not carried from turn to turn yet (allowed: "
-                         f"routing=none with compare=false)")
+    if (routing.replays or routing.compare) and path.name != "tokens":
+        raise ValueError(f"routing={routing.name}{' compare=true' if routing.compare else ''} with token_path="
+                         f"{path.name}: the trainer scores ids the sampler's forwards did not all see, whose experts "
+                         f"it never chose (allowed: token_path=tokens, or routing=none with compare=false)")
     if path.rescores and (sampling.temperature != 1.0 or sampling.truncates):
         raise ValueError(f"token_path={path.name}: the sampler's log-probs of the re-rendered ids come from its prefill, "
                          f"which scores the untempered, untruncated distribution (allowed with sampling.temperature=1.0, "

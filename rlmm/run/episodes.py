@@ -103,7 +103,8 @@ class MultiTurn:
         for k, i in enumerate(indices):
             example, conversation = rows[i]
             turn = Turn(out.prompt_ids[k], out.response_ids[k], out.sampler_logprobs[k], out.finish_reasons[k],
-                        None if out.kept_tokens is None else out.kept_tokens[k])
+                        None if out.kept_tokens is None else out.kept_tokens[k],
+                        None if out.routed_experts is None else out.routed_experts[k])
             conversation.turns.append(turn)
             conversation.messages.append({"role": "assistant", "content": self.prompts.decode(turn.output_ids)})
             if turn.finish == "length":
@@ -137,9 +138,11 @@ class MultiTurn:
             records.append({"messages": c.messages, "finish": c.finish, "turns": len(c.turns),
                             "turn_rewards": c.rewards, "tool_statuses": c.tool_statuses, "kinds": r.kinds,
                             "drift": [(d.sampled, d.rendered, d.common) for d in drift]})
+        routed = [r.routed for r in trained]
         return Rollouts([r.prompt_ids for r in trained], [r.response_ids for r in trained], logprobs,
                         [c.finish for _, c in rows],
                         kept_tokens=kept if any(k is not None for k in kept) else None,
+                        routed_experts=routed if trained and all(r is not None for r in routed) else None,
                         sampled=[torch.tensor(r.sampled, dtype=torch.bool) for r in trained], conversations=records)
 
     def rewards(self, examples: list, rollouts: Rollouts, n: int) -> torch.Tensor:
