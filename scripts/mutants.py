@@ -354,6 +354,25 @@ MUTANTS = [
            [("rlmm/run/step.py", "fix.old_logprobs if fix.old_logprobs is not None else view.old_logprobs",
              "view.old_logprobs")],
            tests=("tests/test_prox_approx.py",)),
+    # multi-turn conversations and the token path (issue 60)
+    Mutant("environment_tokens_in_the_mask", "a conversation's environment tokens count as sampled (trained, measured)",
+           [("rlmm/policy/rollouts.py", "            mask &= pad_right(self.sampled)[0].bool()",
+             "            pass")],
+           tests=("tests/test_episodes.py",)),
+    Mutant("realign_at_the_response_start_forks", "TRL's reconciler counts a divergence at the last response's first "
+           "token a fork, not a realignment",
+           [("rlmm/conversation/token_path.py", "REALIGN if matched >= last_response and",
+             "REALIGN if matched > last_response and")],
+           tests=("tests/test_token_path.py",)),
+    Mutant("environment_ids_keep_the_newline_with_the_policy", "token-in/token-out leaves what the template writes "
+           "after the end-of-turn token out of the environment's ids",
+           [("rlmm/conversation/token_path.py", "        prefix = prefix[:len(prefix) - prefix[::-1].index(eos)]",
+             "        pass")],
+           tests=("tests/test_token_path.py",)),
+    Mutant("stitched_experts_one_off", "a conversation's sampled tokens take the experts of the next position's forward",
+           [("rlmm/conversation/token_path.py", "parts += [turn.routed[start:end - 1],",
+             "parts += [turn.routed[start + 1:end],")],
+           tests=("tests/test_routing.py::test_a_conversations_stitched_experts_line_up_with_the_trainers_positions",)),
 ]
 
 

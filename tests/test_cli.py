@@ -10,8 +10,8 @@ from rlmm.config.options import from_yaml, group_options
 from tests.conftest import subprocess_env
 
 CASES = [
-    (["task=calculator"], "task: rlmm probe measures single-turn tasks, and CalculatorTask is multi-turn (run it with "
-                          "rlmm train"),
+    (["task=calculator", "probe.layers=true"], "probe.layers=true with a multi-turn task: the sampler's hidden states "
+                                               "are captured per generate call"),
     (["sampler=vlm"], "unknown sampler 'vlm' (allowed: bitwise, hf, vllm)"),
     (["precision=fp8"], "unknown precision 'fp8' (allowed: bf16, bf16_fp32head,"),
     (["trainer=jax"], "unknown trainer 'jax' (allowed: deepspeed, fsdp, torch)"),

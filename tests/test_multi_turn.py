@@ -114,3 +114,20 @@ def test_conversations_in_flight_resume_to_the_uninterrupted_records(tmp_path):
                              stdin=subprocess.DEVNULL)
     assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-3000:]
     assert comparable(read_steps(interrupted)) == comparable(read_steps(straight))
+
+
+def test_the_probe_measures_conversations_and_retokenization(tmp_path):
+    """`rlmm probe` on the calculator with the BPE model: the sampler-vs-trainer gap over the conversations' sampled
+    tokens, their turns, and re-tokenization as its own component (the text scored as sampled and as re-rendered)."""
+    result = subprocess.run([sys.executable, "-m", "rlmm.cli", "probe", "task=calculator", "model=tiny_bpe",
+                             "debug=probe", "sampling.max_new_tokens=16", "sampler=hf", "trainer=torch",
+                             f"hydra.run.dir={tmp_path}"], capture_output=True, text=True, timeout=900,
+                            env=subprocess_env(), stdin=subprocess.DEVNULL)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    record = json.loads((tmp_path / "probe.json").read_text())
+    retokenized, conversations = record["retokenization"], record["conversations"]
+    assert retokenized["num_conversations"] == record["rollouts"]["num"] > 0
+    assert 0 <= retokenized["frac_turns_drifted"] <= 1 and conversations["conversation/turns_mean"] >= 1
+    if retokenized["frac_conversations_drifted"] == 0:  # nothing re-rendered otherwise: the same text, the same ids
+        assert retokenized["conversation_logprob_gap_abs_mean"] == 0
+    assert record["sampler_vs_trainer"]["num_tokens"] > 0 and "re-tokenization:" in result.stdout

@@ -12,6 +12,8 @@ Reads top to bottom:
      with an MoE model, the routing part: how often the two sides route a token differently, and how much of
      the sampler-vs-trainer gap goes when the trainer replays the sampler's experts (`routing_decomposition`);
      the sampler's decoding against its own prefill re-scoring of the same tokens (`decode_vs_prefill`);
+     with a multi-turn task, re-tokenization: each conversation's text scored as sampled and as the chat template
+     re-renders it (`retokenization`), beside its turns' drift and the conversations' own metrics;
      with `probe.simulated` (a list of ε), the same prompts sampled by the same engine unquantized with
      `sampler.perturb=ε`, and the ε that matches the real sampler's gap (`real_vs_simulated`);
   5. print a table, write `probe.json` and `probe.png` into the run directory, log to the logger.
@@ -39,8 +41,8 @@ from rlmm.policy.quantization import NoQuantization
 from rlmm.policy.support import recorded as support_recorded
 from rlmm.policy.support import support_metrics
 from rlmm.probe.checks import check_finite, check_options
-from rlmm.probe.measurements import (batch_invariance, decode_vs_prefill, real_vs_simulated, routing_decomposition,
-                                     trainer_across_layouts, trainer_against_itself)
+from rlmm.probe.measurements import (batch_invariance, decode_vs_prefill, real_vs_simulated, retokenization,
+                                     routing_decomposition, trainer_across_layouts, trainer_against_itself)
 from rlmm.probe.plot import plot_probe
 from rlmm.probe.report import print_probe
 from rlmm.run.components import build_components
@@ -60,15 +62,15 @@ def run_probe(cfg: DictConfig, run_dir: Path, choices: dict[str, str]) -> dict:
                                                      + task.examples("train", options.batch_invariance.max_batch_size)),
                                   max(options.num_prompts * options.samples_per_prompt,
                                       options.batch_invariance.max_batch_size), stage_seconds)
-    task, tokenizer, sampler, trainer = components.task, components.tokenizer, components.sampler, components.trainer
+    task, sampler, trainer = components.task, components.sampler, components.trainer
     precision_report, model_path = components.precision_report, components.model_path
     examples = task.examples(options.split, options.num_prompts)
     prompt_ids = [components.prompts.ids(e) for e in examples]
+    episodes = components.episodes  # one response per prompt, or a multi-turn task's conversations
 
     with timed(stage_seconds, "generate"), sampler.capturing_layers() if options.layers else nullcontext():
-        rollouts = sampler.generate(prompt_ids, n=options.samples_per_prompt)
-    completions = tokenizer.batch_decode(rollouts.response_ids, skip_special_tokens=True)
-    rewards = [task.reward(examples[i // options.samples_per_prompt], text) for i, text in enumerate(completions)]
+        rollouts = episodes.sample(sampler, examples, n=options.samples_per_prompt)
+    rewards = episodes.rewards(examples, rollouts, options.samples_per_prompt).tolist()
     sampler_logprobs, mask = rollouts.padded_sampler_logprobs()
     routing = components.routing
     sampled = rollouts
@@ -109,10 +111,13 @@ def run_probe(cfg: DictConfig, run_dir: Path, choices: dict[str, str]) -> dict:
         decoding = decode_vs_prefill(sampler, sampled, components.sampling, options.ratio_cap, bucket_size)
     with timed(stage_seconds, "sampler_vs_itself"):
         sampler_vs_itself = batch_invariance(sampler, task, components.prompts, options)
+    with timed(stage_seconds, "retokenization"):  # a conversation's text re-rendered: its own component of the gap
+        retokenized = retokenization(trainer, rollouts, components.prompts) if episodes.multi_turn else {}
+        conversations = episodes.metrics(rollouts, train_logprobs, sampler_logprobs, mask)
     sampler.close()
     with timed(stage_seconds, "simulated"):
         simulated = ({} if not options.simulated else real_vs_simulated(sampler_vs_trainer, {
-            float(eps): stand_in_gap(cfg, components.engine_args, float(eps), prompt_ids, trainer, options)
+            float(eps): stand_in_gap(cfg, components.engine_args, float(eps), examples, episodes, trainer, options)
             for eps in options.simulated}))
     trainer.close()
 
@@ -124,6 +129,8 @@ def run_probe(cfg: DictConfig, run_dir: Path, choices: dict[str, str]) -> dict:
                      "mean_response_length": mask.sum().item() / len(rollouts),
                      "frac_truncated": rollouts.finish_reasons.count("length") / len(rollouts)},
         "sampler_vs_trainer": sampler_vs_trainer,
+        "retokenization": retokenized,
+        "conversations": conversations,
         "agreement": agreement,
         "support": truncation,
         "position_profile": profile,
@@ -150,7 +157,7 @@ def run_probe(cfg: DictConfig, run_dir: Path, choices: dict[str, str]) -> dict:
     return record
 
 
-def stand_in_gap(cfg: DictConfig, engine_args: dict, perturb: float, prompt_ids: list[list[int]], trainer,
+def stand_in_gap(cfg: DictConfig, engine_args: dict, perturb: float, examples: list, episodes, trainer,
                  options) -> dict:
     """The probe's sampler-vs-trainer metrics for the same engine, unquantized (`quantization=none`, a KV cache in
     the sampler's dtype, so unscaled), with `sampler.perturb` = ε on the same prompts with the same seed (the simulated
@@ -158,7 +165,7 @@ def stand_in_gap(cfg: DictConfig, engine_args: dict, perturb: float, prompt_ids:
     plain = {"kv_cache_dtype": "auto", "kv_scales": "unit"} if "kv_cache_dtype" in cfg.sampler else {}
     sampler = build(cfg.sampler, **{**engine_args, "quantization": NoQuantization()}, **plain, perturb=perturb)
     try:
-        rollouts = sampler.generate(prompt_ids, n=options.samples_per_prompt)
+        rollouts = episodes.sample(sampler, examples, n=options.samples_per_prompt)
     finally:
         sampler.close()
     sampler_logprobs, mask = rollouts.padded_sampler_logprobs()

@@ -188,3 +188,42 @@ def real_vs_simulated(real: dict, simulated: dict[float, dict]) -> dict:
                 break
     return {"epsilons": grid, "simulated": {f"{eps:g}": metrics for eps, metrics in simulated.items()},
             "matching_epsilon": matching}
+
+
+def retokenization(trainer, rollouts: Rollouts, prompts) -> dict:
+    """Re-tokenization as a component of the gap (multi-turn conversations, issue 60): each conversation's assistant
+    text scored by the trainer twice, as the sampler's ids (the rollouts' rows, the token path's) and as the chat
+    template re-renders it (token_path=retokenize's row, rlmm/conversation/token_path.py). Per conversation,
+
+        Δ = Σ_{assistant spans of the re-rendered row} log π_train − Σ_{sampled tokens of the row} log π_train,
+
+    the change in the log-likelihood of the same text that re-tokenizing makes (0 where every turn re-renders as
+    sampled). Keys: the turns' drift (`turn_drift`: share drifted, sampled tokens after the first difference), the
+    mean of Δ and of |Δ| over all conversations and over those with a drifted turn, and the share of trained tokens
+    with a trainer log-prob below -10 on each side. `prompts`: the bound chat template (`TemplatePrompts`)."""
+    from rlmm.conversation.token_path import Conversation, Retokenize, Turn
+
+    records = rollouts.conversations
+    rerendered = []
+    for prompt, record in zip(rollouts.prompt_ids, records):
+        conversation = Conversation(record["messages"], [Turn(list(prompt), [], torch.zeros(0), "stop")])
+        rerendered.append(Retokenize().trained(prompts, conversation))
+    other = Rollouts([r.prompt_ids for r in rerendered], [r.response_ids for r in rerendered],
+                     [torch.zeros(len(r.response_ids)) for r in rerendered], list(rollouts.finish_reasons),
+                     sampled=[torch.tensor(r.sampled, dtype=torch.bool) for r in rerendered])
+    _, mask = rollouts.padded_sampler_logprobs()
+    _, other_mask = other.padded_sampler_logprobs()
+    sampled, again = trainer.logprobs(rollouts).double(), trainer.logprobs(other).double()
+    gap = torch.where(other_mask, again, 0.0).sum(1) - torch.where(mask, sampled, 0.0).sum(1)
+    drifts = [d for record in records for d in record["drift"]]
+    drifted = torch.tensor([any(d[2] != d[0] or d[2] != d[1] for d in record["drift"]) for record in records])
+    changed = sum(d[0] - d[2] for d in drifts)
+    return {"frac_turns_drifted": sum(d[2] != d[0] or d[2] != d[1] for d in drifts) / max(1, len(drifts)),
+            "frac_tokens_changed": changed / max(1, sum(d[0] for d in drifts)),
+            "frac_conversations_drifted": drifted.double().mean().item(),
+            "conversation_logprob_gap_mean": gap.mean().item(), "conversation_logprob_gap_abs_mean": gap.abs().mean().item(),
+            "drifted_logprob_gap_mean": gap[drifted].mean().item() if drifted.any() else math.nan,
+            "drifted_logprob_gap_abs_mean": gap[drifted].abs().mean().item() if drifted.any() else math.nan,
+            "frac_trainer_logprob_below_neg10_sampled": (sampled[mask] < -10).double().mean().item(),
+            "frac_trainer_logprob_below_neg10_rerendered": (again[other_mask] < -10).double().mean().item(),
+            "num_conversations": len(records)}

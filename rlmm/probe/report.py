@@ -28,6 +28,8 @@ def print_probe(record: dict) -> None:
         table.add_row(key, fmt(record["sampler_vs_trainer"][key]), fmt(itself[key]))
     console.print(table)
     console.print(agreement_verdict(record["agreement"]))
+    if retokenized := record.get("retokenization"):
+        print_retokenization(console, retokenized)
     print_entropy_profile(console, record["entropy_profile"])
     if support := record.get("support"):
         print_support(console, support, record["choices"].get("support", "sampler"))
@@ -192,3 +194,15 @@ def print_decoding(console, decoding: dict, simulated: dict, real: dict) -> None
         table.add_row("matching ε", *(format_number(matching[k]) if matching[k] is not None else "outside the grid"
                                       for k in ("logprob_abs_diff_mean", "kl_k3")))
         console.print(table)
+
+
+def print_retokenization(console, retokenized: dict) -> None:
+    """A multi-turn probe's re-tokenization component (rlmm/probe/measurements.py::retokenization), one line each."""
+    console.print(f"re-tokenization: {retokenized['frac_turns_drifted']:.2%} of turns re-render otherwise "
+                  f"({retokenized['frac_tokens_changed']:.2%} of sampled tokens after a first difference; "
+                  f"{retokenized['frac_conversations_drifted']:.2%} of conversations); the trainer's log-likelihood of "
+                  f"the text moves by {format_number(retokenized['conversation_logprob_gap_mean'])} nats a conversation "
+                  f"(|{format_number(retokenized['conversation_logprob_gap_abs_mean'])}|; drifted ones "
+                  f"{format_number(retokenized['drifted_logprob_gap_mean'])}); tokens below -10: "
+                  f"{retokenized['frac_trainer_logprob_below_neg10_sampled']:.2%} sampled, "
+                  f"{retokenized['frac_trainer_logprob_below_neg10_rerendered']:.2%} re-rendered")

@@ -150,8 +150,8 @@ def conversation_parts(cfg: DictConfig, tokenizer, model_path: str, task, sampli
 def check_conversation(cfg: DictConfig, task, sampling: SamplingOptions) -> None:
     """What the task's kind (one response, or a conversation) cannot run with, in one line, before the model is
     built or any engine starts: another token path than `tokens` for a single-turn task; for a multi-turn one, no
-    template, `rlmm probe`, a critic (PPO), partial rollouts, routing replay or comparison off `token_path=tokens`,
-    `retokenize`'s prefill under a tempered or truncated sampler."""
+    template, `rlmm probe`'s captured layers, a critic (PPO), partial rollouts, routing replay or comparison off
+    `token_path=tokens`, `retokenize`'s prefill under a tempered or truncated sampler."""
     path = instantiate(cfg.token_path)
     check_token_path(task, path)
     if not is_multi_turn(task):
@@ -160,14 +160,15 @@ def check_conversation(cfg: DictConfig, task, sampling: SamplingOptions) -> None
         raise ValueError("chat_template=none: a multi-turn task renders its turns with the model's chat template "
                          "(allowed: chat_template=auto or model)")
     train = cfg.get("train")
-    if train is None:
-        raise ValueError(f"task: rlmm probe measures single-turn tasks, and {type(task).__name__} is multi-turn (run "
-                         f"it with rlmm train, whose steps log mismatch/, conversation/ and token_path/)")
-    if instantiate(cfg.algo).critic:
-        raise ValueError(f"algo={cfg.algo._target_.rsplit('.', 1)[-1].lower()} with a multi-turn task: its critic's GAE runs "
-                         f"over a contiguous response, and a conversation's sampled tokens have the environment's "
-                         f"between them (allowed: algo=grpo, dr_grpo, dapo, gspo, cispo)")
-    if train.partial_rollouts:
+    if train is None:  # rlmm probe
+        if cfg.probe.layers:
+            raise ValueError("probe.layers=true with a multi-turn task: the sampler's hidden states are captured per "
+                             "generate call, not stitched over a conversation's turns (allowed: probe.layers=false)")
+    elif instantiate(cfg.algo).critic:
+        raise ValueError(f"algo={cfg.algo._target_.rsplit('.', 1)[-1].lower()} with a multi-turn task: its critic's "
+                         f"GAE runs over a contiguous response, and a conversation's sampled tokens have the "
+                         f"environment's between them (allowed: algo=grpo, dr_grpo, dapo, gspo, cispo)")
+    if train is not None and train.partial_rollouts:
         raise ValueError("train.partial_rollouts=true with a multi-turn task: a conversation is not continued across "
                          "weight syncs yet (allowed: train.partial_rollouts=false; train.staleness works)")
     routing = instantiate(cfg.routing)

@@ -9,7 +9,7 @@ a conversation ends when the policy answers (`stop`), a turn stops at `sampling.
 end-of-turn token (`length`: its text is the answer), it has taken `task.max_turns` turns (`turns`: still calling a
 tool, no answer) or its next prompt and a full turn would not fit `task.max_context_tokens` (`context`). Every
 rank makes the same sampling calls (a turn no row of its own needs is an empty call), so each call's seeds are
-those of the one-rank run. Then the token path turns each conversation into the row the trainer scores, and the
+those of the one-rank run; greedy conversations (the evaluation's, on rank 0 alone) take no collective. Then the token path turns each conversation into the row the trainer scores, and the
 reward is the task's on the last assistant message plus the environment's per-turn rewards.
 """
 from __future__ import annotations
@@ -89,9 +89,13 @@ class MultiTurn:
                 for i in range(len(examples) * n)]
         out = sampler.generate(first, n=n, greedy=greedy, request_ids=places)
         self._take(rows, list(range(len(rows))), out)
-        # Later turns: each row is its own request, placed by its row in the step (place x n + sample).
+        # Later turns: each row is its own request, placed by its row in the step (place x n + sample). A sampling
+        # turn is taken on every rank while any rank has a conversation going (each call's seeds are the one-rank
+        # run's); greedy ones draw nothing and count no call, and only rank 0 evaluates: no collective there.
         requests = [places[i // n] * n + i % n for i in range(len(rows))]
-        while any_rank(any(not c.done for _, c in rows)):
+        going = (lambda: any(not c.done for _, c in rows)) if greedy else \
+            (lambda: any_rank(any(not c.done for _, c in rows)))
+        while going():
             active = [i for i, (_, c) in enumerate(rows) if not c.done]
             prompts = [rows[i][1].next_prompt for i in active]
             out = sampler.generate(prompts, n=1, greedy=greedy, request_ids=[requests[i] for i in active])
