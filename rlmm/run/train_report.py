@@ -162,7 +162,10 @@ def save_over_steps(fig, axes, path: Path, choices: dict) -> None:
 
     for ax in axes:
         ax.set_xlabel("step")
-    fig.suptitle(" ".join(f"{k}={v}" for k, v in choices.items()), fontsize=9)
+    import textwrap
+
+    # wrapped: a run's dozen choices are wider than the figure on one line
+    fig.suptitle(textwrap.fill(" ".join(f"{k}={v}" for k, v in choices.items()), 160), fontsize=9)
     fig.tight_layout()
     with writing(path):
         fig.savefig(path, dpi=110)
