@@ -168,6 +168,9 @@ TRAIN_CASES = [
     (["chat_template=off"], f"unknown chat_template 'off' (allowed: {', '.join(group_options('chat_template'))})"),
     (["task=calculator", "chat_template=none"], "chat_template=none: a multi-turn task renders its turns with the "
                                                 "model's chat template (allowed: chat_template=auto or model)"),
+    (["task=calculator", "task.max_context_tokens=999"], "task.max_context_tokens: 999 tokens (and the one a re-scoring "
+                                                         "prefill asks past them) are more than the model's 256 positions "
+                                                         "(allowed: <= 255)"),
     (["task=calculator", "algo=ppo"], "algo=ppo with a multi-turn task: its critic's GAE runs over a contiguous "
                                       "response"),
     (["task=calculator", "train.partial_rollouts=true", "train.staleness=1"],

@@ -56,7 +56,7 @@ def test_every_option_composes_validates_and_builds(group, option, tmp_path):
     if (group, option) == ("model", "hf"):  # a real checkpoint directory stands in for a hub id
         (tmp_path / "config.json").write_text("{}")
         overrides.append(f"model.path={tmp_path}")
-    if (group, option) == ("task", "gsm8k"):
+    if (group, option) in (("task", "gsm8k"), ("task", "gsm8k_tools")):
         overrides.append(f"task.path={Path(__file__).parent / 'data' / 'gsm8k_sample.jsonl'}")
     cfg, choices = _compose("probe", overrides)
     validate(cfg, choices)

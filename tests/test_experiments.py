@@ -23,6 +23,7 @@ from tests.this_cpu import experiment_pins, experiment_refusals
 EXPERIMENTS = sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml"))
 REPO = Path(__file__).resolve().parent.parent
 GSM8K_SAMPLE = REPO / "tests" / "data" / "gsm8k_sample.jsonl"
+GSM8K_SHORT = REPO / "tests" / "data" / "gsm8k_short.jsonl"  # five short word problems
 # The built-in model, made small (builds in seconds; head_dim 64 for vLLM's CPU kernels).
 SMALL_TINY = ["model.hidden_size=128", "model.num_layers=2", "model.num_heads=2", "model.num_kv_heads=1",
               "model.intermediate_size=256", "model.warm_start_steps=20", "model.warm_start_batch_size=16"]
@@ -101,9 +102,11 @@ def shortened(name: str, combinations: int, model_path: str, cache_dir: Path) ->
     grid = [f"{key}={','.join(str(cfg.hydra.sweeper.params[key]).split(',')[:combinations if i == 0 else 1])}"
             for i, key in enumerate(keys)]
     choices = cfg.hydra.runtime.choices
-    model = {"tiny": SMALL_TINY + [f"model.cache_dir={cache_dir}"],
-             "tiny_moe": []}.get(choices.model, [f"model.path={model_path}"])  # tiny_moe: the shipped one, 38 MB
+    model = {"tiny": SMALL_TINY + [f"model.cache_dir={cache_dir}"],  # tiny_moe, tiny_bpe: the shipped ones
+             "tiny_moe": [], "tiny_bpe": []}.get(choices.model, [f"model.path={model_path}"])
     task = [f"task.path={GSM8K_SAMPLE}"] if choices.task == "gsm8k" and not (REPO / cfg.task.path).is_file() else []
+    if choices.task == "gsm8k_tools":  # conversations that fit the small checkpoint's 128 positions, a character each
+        task = [f"task.path={GSM8K_SHORT}", "task.system_prompt=Solve.", "task.max_context_tokens=120"]
     return app, [f"experiment={name}", *grid, *pins, *model, *task, f"debug={app}"]
 
 

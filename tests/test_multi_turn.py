@@ -81,14 +81,27 @@ def test_two_ranks_hold_the_conversations_one_rank_holds(tmp_path):
     assert len({d[2] for d in training}) > 1  # the answers vary: the draws are not all alike
 
 
-def shipped_calculator_model() -> str:
+def shipped_calculator_model(model: str = "tiny", **task_values) -> str:
+    """The shipped model `model=<model> task=calculator` resolves to (an error where it would have to be built)."""
     from rlmm.config.options import from_yaml, option_node, to_container
-    from rlmm.models.tiny import BUILTIN_DIR, shipped_digests
+    from rlmm.models.tiny import BUILTIN_DIR, model_task_config, shipped_digests
 
-    task_config = to_container(option_node("task", "calculator"))
-    name = f"tiny-{from_yaml('model', 'tiny').cache_key(task_config)}"
+    task_config = to_container(option_node("task", "calculator")) | task_values
+    spec = from_yaml("model", model)
+    name = f"{spec.prefix}-{spec.cache_key(model_task_config(from_yaml('task', 'calculator', **task_values), task_config))}"
     assert name in shipped_digests(), f"{name} does not ship (rlmm/models/builtin/SHA256SUMS)"
     return str(BUILTIN_DIR / name)
+
+
+@pytest.mark.parametrize("model", ["tiny", "tiny_bpe"])
+def test_the_calculators_models_ship_and_the_environments_limits_do_not_name_them(model):
+    """Both built-in models of the calculator task ship; a turn limit, a context limit or a tool timeout changes no
+    demonstration, so it resolves to the same shipped model (no hour-long warm start for `task.max_turns=2`), while a
+    value the demonstrations read (`direct_demos`) names another."""
+    shipped = shipped_calculator_model(model)
+    assert shipped_calculator_model(model, max_turns=2, max_context_tokens=64, tool_timeout_s=5.0) == shipped
+    with pytest.raises(AssertionError, match="does not ship"):
+        shipped_calculator_model(model, direct_demos=0.25)
 
 
 def test_conversations_in_flight_resume_to_the_uninterrupted_records(tmp_path):

@@ -31,6 +31,15 @@ def checkpoint_ties_head(model_path: str) -> bool:
     return bool(getattr(AutoConfig.from_pretrained(model_path).get_text_config(), "tie_word_embeddings", False))
 
 
+def checkpoint_positions(model_path: str) -> int | None:
+    """The checkpoint's positions (config.json's `max_position_embeddings`, a multimodal model's text one; None
+    where it names none)."""
+    from transformers import AutoConfig
+
+    positions = getattr(AutoConfig.from_pretrained(model_path).get_text_config(), "max_position_embeddings", None)
+    return None if positions is None else int(positions)
+
+
 def checkpoint_vocab_size(model_path: str) -> int:
     """The checkpoint's vocabulary: its LM head's rows (config.json's `vocab_size`, a multimodal model's text one)."""
     from transformers import AutoConfig

@@ -224,7 +224,10 @@ class TinyModel:
 
     def resolve(self, task, task_config: dict) -> str:
         """Return the checkpoint directory: the shipped one (checked against its SHA-256) when this
-        configuration's model ships with rlmm, else the cached build, building it if there is none."""
+        configuration's model ships with rlmm, else the cached build, building it if there is none. A multi-turn
+        task's environment limits (`task.environment_keys`: its turn and context limits, its tools' timeout) change
+        no demonstration, so they are not part of the model's name: `task.max_turns=2` trains the same model."""
+        task_config = model_task_config(task, task_config)
         name = f"{self.prefix}-{self.cache_key(task_config)}"
         shipped = shipped_digests().get(name)
         if shipped is not None and not self.rebuild:
@@ -305,6 +308,12 @@ class TinyModel:
     def _warm_start_objective(self):
         """What the warm start minimises (`warm_start`'s `objective`): the dense model's is the LM loss."""
         return lm_objective
+
+
+def model_task_config(task, task_config: dict) -> dict:
+    """The task's values that decide a warm-started model: all of them but its `environment_keys` (a multi-turn
+    task's limits, which change no demonstration)."""
+    return {k: v for k, v in task_config.items() if k not in getattr(task, "environment_keys", ())}
 
 
 def check_warm_start(report: dict, path: Path) -> None:

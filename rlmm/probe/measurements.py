@@ -201,7 +201,7 @@ def retokenization(trainer, rollouts: Rollouts, prompts) -> dict:
     sampled). Keys: the turns' drift (`turn_drift`: share drifted, sampled tokens after the first difference), the
     mean of Δ and of |Δ| over all conversations and over those with a drifted turn, and the share of trained tokens
     with a trainer log-prob below -10 on each side. `prompts`: the bound chat template (`TemplatePrompts`)."""
-    from rlmm.conversation.token_path import Conversation, Retokenize, Turn
+    from rlmm.conversation.token_path import Conversation, Retokenize, Turn, TurnDrift
 
     records = rollouts.conversations
     rerendered = []
@@ -215,11 +215,11 @@ def retokenization(trainer, rollouts: Rollouts, prompts) -> dict:
     _, other_mask = other.padded_sampler_logprobs()
     sampled, again = trainer.logprobs(rollouts).double(), trainer.logprobs(other).double()
     gap = torch.where(other_mask, again, 0.0).sum(1) - torch.where(mask, sampled, 0.0).sum(1)
-    drifts = [d for record in records for d in record["drift"]]
-    drifted = torch.tensor([any(d[2] != d[0] or d[2] != d[1] for d in record["drift"]) for record in records])
-    changed = sum(d[0] - d[2] for d in drifts)
-    return {"frac_turns_drifted": sum(d[2] != d[0] or d[2] != d[1] for d in drifts) / max(1, len(drifts)),
-            "frac_tokens_changed": changed / max(1, sum(d[0] for d in drifts)),
+    drifts = [[TurnDrift(*d) for d in record["drift"]] for record in records]
+    turns = [d for conversation in drifts for d in conversation]
+    drifted = torch.tensor([any(d.drifted for d in conversation) for conversation in drifts])
+    return {"frac_turns_drifted": sum(d.drifted for d in turns) / max(1, len(turns)),
+            "frac_tokens_changed": sum(d.changed for d in turns) / max(1, sum(d.sampled for d in turns)),
             "frac_conversations_drifted": drifted.double().mean().item(),
             "conversation_logprob_gap_mean": gap.mean().item(), "conversation_logprob_gap_abs_mean": gap.abs().mean().item(),
             "drifted_logprob_gap_mean": gap[drifted].mean().item() if drifted.any() else math.nan,

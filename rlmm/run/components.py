@@ -19,7 +19,7 @@ from rlmm.conversation.chat import NoChatTemplate
 from rlmm.run.episodes import SingleTurn, build_episodes, check_token_path
 from rlmm.tasks.environment import is_multi_turn
 from rlmm.mismatch.routing import RoutingReplay
-from rlmm.models.loading import checkpoint_vocab_size, load_tokenizer
+from rlmm.models.loading import checkpoint_positions, checkpoint_vocab_size, load_tokenizer
 from rlmm.policy.precision import SidePrecision, check_precision
 from rlmm.policy.rollouts import SamplingOptions
 from rlmm.run.critic import NoCritic, ValueCritic
@@ -90,7 +90,7 @@ def build_components(cfg: DictConfig, prompts: Callable[[object], list], max_row
         check_versions(correction, tracked=cfg.train.staleness >= 1)
     tokenizer = load_tokenizer(model_path)
     prompt_format, episodes = conversation_parts(cfg, tokenizer, model_path, task, sampling)  # before any engine
-    prompt_tokens = longest_prompt(prompt_format, prompts(task), episodes, sampling.max_new_tokens)
+    prompt_tokens = longest_prompt(prompt_format, prompts(task), episodes, sampling.max_new_tokens, model_path)
     # sampler=bitwise: the trainer lays every row out alone at the width the sampler decodes at
     row_width = bitwise_row_width(cfg.sampler, prompt_tokens, sampling.max_new_tokens)
     with timed(seconds, "sampler_init"):
@@ -182,13 +182,18 @@ def check_conversation(cfg: DictConfig, task, sampling: SamplingOptions) -> None
                          f"top_p=1.0, top_k=0)")
 
 
-def longest_prompt(prompt_format, examples: list, episodes, max_new_tokens: int) -> int:
+def longest_prompt(prompt_format, examples: list, episodes, max_new_tokens: int, model_path: str) -> int:
     """The longest prompt a turn may have, in tokens (sizes the sampler's max_model_len): the examples' longest, or a
-    multi-turn task's context less a whole turn (`task.max_context_tokens`), which no first prompt may exceed."""
+    multi-turn task's context less a whole turn (`task.max_context_tokens`), which no first prompt may exceed and
+    which, with the position a re-scoring prefill asks past it, must fit the model's positions."""
     longest = max(len(prompt_format.ids(e)) for e in examples)
     if isinstance(episodes, SingleTurn):
         return longest
     context = episodes.max_context
+    positions = checkpoint_positions(model_path)
+    if positions is not None and context + 1 > positions:
+        raise ValueError(f"task.max_context_tokens: {context} tokens (and the one a re-scoring prefill asks past them) "
+                         f"are more than the model's {positions} positions (allowed: <= {positions - 1})")
     if longest + max_new_tokens > context:
         raise ValueError(f"task.max_context_tokens: {context} tokens do not hold the longest first prompt ({longest} "
                          f"tokens) and a whole turn (sampling.max_new_tokens={max_new_tokens}): allowed >= "

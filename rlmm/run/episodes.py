@@ -18,7 +18,7 @@ import math
 
 import torch
 
-from rlmm.conversation.token_path import Conversation, TokenPath, Turn, turn_drift
+from rlmm.conversation.token_path import Conversation, TokenPath, Turn, TurnDrift, turn_drift
 from rlmm.mismatch.metrics import turn_boundary_metrics
 from rlmm.policy.rollouts import Rollouts
 from rlmm.runtime.collectives import any_rank
@@ -166,10 +166,10 @@ class MultiTurn:
         records = rollouts.conversations
         turns = [r["turns"] for r in records]
         statuses = [s for r in records for s in r["tool_statuses"]]
-        drift = [d for r in records for d in r["drift"]]
-        drifted = [d for d in drift if d[2] != d[0] or d[2] != d[1]]
+        drift = [TurnDrift(*d) for r in records for d in r["drift"]]
+        drifted = [d for d in drift if d.drifted]
         kinds = [k for r in records for k in r["kinds"]]
-        sampled = sum(d[0] for d in drift)
+        sampled = sum(d.sampled for d in drift)
         out = {"conversation/turns_mean": sum(turns) / len(turns), "conversation/turns_max": float(max(turns)),
                **{f"conversation/frac_{reason}": sum(r["finish"] == reason for r in records) / len(records)
                   for reason in FINISH_REASONS},
@@ -177,9 +177,9 @@ class MultiTurn:
                **{f"conversation/frac_tool_{status}": (statuses.count(status) / len(statuses) if statuses else 0.0)
                   for status in ("error", "timeout", "garbage")},
                "token_path/frac_turns_drifted": len(drifted) / len(drift) if drift else 0.0,
-               "token_path/first_drift_position_mean": (sum(d[2] for d in drifted) / len(drifted) if drifted
+               "token_path/first_drift_position_mean": (sum(d.common for d in drifted) / len(drifted) if drifted
                                                         else math.nan),
-               "token_path/frac_tokens_changed": sum(d[0] - d[2] for d in drift) / sampled if sampled else 0.0}
+               "token_path/frac_tokens_changed": sum(d.changed for d in drift) / sampled if sampled else 0.0}
         if kinds:
             out.update({f"token_path/frac_turns_{kind}": kinds.count(kind) / len(kinds) for kind in ("realign", "fork")})
         edges = turn_boundary_metrics(trainer_logprobs, sampler_logprobs, mask)

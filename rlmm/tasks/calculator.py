@@ -36,6 +36,8 @@ class CalculatorTask:
     """
 
     tools = None  # the built-in models' template lists no tools: their calls are learned from the demonstrations
+    # the environment's limits: they change no demonstration, so they do not name a warm-started model
+    environment_keys = ("max_turns", "max_context_tokens", "tool_timeout_s")
 
     def __init__(self, seed: int, min_value: int, max_value: int, operations: list[str], operands: int,
                  direct_demos: float, max_turns: int, max_context_tokens: int, tool_timeout_s: float):

@@ -10,7 +10,9 @@ A multi-turn task is a task (rlmm/tasks/base.py: `examples`, `reward`) that also
 - `demonstration(example) -> list[dict]`: a whole conversation a warm start learns from (the built-in models);
 - `max_turns`: the most policy turns a conversation may take (>= 1);
 - `max_context_tokens`: a conversation goes on while its next prompt and a whole turn (`sampling.max_new_tokens`)
-  fit in this many tokens.
+  fit in this many tokens;
+- `environment_keys`: the names of its config keys that are the environment's limits (turns, context, a tool's
+  timeout): they change no demonstration, so a warm-started built-in model does not depend on them.
 
 `reward(example, completion)` scores the policy's last turn (its answer); a conversation's reward is that plus
 the environment's per-turn rewards (`Reply.reward`, 0 where it gives none). The environment's text is never
@@ -50,6 +52,7 @@ class Reply:
 class MultiTurnTask(Protocol):
     max_turns: int
     max_context_tokens: int
+    environment_keys: tuple[str, ...]
     tools: list[dict] | None
 
     def examples(self, split: str, n: int) -> list[Example]: ...

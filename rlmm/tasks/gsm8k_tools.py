@@ -37,6 +37,9 @@ class Gsm8kToolsTask:
         tool_timeout_s: each tool call's limit; a call past it answers "error: timed out".
     """
 
+    # the environment's limits: they change no demonstration, so they do not name a warm-started model
+    environment_keys = ("max_turns", "max_context_tokens", "tool_timeout_s")
+
     def __init__(self, path: str, seed: int, tool: str, system_prompt: str, max_turns: int, max_context_tokens: int,
                  tool_timeout_s: float):
         check_known_tools([tool], TOOL_SCHEMAS, "task.tool")
