@@ -1,9 +1,11 @@
 """Token path x correction on the calculator task, from the experiment's sweep:
 
-    .venv/bin/python experiments/multi_turn_tokens/analyze.py SWEEP [SWEEP ...]
+    .venv/bin/python experiments/multi_turn_tokens/analyze.py SWEEP [SWEEP ...] [--csv runs.csv]
 
 SWEEP: a sweep directory of `rlmm train -m experiment=multi_turn_tokens` (3 token paths x 3 corrections x 8 seeds), or
-several that split its seeds (`seed=0,2,4,6` and `seed=1,3,5,7` run side by side); the plot goes beside the first.
+several that split its seeds (`seed=0,2,4,6` and `seed=1,3,5,7` run side by side), or a runs.csv this script wrote
+(experiments/multi_turn_tokens/runs.csv: one row per run, what the tables are made of, kept beside the README since
+multirun/ is not committed); --csv writes that file; the plot goes beside the first SWEEP (or the CSV).
 
 1. How often and where drift happens (means over each arm's steps, then over seeds): the share of assistant turns
    whose sampled ids differ from their re-rendering, the sampled tokens after the first difference, the first
@@ -28,6 +30,7 @@ import pandas as pd
 from statsmodels.stats.multitest import multipletests
 
 from rlmm.run.records import read_steps
+from rlmm.table.render import markdown_table
 from rlmm.table.discovery import read_overrides
 from rlmm.table.paired import difference_stats
 
@@ -47,8 +50,10 @@ CORRECTIONS = ("none", "tis", "icepop")
 
 
 def runs_of(sweeps: list[str]) -> pd.DataFrame:
+    saved = [pd.read_csv(s) for s in sweeps if s.endswith(".csv")]
     rows = []
-    for run in sorted(p for sweep in sweeps for p in Path(sweep).iterdir() if (p / "summary.json").exists()):
+    for run in sorted(p for sweep in sweeps if not sweep.endswith(".csv") for p in Path(sweep).iterdir()
+                      if (p / "summary.json").exists()):
         overrides = read_overrides(run)
         summary = json.loads((run / "summary.json").read_text())
         steps = pd.DataFrame([s for s in read_steps(run) if s["step"] > 0])
@@ -56,10 +61,13 @@ def runs_of(sweeps: list[str]) -> pd.DataFrame:
                      "seed": int(overrides["seed"]), **{key: summary.get(key) for key in ACCURACY},
                      "late_reward": steps["rollout/reward_mean"].tail(10).mean(),
                      **{key: steps[key].mean() if key in steps else float("nan") for key in STEPS}})
-    return pd.DataFrame(rows)
+    runs = pd.concat([*saved, pd.DataFrame(rows)], ignore_index=True)
+    return runs.drop_duplicates(["token_path", "correction", "seed"], keep="last")
 
 
 def holm(table: pd.DataFrame) -> pd.DataFrame:
+    if table.empty:  # a sweep still short of the arms compared
+        return table
     tested = table["p"].notna()
     table["p_holm"] = float("nan")
     if tested.any():
@@ -89,13 +97,22 @@ def correction_vs_none(runs: pd.DataFrame, key: str) -> pd.DataFrame:
                               for p in PATHS for c in CORRECTIONS[1:] if (p, c) in arm and (p, "none") in arm]))
 
 
-def show(table: pd.DataFrame, label: str) -> str:
-    cols = ["token_path", "correction", "n", "a", "b", "mean_diff", "ci_low", "ci_high", "p", "p_holm"]
-    table = table[[c for c in cols if c in table]].rename(columns={"a": label, "b": "against"})
-    return table.to_markdown(index=False, floatfmt=".3f")
+def show(table: pd.DataFrame, label: str, against: str) -> str:
+    return markdown_table(["token path", "correction", "n", label, against, "Δ [95% CI]", "p", "p (Holm)"],
+                          [(r.token_path, r.correction, r.n, f"{r.a:.4f}", f"{r.b:.4f}",
+                            f"{r.mean_diff:+.4f} [{r.ci_low:+.4f}, {r.ci_high:+.4f}]", f"{r.p:.2g}", f"{r.p_holm:.2g}")
+                           for r in table.itertuples()])
+
+
+def means_table(means: pd.DataFrame, columns: dict, digits: str) -> str:
+    return markdown_table(["token path", "correction", *columns.values()],
+                          [(path, correction, *(format(row[k], digits) for k in columns))
+                           for (path, correction), row in means.iterrows()])
 
 
 def plot(first: pd.DataFrame, second: pd.DataFrame, out: Path) -> None:
+    if first.empty or second.empty:
+        return
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -115,21 +132,25 @@ def plot(first: pd.DataFrame, second: pd.DataFrame, out: Path) -> None:
     fig.savefig(out, dpi=120)
 
 
-def main(sweeps: list[str]) -> None:
+def main(args: list[str]) -> None:
+    csv = args[args.index("--csv") + 1] if "--csv" in args else None
+    sweeps = [a for i, a in enumerate(args) if a != "--csv" and (i == 0 or args[i - 1] != "--csv")]
     runs = runs_of(sweeps)
+    if csv:
+        runs.sort_values(["seed", "token_path", "correction"]).to_csv(csv, index=False)
     print(f"{len(runs)} runs in {', '.join(sweeps)}\n")
     outcomes = {**LATE, **ACCURACY}
     means = runs.groupby(["token_path", "correction"])[list(STEPS) + list(outcomes)].mean()
     print("## What each arm trained with (means over steps, then seeds)\n")
-    print(means[list(STEPS)].rename(columns=STEPS).to_markdown(floatfmt=".4g"), "\n")
+    print(means_table(means, STEPS, ".3g"), "\n")
     print("## The outcomes (means over seeds): the last 10 steps' sampled reward, held-out greedy accuracy at the end\n")
-    print(means[list(outcomes)].rename(columns=outcomes).to_markdown(floatfmt=".3f"), "\n")
+    print(means_table(means, outcomes, ".4f"), "\n")
     for key, label in outcomes.items():
         print(f"## Each token path against tokens, {label}\n")
-        print(show(path_vs_tokens(runs, key), label), "\n")
+        print(show(path_vs_tokens(runs, key), "path", "tokens"), "\n")
         print(f"## Each correction against none, {label}\n")
-        print(show(correction_vs_none(runs, key), label), "\n")
-    plot(path_vs_tokens(runs, "late_reward"), correction_vs_none(runs, "late_reward"), Path(sweeps[0]) / "multi_turn_tokens.png")
+        print(show(correction_vs_none(runs, key), "correction", "none"), "\n")
+    plot(path_vs_tokens(runs, "late_reward"), correction_vs_none(runs, "late_reward"), (Path(sweeps[0]).parent if sweeps[0].endswith(".csv") else Path(sweeps[0])) / "multi_turn_tokens.png")
 
 
 if __name__ == "__main__":
