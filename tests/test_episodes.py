@@ -108,6 +108,11 @@ def test_limits_end_a_conversation():
     multi, rollouts = run(lambda text: "calc(1+1)", max_turns=2)
     assert rollouts.finish_reasons == ["turns"] * 2 and [r["turns"] for r in rollouts.conversations] == [2, 2]
     assert multi.rewards(examples, rollouts, 1).tolist() == [0.0, 0.0]
+    # full-length calls: the response (two turns and the environment's ids between) is wider than max_turns x
+    # max_new_tokens, within the width the loss is told (its max_length refuses a wider batch)
+    multi, rollouts = run(lambda text: "calc(11+11+11)", max_turns=2)
+    widest = max(map(len, rollouts.response_ids))
+    assert widest > 2 * multi.max_new_tokens and widest <= multi.max_sampled_tokens
     _, rollouts = run(lambda text: "calc(1+1)", max_context_tokens=40)
     assert rollouts.finish_reasons == ["context"] * 2
     assert all(len(p) + len(r) <= 40 for p, r in zip(rollouts.prompt_ids, rollouts.response_ids))

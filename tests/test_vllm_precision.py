@@ -27,7 +27,8 @@ def test_batch_invariant_mode_is_refused_without_a_gpu(small_model_path):
 
 def test_vllm_engine_options_resolve_per_device_and_are_recorded(small_model_path):
     """The null engine options pick the CPU's values and the run's report records what the engine got;
-    max_model_len follows the run's longest prompt (+ max_new_tokens + 1, for a prefill re-scoring); sleep mode
+    max_model_len follows the run's longest prompt (+ max_new_tokens + 1, for a prefill re-scoring); seeded requests
+    on a CPU prefill each prompt whole (vLLM-CPU cannot split a seeded request's prefill); sleep mode
     is refused on a CPU when asked for, and a no-op when left to the device (it says so once per process in the
     log)."""
     import pytest
@@ -45,6 +46,7 @@ def test_vllm_engine_options_resolve_per_device_and_are_recorded(small_model_pat
     try:
         assert sampler.actual_precision["engine"] == {
             "enforce_eager": True, "enable_prefix_caching": False, "distributed_executor_backend": None,
+            "enable_chunked_prefill": False, "max_num_batched_tokens": 2048,  # seeded requests on a CPU: whole prefills
             "max_model_len": 21, "kv_cache_bytes": 2**30, "seed_per_request": True, "threads": None, "sleep_mode": False,
             "untied_head": False, "capture_routing": False, "kept_sets": "none (no truncation)", "device": "cpu"}
         sampler.sleep()

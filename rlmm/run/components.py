@@ -15,7 +15,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 
 from rlmm.config.options import build, from_yaml, to_container
-from rlmm.conversation.chat import NoChatTemplate
+from rlmm.conversation.chat import NoChatTemplate, RawPrompts
 from rlmm.run.episodes import SingleTurn, build_episodes, check_token_path
 from rlmm.tasks.environment import is_multi_turn
 from rlmm.mismatch.routing import RoutingReplay
@@ -51,7 +51,15 @@ class Components:
     bitwise: bool = False  # the sampler and the trainer promise log-probs equal to the bit (`sampler=bitwise`): a step
     # where they are not is an error (rlmm/run/step.py)
     prompts: object = None  # the bound prompt format (`chat_template=`, rlmm/conversation/chat.py): `prompts.ids(example)`
-    episodes: object = None  # one response or a conversation per example (rlmm/run/episodes.py), the token path's
+    episodes: object = None  # one response or a conversation per example (rlmm/run/episodes.py) along the token path
+
+    def __post_init__(self):
+        """Components built by hand (tests, notebooks) without a prompt format or episodes get the task's text as it
+        is and one response per prompt: what `chat_template=none` with a single-turn task builds."""
+        if self.prompts is None:
+            self.prompts = RawPrompts(self.tokenizer, self.task)
+        if self.episodes is None:
+            self.episodes = SingleTurn(self.task, self.prompts, self.tokenizer, self.sampling.max_new_tokens)
 
     def close(self) -> None:
         self.critic.close()

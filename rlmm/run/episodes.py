@@ -76,7 +76,9 @@ class MultiTurn:
         self.task, self.prompts, self.tokenizer, self.path = task, prompts, tokenizer, token_path
         self.max_new_tokens = max_new_tokens
         self.max_context = task.max_context_tokens
-        self.max_sampled_tokens = task.max_turns * max_new_tokens
+        # The widest response row (the loss's max_length, DAPO's overlong length): every turn's prompt and answer fit
+        # the context, so the ids after the first prompt (the environment's between the turns included) do too.
+        self.max_sampled_tokens = task.max_context_tokens
 
     def prompt_ids(self, examples: list) -> list[list[int]]:
         return [self.prompts.ids(e) for e in examples]
