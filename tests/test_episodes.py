@@ -101,8 +101,8 @@ def test_limits_end_a_conversation():
     (`length`), its text the answer; a tool error is the environment's answer, recorded."""
     examples = calculator_task().examples("train", 2)
 
-    def run(script, **values):
-        multi, tokenizer = episodes(calculator_task(**values))
+    def run(script, path=TokenInTokenOut(), **values):
+        multi, tokenizer = episodes(calculator_task(**values), path)
         return multi, multi.sample(ScriptedSampler(tokenizer, script), examples)
 
     multi, rollouts = run(lambda text: "calc(1+1)", max_turns=2)
@@ -116,6 +116,15 @@ def test_limits_end_a_conversation():
     _, rollouts = run(lambda text: "calc(1+1)", max_context_tokens=40)
     assert rollouts.finish_reasons == ["context"] * 2
     assert all(len(p) + len(r) <= 40 for p, r in zip(rollouts.prompt_ids, rollouts.response_ids))
+    # a whole first turn and the long reply it gets overflow the context: every path's row (the trainer's, the
+    # sampler's re-scoring prefill's) stays inside it, without the reply that no turn answered
+    context = max(len(multi.prompts.ids(e)) for e in examples) + multi.max_new_tokens
+    for path in (TokenInTokenOut(), Retokenize(), Realign(1024)):
+        _, rollouts = run(lambda text: "calc(9999*9999)", path, max_context_tokens=context)
+        assert rollouts.finish_reasons == ["context"] * 2 and [r["turns"] for r in rollouts.conversations] == [1, 1]
+        assert all(len(p) + len(r) <= context + 1 for p, r in zip(rollouts.prompt_ids, rollouts.response_ids)), \
+            path.name  # + 1: the newline a template writes after the turn
+        assert all(r["messages"][-1]["role"] == "tool" for r in rollouts.conversations)  # recorded, not trained
     _, rollouts = run(lambda text: "12…")
     assert rollouts.finish_reasons == ["length"] * 2 and rollouts.conversations[0]["messages"][-1]["content"] == "12"
     multi, rollouts = run(lambda text: "calc(1/0)" if text.count("<eos>") == 0 else "7")

@@ -178,7 +178,12 @@ class Retokenize:
         return chat.encode(chat.render(conversation.messages, generation_prompt=True))
 
     def trained(self, chat, conversation: Conversation) -> TrainedRow:
-        messages = conversation.messages
+        """The conversation through its last assistant turn, re-rendered (what the template writes after that turn
+        included, as the anchors' rows have it): an environment's reply that no turn answered (a conversation ended
+        by its context) is not trained on, and would make the row longer than the context the sampler's re-scoring
+        prefill holds (the last prompt, a whole turn and the one position past them)."""
+        last = max(i for i, m in enumerate(conversation.messages) if m["role"] == "assistant")
+        messages = conversation.messages[:last + 1]
         ids = chat.encode(chat.render(messages, generation_prompt=False))
         first = len(conversation.turns[0].prompt_ids)
         if ids[:first] != conversation.turns[0].prompt_ids:
