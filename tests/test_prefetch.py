@@ -210,7 +210,7 @@ def test_local_files_need_nothing_and_a_sweep_lists_each_item_once(tmp_path, cap
 
 
 @pytest.mark.parametrize("args, message", [
-    (["task=gsm9k"], "unknown task 'gsm9k' (allowed: arithmetic, gsm8k)"),
+    (["task=gsm9k"], "unknown task 'gsm9k' (allowed: arithmetic, calculator, gsm8k, gsm8k_tools)"),
     (["model=hf", "model.path=/no/such/checkpoint"],
      "model.path: '/no/such/checkpoint' does not exist and is not a Hugging Face hub id (owner/name)"),
     (["task=gsm8k", "task.path=/no/such.jsonl"], "task.path: file not found: '/no/such.jsonl'"),
