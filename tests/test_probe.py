@@ -259,12 +259,13 @@ def test_sampler_against_itself_counts_what_the_batch_changes(small_model_path, 
     from omegaconf import OmegaConf
     from transformers import AutoTokenizer
 
+    from rlmm.conversation.chat import RawPrompts
     from rlmm.probe.measurements import batch_invariance
 
     options = OmegaConf.create({"split": "test", "batch_invariance": {"num_prompts": 2, "num_completions": 3,
                                                                       "max_batch_size": 8}})
     record = batch_invariance(BatchDependentSampler(), arithmetic_task,
-                              AutoTokenizer.from_pretrained(small_model_path), options)
+                              RawPrompts(AutoTokenizer.from_pretrained(small_model_path), arithmetic_task), options)
     assert record["batch_sizes"] == [1, 4, 8]
     assert record["unique_greedy_completions"] == 2 and record["num_greedy_completions"] == 3
     # The second target is in the batches of 4 and 8 (not 1): 2 completions, 2 observations.
