@@ -7,7 +7,9 @@ from types import SimpleNamespace
 import torch
 
 from rlmm.config.options import from_yaml
+from rlmm.conversation.chat import RawPrompts
 from rlmm.policy.rollouts import Rollouts
+from rlmm.run.episodes import SingleTurn
 from rlmm.run.step import sample_groups
 from rlmm.tasks import Example
 
@@ -42,7 +44,9 @@ class RightIsOne:
 
 
 def components(algo):
-    return SimpleNamespace(sampler=ScriptedSampler(), tokenizer=Tokenizer(), task=RightIsOne(), algo=algo)
+    tokenizer, task = Tokenizer(), RightIsOne()
+    episodes = SingleTurn(task, RawPrompts(tokenizer, task), tokenizer, max_new_tokens=1)
+    return SimpleNamespace(sampler=ScriptedSampler(), tokenizer=tokenizer, task=task, algo=algo, episodes=episodes)
 
 
 def prompts(*outcomes: str) -> list:
