@@ -48,6 +48,7 @@ def test_layouts_benchmark_counts_what_each_layout_computes(tmp_path):
     assert summary["padded"]["cpu_speedup_vs_padded"] == 1.0
 
 
+@pytest.mark.slow  # ~45 s
 def test_staleness_benchmark_times_both_arms_in_one_process(tmp_path):
     """`benchmarks/staleness.py` runs a real train run per arm in one process and times the steps between its
     logged rows; the staleness-1 arms' timed steps train on rollouts one update old (the partial arm's tokens less:
@@ -102,6 +103,7 @@ def test_moe_expert_kernel_benchmark_times_both_kernels_on_the_same_logits(tmp_p
     assert summary["grouped_mm"]["max_abs_logit_diff_vs_eager"] < 1e-4
 
 
+@pytest.mark.slow  # ~1 min: vLLM starts
 def test_quantized_rollouts_benchmark_counts_tokens_and_times_syncs(tmp_path):
     """`benchmarks/quantized_rollouts.py` at its smallest: every response is --new-tokens long (the benchmark
     model's eos cannot be sampled), so each call's token count is fixed; the int8 engine holds half the weight
@@ -198,3 +200,54 @@ def test_retokenize_cost_benchmark_counts_each_paths_renders(tmp_path):
     assert [r["context"] for r in generation["rows"]] == [16, 64]
     assert all(r["new_tokens"] == [8] and r["call_seconds"] > 0 and r["prefill_seconds"] > 0
                for r in generation["rows"])  # every call generated what it asked (the eos cannot be sampled)
+
+
+def test_multi_turn_benchmark_rows_hold_the_same_tokens_in_both_arms(tmp_path):
+    """`benchmarks/multi_turn.py --dry`: a multi-turn step (T = 2 turns of L = 4 tokens, a tool message between them)
+    against a single-turn step of the same row length, both through rlmm's own step. Checked: the bookkeeping, not
+    the times (only that they are there): every multi-turn row holds T turns of L drawn tokens and the eos the adapter
+    adds to each, ends by `turns`, with T sampler calls a step; every single-turn row samples its whole response in
+    one call and is as long (prompt + response) as the multi-turn row of the same prompt; the reported counts are the
+    rows'."""
+    out = tmp_path / "multi_turn.json"
+    result = subprocess.run([sys.executable, "-m", "benchmarks.multi_turn", "--dry", "--out", str(out)],
+                            capture_output=True, text=True, timeout=600, env=subprocess_env())
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    assert "| multi-turn | 4 | 2 | 10 (8 + 2) |" in result.stdout
+    record = json.loads(out.read_text())
+    T, L, rows = 2, 4, 2 * 2
+    shape = record["shape"]
+    assert shape["turns"] == T and shape["tokens_per_turn"] == L
+    E, R = shape["environment_tokens"], shape["response_tokens"]
+    assert E > 1 and R == T * (L + 1) + (T - 1) * E
+    assert record["model"]["special_logprob_max"] < -20 and record["model"]["eos_token_id"] in \
+        record["model"]["special_ids"]
+    runs = {r["arm"]: r for r in record["runs"]}
+    assert record["order"] == ["multi-turn", "single-turn"] and set(runs) == {"multi-turn", "single-turn"}
+    multi, single = runs["multi-turn"]["steps"], runs["single-turn"]["steps"]
+    assert len(multi) == len(single) == 1  # the measured step (the warm-up's is not kept)
+    m, s = multi[0], single[0]
+    assert m["rows"]["finish"] == ["turns"] and m["rows"]["turns"] == [T] and m["turns_mean"] == T
+    assert m["rows"]["sampled"] == [T * (L + 1)] * rows  # T turns of L drawn tokens and the added eos
+    assert m["sampler_calls"] == T and m["engine_tokens"] == rows * T * L and m["added_eos"] == rows * T
+    assert s["rows"]["finish"] == ["length"] and s["rows"]["turns"] is None
+    assert s["rows"]["sampled"] == [R] * rows and s["sampler_calls"] == 1 and s["engine_tokens"] == rows * R
+    assert s["added_eos"] == 0
+    for step in (m, s):  # the same first prompts, the same row lengths
+        assert step["rows"]["prompt"] == m["rows"]["prompt"] == step["rows"]["first_prompt"]
+        assert step["rows"]["response"] == [R] * rows
+        assert step["rows"]["row"] == [p + R for p in m["rows"]["prompt"]]
+    summary = record["summary"]
+    for arm, step in (("multi-turn", m), ("single-turn", s)):
+        a = summary[arm]
+        assert a["rows"] == rows and a["sampler_calls"] == step["sampler_calls"]
+        assert a["sampled_tokens_per_row"] == sum(step["rows"]["sampled"]) / rows
+        assert a["engine_tokens_per_row"] + a["added_eos_per_row"] == a["sampled_tokens_per_row"]
+        assert a["row_tokens_per_row"] == sum(step["rows"]["row"]) / rows
+        assert a["row_tokens_per_step"] == sum(step["rows"]["row"]) and a["sampled_tokens_per_step"] == \
+            sum(step["rows"]["sampled"])
+        assert all(a[k] > 0 for k in ("wall", "cpu", "generate", "sampler", "train", "weight_sync"))
+        assert a["sampler"] <= a["generate"] and step["train_skipped"] == 0
+    assert summary["multi-turn"]["row_tokens_per_row"] == summary["single-turn"]["row_tokens_per_row"]
+    assert summary["multi-turn"]["token_path"] > 0 and summary["single-turn"]["token_path"] == 0
+    assert summary["single-turn"]["vs_single_turn"] == 1.0

@@ -143,7 +143,11 @@ SHORTENED_ONLY_IN_SLOW = {"batch_invariance", "batch_invariance_wide", "fp16_vs_
                           "trainer_backends", "tis_under_mismatch", "collapse_warning", "attribution",
                           "attribution_training", "quantized_rollouts", "sampling_truncation",
                           "off_policy_corrections",  # its first arm, tis at staleness 1: test_staleness's rlmm train run
-                          "bitwise_control"}  # its first arm, vLLM bf16 on both sides without a correction
+                          "bitwise_control",  # its first arm, vLLM bf16 on both sides without a correction
+                          "staleness", "partial_rollouts",  # their first arms, staleness 0 without partial rollouts:
+                          # the default run (tests/test_train.py)
+                          "routing_replay_training",  # tiny_moe trained with routing=none: tests/test_routing.py's step
+                          "multi_turn_tokens"}  # token_path=tokens on the calculator: tests/test_multi_turn.py's runs
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SHORTENED_ONLY_IN_SLOW else n

@@ -34,6 +34,7 @@ def dry_run(tmp_path, parts: str) -> tuple[dict, subprocess.CompletedProcess]:
     return record, result
 
 
+@pytest.mark.slow  # 3-6 min on 2 cores: the whole lent-machine script on the CPU
 @pytest.mark.timeout(1000)  # ~2 min on an idle 2-core machine; the parts' own limits (the hang guards) add to 750 s
 def test_gpu_lent_check_dry_run(tmp_path):
     record, result = dry_run(tmp_path, "setup,probe,layouts")

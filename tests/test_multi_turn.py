@@ -37,6 +37,7 @@ def test_the_calculator_trains_on_vllm_and_deepspeed(tmp_path):
     assert steps[0]["eval/accuracy"] > 0.2  # the warm-started model solves problems with the calculator
 
 
+@pytest.mark.slow  # each path's rows: tests/test_episodes.py, tests/test_token_path.py
 @pytest.mark.parametrize("token_path", ["retokenize", "realign"])
 def test_each_token_path_trains_on_transformers(tmp_path, token_path):
     steps = rlmm_train(tmp_path, "sampler=hf", "trainer=torch", f"token_path={token_path}")
@@ -45,6 +46,7 @@ def test_each_token_path_trains_on_transformers(tmp_path, token_path):
         assert steps[-1]["token_path/frac_turns_realign"] == 0  # nothing drifted: every turn clean
 
 
+@pytest.mark.slow  # ~1-2 min
 def test_the_bitwise_arm_agrees_to_the_bit_over_whole_conversations(tmp_path):
     """sampler=bitwise on conversations: the trainer scores each sampled token of every turn, with the environment's
     tokens before it, to the bits the sampler drew it with (a step that is not is an error naming the token)."""
@@ -53,6 +55,7 @@ def test_the_bitwise_arm_agrees_to_the_bit_over_whole_conversations(tmp_path):
     assert steps[-1]["conversation/turns_mean"] > 1
 
 
+@pytest.mark.slow  # ~30 s
 def test_stale_conversations_train(tmp_path):
     steps = rlmm_train(tmp_path, "train.staleness=1", "train.steps=3", "sampler=hf", "trainer=torch")
     assert [s["rollout/staleness"] for s in steps[1:]] == [0, 1, 1]
@@ -104,6 +107,7 @@ def test_the_calculators_models_ship_and_the_environments_limits_do_not_name_the
         shipped_calculator_model(model, direct_demos=0.25)
 
 
+@pytest.mark.slow  # ~1 min
 def test_conversations_in_flight_resume_to_the_uninterrupted_records(tmp_path):
     """Staleness 1 on the calculator, SIGTERM after step 2: the checkpoint holds batch 3's conversations, sampled and
     not yet trained (their messages, turns and sampled masks), and the resumed run logs every number the
