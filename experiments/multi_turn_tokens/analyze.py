@@ -41,10 +41,11 @@ LATE = {"late_reward": "reward, last 10 steps"}
 STEPS = {"token_path/frac_turns_drifted": "turns drifted", "token_path/frac_tokens_changed": "tokens changed",
          "token_path/first_drift_position_mean": "first diff at", "token_path/frac_turns_realign": "REALIGN",
          "token_path/frac_turns_fork": "FORK", "mismatch/kl_k3": "KL k3", "mismatch/logprob_abs_diff_mean": "mean |δ|",
-         "mismatch/token_mult_prob_error_boundary": "mult err (edges)",
-         "mismatch/token_mult_prob_error_generated": "mult err (inside)",
+         "mismatch/token_mult_prob_error_boundary": "mult err − 1 (edges)",
+         "mismatch/token_mult_prob_error_generated": "mult err − 1 (inside)",
          "mismatch/frac_trainer_logprob_below_neg10": "log p < -10", "conversation/turns_mean": "turns",
          "conversation/tool_calls_mean": "tool calls", "rollout/reward_mean": "reward"}
+MULT_ERRORS = ("mismatch/token_mult_prob_error_boundary", "mismatch/token_mult_prob_error_generated")
 PATHS = ("tokens", "retokenize", "realign")
 CORRECTIONS = ("none", "tis", "icepop")
 
@@ -141,6 +142,8 @@ def main(args: list[str]) -> None:
     print(f"{len(runs)} runs in {', '.join(sweeps)}\n")
     outcomes = {**LATE, **ACCURACY}
     means = runs.groupby(["token_path", "correction"])[list(STEPS) + list(outcomes)].mean()
+    for key in MULT_ERRORS:  # exp|δ| is 1 + a few 1e-4: shown as its excess over 1
+        means[key] -= 1
     print("## What each arm trained with (means over steps, then seeds)\n")
     print(means_table(means, STEPS, ".3g"), "\n")
     print("## The outcomes (means over seeds): the last 10 steps' sampled reward, held-out greedy accuracy at the end\n")
