@@ -112,7 +112,7 @@ def test_limits_end_a_conversation():
     # max_new_tokens, within the width the loss is told (its max_length refuses a wider batch)
     multi, rollouts = run(lambda text: "calc(11+11+11)", max_turns=2)
     widest = max(map(len, rollouts.response_ids))
-    assert widest > 2 * multi.max_new_tokens and widest <= multi.max_sampled_tokens
+    assert widest > 2 * multi.max_new_tokens and widest <= multi.max_response_tokens
     _, rollouts = run(lambda text: "calc(1+1)", max_context_tokens=40)
     assert rollouts.finish_reasons == ["context"] * 2
     assert all(len(p) + len(r) <= 40 for p, r in zip(rollouts.prompt_ids, rollouts.response_ids))

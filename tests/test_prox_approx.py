@@ -166,7 +166,7 @@ def test_the_step_trains_against_the_approximation_as_areals_decoupled_loss(micr
     policy, _ = micro_batch(correction)
     leaf = theta.clone().requires_grad_()
     update = OneUpdate(leaf, micro_batches)
-    c = SimpleNamespace(algo=algo, episodes=SimpleNamespace(max_sampled_tokens=5), correction=correction,
+    c = SimpleNamespace(algo=algo, episodes=SimpleNamespace(max_response_tokens=5), correction=correction,
                         routing=SimpleNamespace(trained=lambda rollouts, own: rollouts),
                         trainer=SimpleNamespace(begin_update=lambda rollouts, rows: update))
     scores = SimpleNamespace(first_update=None, held=[], own_routing=None)

@@ -43,7 +43,8 @@ class SingleTurn:
 
     def __init__(self, task, prompts, tokenizer, max_new_tokens: int):
         self.task, self.prompts, self.tokenizer = task, prompts, tokenizer
-        self.max_sampled_tokens = max_new_tokens  # the most tokens a row's policy samples
+        self.max_sampled_tokens = max_new_tokens  # the most tokens a row's policy samples (DAPO's overlong length)
+        self.max_response_tokens = max_new_tokens  # the widest response row (the loss's max_length)
 
     def prompt_ids(self, examples: list) -> list[list[int]]:
         return [self.prompts.ids(e) for e in examples]
@@ -76,9 +77,11 @@ class MultiTurn:
         self.task, self.prompts, self.tokenizer, self.path = task, prompts, tokenizer, token_path
         self.max_new_tokens = max_new_tokens
         self.max_context = task.max_context_tokens
-        # The widest response row (the loss's max_length, DAPO's overlong length): every turn's prompt and answer fit
-        # the context, so the ids after the first prompt (the environment's between the turns included) do too.
-        self.max_sampled_tokens = task.max_context_tokens
+        self.max_sampled_tokens = task.max_turns * max_new_tokens  # the most tokens a row's policy samples
+        # The widest response row (the loss's max_length): every turn's prompt and answer fit the context, so the ids
+        # after the first prompt (the environment's between the turns included) do too; max_turns x max_new_tokens
+        # would not hold them.
+        self.max_response_tokens = task.max_context_tokens
 
     def prompt_ids(self, examples: list) -> list[list[int]]:
         return [self.prompts.ids(e) for e in examples]

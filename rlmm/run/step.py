@@ -367,7 +367,7 @@ def update_policy(c: Components, old: OldPolicy, critic, scores: TrainerScores, 
     """PPO's update: for each epoch and minibatch the critic's step, then per micro-batch the forward, the correction
     inside the update (OPSM, tv_trust act here, on π_θ), the loss and its backward, and the optimizer step at the
     correction's rate. An MoE model trains on `routing.trained(...)`. A fault skips it on every rank."""
-    algo, max_length = c.algo, c.episodes.max_sampled_tokens
+    algo, max_length = c.algo, c.episodes.max_response_tokens
     trained = c.routing.trained(rollouts, scores.own_routing)
     first_update, held = scores.first_update, scores.held
     losses, in_update = [], InUpdateCounts()  # one loss entry per optimizer step; the correction's counts summed
