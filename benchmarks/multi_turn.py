@@ -309,7 +309,7 @@ def run_arm(arm: str, cfg, examples: list, shape: dict, args) -> tuple[list[dict
                 wall, cpu = time.perf_counter() - start, time.process_time() - cpu
                 counts = {k: sampler.bench[k] - before[k] for k in before}
                 rows = row_counts(batch.rollouts, first, args.group_size)
-                check_rows(arm, rows, counts, shape, T, L, R)
+                check_rows(arm, rows, counts, T, L, R)
                 perf = {k: metrics[f"perf/{k}_seconds"] for k in STAGES if f"perf/{k}_seconds" in metrics}
                 book = bookkeeping.take()
                 record = {"step": step, "measured": step >= args.warmup, "wall": wall, "cpu": cpu, **perf,
@@ -342,7 +342,7 @@ def row_counts(rollouts, first_prompts: list[list[int]], group_size: int) -> dic
             "turns": None if rollouts.conversations is None else sorted({c["turns"] for c in rollouts.conversations})}
 
 
-def check_rows(arm: str, rows: dict, counts: dict, shape: dict, T: int, L: int, R: int) -> None:
+def check_rows(arm: str, rows: dict, counts: dict, T: int, L: int, R: int) -> None:
     """Raise where a step's rows are not what the arm must give (module docstring)."""
     n = rows["rows"]
     want = {"prompt": rows["first_prompt"], "response": [R] * n, "row": [p + R for p in rows["first_prompt"]]}
@@ -448,14 +448,14 @@ def main(argv: list[str] | None = None) -> dict:
                             "max_context_tokens": context, "tool_reply": args.tool_reply},
              "single-turn": {"_target_": "benchmarks.multi_turn.OneResponseTask", "seed": task.seed}}
     new_tokens = {"multi-turn": L, "single-turn": response}
+    overrides = {arm: common + ["model=hf", f"sampling.max_new_tokens={new_tokens[arm]}"] for arm in ARMS}
     order = []
     for repeat in range(args.repeats):
         order += list(ARMS) if repeat % 2 == 0 else list(ARMS)[::-1]
     runs = []
     with tempfile.TemporaryDirectory(prefix="rlmm-multi-turn-") as folder:
         model = build_model(folder, tokenizer, max_position)
-        configs = {arm: compose(common + ["model=hf", f"model.path={folder}",
-                                          f"sampling.max_new_tokens={new_tokens[arm]}"], tasks[arm]) for arm in ARMS}
+        configs = {arm: compose(overrides[arm] + [f"model.path={folder}"], tasks[arm]) for arm in ARMS}
         for index, arm in enumerate(order):
             load = os.getloadavg()[0]
             cfg, choices = configs[arm]
@@ -470,7 +470,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(text)
     record = {"args": vars(args), "machine": machine_info(), "versions": package_versions(sys.executable),
               "commit": git_commit(), "model": model, "shape": shape, "tokenizer_vocab": len(tokenizer),
-              "overrides": {arm: common + ["model=hf", f"sampling.max_new_tokens={new_tokens[arm]}"] for arm in ARMS},
+              "overrides": overrides,
               "tasks": tasks,
               "order": order, "summary": summary, "runs": runs, "table": text,
               "wall_seconds": time.perf_counter() - started,
