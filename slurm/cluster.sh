@@ -448,14 +448,22 @@ cmd_stop() {
     log "stopped"
 }
 
+# One install, start or stop at a time on this machine: two sweeps (or two test workers) starting the cluster at once
+# would both apt-get install and both start daemons. A later caller waits for the first, then finds it done.
+one_at_a_time() {
+    local lock="${TMPDIR:-/tmp}/rlmm-slurm-cluster.lock"
+    { command -v flock >/dev/null && exec 9>>"$lock"; } 2>/dev/null || return 0
+    flock -w 1800 9 || die 1 "another cluster.sh has held $lock for 30 min (fuser $lock names it)"
+}
+
 main() {
     # Debian puts the daemons in /usr/sbin, which a non-login root shell (CI) may not have on PATH.
     PATH="$PATH:/usr/sbin:/sbin"
     case "${1:-}" in
-        install) cmd_install ;;
-        start) cmd_start ;;
+        install) one_at_a_time; cmd_install ;;
+        start) one_at_a_time; cmd_start ;;
         status) cmd_status ;;
-        stop) cmd_stop ;;
+        stop) one_at_a_time; cmd_stop ;;
         -h | --help | help) usage ;;
         "") usage >&2; exit 2 ;;
         *) echo "cluster.sh: error: unknown command '$1' (allowed: install, start, status, stop, --help)" >&2; exit 2 ;;

@@ -16,6 +16,19 @@ from rlmm.config.options import from_yaml  # noqa: E402
 from rlmm.policy.rollouts import SamplingOptions  # noqa: E402
 
 
+# `make test` runs the suite on one worker a core (pytest-xdist, `--dist loadfile`: alone it keeps one core busy, its
+# tests starting processes, importing and tokenizing, their tiny models' kernels on one thread). A file's tests run
+# on one worker, in their order, so its module fixtures are built once. The longest files (idle AVX2 EPYC,
+# 2026-12-07, seconds) go first, so that no worker ends the run alone on one of them; the rest keep their order.
+LONGEST_FILES = {"test_sweeps.py": 365, "test_experiments.py": 284, "test_reliability.py": 236,
+                 "test_crash_consistency.py": 173, "test_cli.py": 161, "test_damaged_runs.py": 156}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # xdist's workers collect, each the same order
+        items.sort(key=lambda item: -LONGEST_FILES.get(item.path.name, 0))  # stable: each file keeps its order
+
+
 def sampling(**overrides) -> SamplingOptions:
     values = dict(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=8, logprobs="processed",
                   support=from_yaml("support", "sampler"))  # the apps' default (conf/train.yaml)

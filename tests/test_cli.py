@@ -3,6 +3,7 @@ import functools
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -203,9 +204,12 @@ def in_one_process(tmp_path_factory):
     work = tmp_path_factory.mktemp("bad-input")
     cases = [["probe", args] for args, _ in CASES] + [["train", args] for args, _ in TRAIN_CASES]
     (work / "cases.json").write_text(json.dumps(cases))
+    # In a folder of its own: a case refused after its run directory is made leaves it there, not in the checkout's
+    # outputs/ (where another test's run started in the same second would find it taken).
     result = subprocess.run([sys.executable, "-m", "tests.bad_input_cases", str(work / "cases.json"),
-                             str(work / "results.json")], capture_output=True, text=True, timeout=600,
-                            env=subprocess_env(), stdin=subprocess.DEVNULL)
+                             str(work / "results.json")], capture_output=True, text=True, timeout=600, cwd=work,
+                            env=subprocess_env(PYTHONPATH=str(Path(__file__).resolve().parent.parent)),
+                            stdin=subprocess.DEVNULL)
     assert result.returncode == 0, result.stderr[-3000:]
     results = {(r["app"], tuple(r["args"])): r for r in json.loads((work / "results.json").read_text())}
     return lambda app, args: (results[app, tuple(args)]["code"], results[app, tuple(args)]["stderr"])

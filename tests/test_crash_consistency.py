@@ -3,8 +3,7 @@ step: tests/fault_at.py), then the same command again, must end with the records
 every step row once, every number but the timings equal, the summary written, no half-written checkpoint left,
 and no file outside the run directory changed.
 
-The default run tries a few points (a torn row of steps.jsonl, a checkpoint half written, the weight sync, a chunk
-of partial rollouts); the whole sweep (every point at every step, with staleness 1 and its batch in flight, the
+The default run tries two points (a torn row of steps.jsonl, a chunk of partial rollouts); the whole sweep (every point at every step, with staleness 1 and its batch in flight, the
 overlapped sampler whose process is killed instead, the MoE model under routing replay, and partial rollouts at
 staleness 2 with responses half sampled in flight) is `slow`: docs/testing.md has its figures. So
 is the sweep of damage a user or a disk does to a killed run's directory (a torn or repeated middle row, flipped
@@ -44,8 +43,9 @@ POINTS = {"sampling": 3, "update": 3, "weight_sync": 3, "record": 4, "record_wri
 POINTS_OF = {variant: POINTS for variant in VARIANTS} | {"partial": {**POINTS, "sampling": 6}}
 # partial, sampling 5: step 2, batch 2 finished in memory, batch 3 (a token sampled under v_0, in step 1's checkpoint)
 # being continued under v_1
-DEFAULT = [("sync", "record", 3), ("sync", "checkpoint", 2), ("staleness1", "weight_sync", 2),
-           ("partial", "sampling", 5)]
+# The default run's points (the slow sweep takes every other; sync checkpoint 2 and staleness1 weight_sync 2 joined
+# it on 2026-12-07, to keep CI's run under 45 min: docs/testing.md)
+DEFAULT = [("sync", "record", 3), ("partial", "sampling", 5)]
 
 
 def every_point() -> list[tuple[str, str, int]]:

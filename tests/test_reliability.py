@@ -27,6 +27,8 @@ def comparable(rows):
     return [{k: v for k, v in row.items() if not k.startswith("perf/")} for row in rows]
 
 
+@pytest.mark.slow  # 112 s on the AVX2 EPYC; by default the same stop and resume run in test_staleness (SIGTERM at
+# staleness 2, rollouts in flight) and test_damaged_runs (Ctrl-C)
 def test_sigterm_midway_then_resume_repeats_the_uninterrupted_run(small_model_path, tmp_path):
     """fp32 on CPU: a run stopped by SIGTERM early on and started again from its checkpoint logs
     exactly the numbers of a run that was never interrupted (same seed), in one W&B run."""
