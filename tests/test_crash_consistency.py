@@ -3,9 +3,10 @@ step: tests/fault_at.py), then the same command again, must end with the records
 every step row once, every number but the timings equal, the summary written, no half-written checkpoint left,
 and no file outside the run directory changed.
 
-The default run tries two points (a torn row of steps.jsonl, a chunk of partial rollouts); the whole sweep (every point at every step, with staleness 1 and its batch in flight, the
-overlapped sampler whose process is killed instead, the MoE model under routing replay, and partial rollouts at
-staleness 2 with responses half sampled in flight) is `slow`: docs/testing.md has its figures. So
+The default run tries two points (a torn row of steps.jsonl, a chunk of partial rollouts); the whole sweep (every
+point at every step, with staleness 1 and its batch in flight, the overlapped sampler whose process is killed
+instead, the MoE model under routing replay, and partial rollouts at staleness 2 with responses half sampled in
+flight) is `slow`: docs/testing.md has its figures. So
 is the sweep of damage a user or a disk does to a killed run's directory (a torn or repeated middle row, flipped
 checkpoint bytes, the newest checkpoint removed) and Ctrl-C, each in every variant (issue 50; each damage's
 default check is in tests/test_damaged_runs.py).

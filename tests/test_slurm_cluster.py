@@ -28,13 +28,13 @@ def cluster(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def slurm_cluster() -> None:
+    limit = 360  # 180 s for an install and a start, twice over where another test worker's start holds the lock
     try:
-        # 180 s for an install and a start, twice over where another test worker's start holds the lock first
-        result = cluster("start", timeout=360)
+        result = cluster("start", timeout=limit)
         ok, output = result.returncode == 0, (result.stdout + result.stderr).strip()
         reason = f"exit {result.returncode}"
     except subprocess.TimeoutExpired as e:
-        ok, output, reason = False, f"{e.stdout or ''}{e.stderr or ''}", "timed out after 360 s"
+        ok, output, reason = False, f"{e.stdout or ''}{e.stderr or ''}", f"timed out after {limit} s"
     if not ok:
         message = f"`bash slurm/cluster.sh start` failed ({reason}):\n{output[-3000:]}"
         if os.environ.get("CI"):
@@ -83,14 +83,15 @@ def test_batch_job_runs(slurm_cluster, tmp_path):
     assert submit.returncode == 0, submit.stderr
     job_id = submit.stdout.strip().split(";")[0]
 
-    deadline = time.monotonic() + 300  # the node's cores may be taken by another test worker's sweep's jobs
+    limit = 300  # the node's cores may be taken by another test worker's sweep's jobs
+    deadline = time.monotonic() + limit
     state = job_state(job_id)
     while state not in DONE and time.monotonic() < deadline:
         if state is None and out.exists():  # already completed and purged
             break
         time.sleep(0.5)
         state = job_state(job_id)
-    assert state in DONE or state is None, f"job {job_id} still {state} after 300 s"
+    assert state in DONE or state is None, f"job {job_id} still {state} after {limit} s"
     assert state in ("COMPLETED", None), f"job {job_id} ended {state}: {out.read_text() if out.exists() else ''}"
     # The output file is written by slurmd on the node; it is there once the job has completed.
     assert "rlmm-ok" in out.read_text()
