@@ -279,7 +279,8 @@ launch() {
     # so that record_started reads the new one.
     rm -f "$pidfile" "$STATE_DIR/$name.pid"
     log "starting $name"
-    if ! "$@" </dev/null >"$out" 2>&1; then
+    # 9>&-: a daemon must not inherit one_at_a_time's lock, or it holds it for its whole life.
+    if ! "$@" </dev/null >"$out" 2>&1 9>&-; then
         tail -n 5 "$out" >&2
         die 1 "$name failed to start; see $out and $logfile"
     fi
@@ -453,6 +454,8 @@ cmd_stop() {
 one_at_a_time() {
     local lock="${TMPDIR:-/tmp}/rlmm-slurm-cluster.lock"
     { command -v flock >/dev/null && exec 9>>"$lock"; } 2>/dev/null || return 0
+    flock -n 9 && return 0
+    log "waiting for another cluster.sh to finish (it holds $lock)"
     flock -w 1800 9 || die 1 "another cluster.sh has held $lock for 30 min (fuser $lock names it)"
 }
 

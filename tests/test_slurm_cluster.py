@@ -76,6 +76,25 @@ def test_start_again_is_quick(slurm_cluster):
     assert time.monotonic() - begin < 15
 
 
+def test_daemons_do_not_hold_the_start_lock(slurm_cluster):
+    # A daemon that inherits cluster.sh's lock holds it for its life: every later start then waits 30 min (CI, 2026-12-07).
+    lock = Path(os.environ.get("TMPDIR", "/tmp")) / "rlmm-slurm-cluster.lock"
+    holders = []
+    for name in ("munged", "slurmctld", "slurmd"):
+        pids = subprocess.run(["pgrep", "-x", name], capture_output=True, text=True).stdout.split()
+        for pid in pids:
+            fds = Path(f"/proc/{pid}/fd")
+            try:
+                targets = [os.readlink(fd) for fd in fds.iterdir()]
+            except PermissionError:
+                pytest.skip(f"cannot read {fds} (the daemons run as another user)")
+            except FileNotFoundError:  # exited (or a zombie) since pgrep
+                continue
+            if str(lock) in targets:
+                holders.append(f"{name} {pid}")
+    assert not holders, f"{', '.join(holders)} hold {lock}"
+
+
 def test_batch_job_runs(slurm_cluster, tmp_path):
     out = tmp_path / "out.txt"
     submit = subprocess.run(["sbatch", "--parsable", "--wrap", "echo rlmm-ok", "-o", str(out)],
