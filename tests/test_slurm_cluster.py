@@ -26,20 +26,26 @@ def cluster(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
                           stdin=subprocess.DEVNULL, cwd=ROOT)
 
 
-@pytest.fixture(scope="module")
-def slurm_cluster() -> None:
-    limit = 360  # 180 s for an install and a start, twice over where another test worker's start holds the lock
+def start_or_skip(script: Path, limit: float) -> None:
+    """`bash <script> start`, or the test skipped where it cannot start (no root, no apt), except in CI (`CI` set),
+    where a cluster is expected and its absence fails the test."""
     try:
-        result = cluster("start", timeout=limit)
+        result = subprocess.run(["bash", str(script), "start"], capture_output=True, text=True, timeout=limit,
+                                stdin=subprocess.DEVNULL, cwd=ROOT)
         ok, output = result.returncode == 0, (result.stdout + result.stderr).strip()
         reason = f"exit {result.returncode}"
     except subprocess.TimeoutExpired as e:
         ok, output, reason = False, f"{e.stdout or ''}{e.stderr or ''}", f"timed out after {limit} s"
     if not ok:
-        message = f"`bash slurm/cluster.sh start` failed ({reason}):\n{output[-3000:]}"
+        message = f"`bash slurm/{script.name} start` failed ({reason}):\n{output[-3000:]}"
         if os.environ.get("CI"):
             pytest.fail(message)
         pytest.skip(message)
+
+
+@pytest.fixture(scope="module")
+def slurm_cluster() -> None:
+    start_or_skip(SCRIPT, limit=360)  # 180 s for an install and a start, twice over behind another worker's start
 
 
 def job_state(job_id: str) -> str | None:

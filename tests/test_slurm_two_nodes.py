@@ -1,0 +1,159 @@
+"""The two-node SLURM cluster emulated on this machine (slurm/two_nodes.sh): two slurmd, each in a network and
+UTS namespace of its own, run a real two-node job whose tasks reach each other over the namespaces' bridge.
+
+The module fixture runs `two_nodes.sh start` (installs SLURM when missing and running as root, as cluster.sh
+does) and leaves the cluster running. Where it cannot start (no root, no network namespaces), the tests skip,
+except in CI (`CI` set), where it is expected and its absence fails them."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.test_slurm_cluster import DONE, start_or_skip
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "slurm" / "two_nodes.sh"
+CONF = "/etc/slurm/rlmm-two-nodes/slurm.conf"
+NODES = ("rlmm-node1", "rlmm-node2")
+HOSTS_TAG = "# rlmm slurm/two_nodes.sh"
+
+
+def two_nodes(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout,
+                          stdin=subprocess.DEVNULL, cwd=ROOT)
+
+
+def on_two_nodes(*command: str, **kwargs) -> subprocess.CompletedProcess:
+    """A SLURM command against the two-node cluster (its config, not the one-node cluster's)."""
+    return subprocess.run(list(command), capture_output=True, text=True, env={**os.environ, "SLURM_CONF": CONF},
+                          stdin=subprocess.DEVNULL, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def two_node_cluster() -> None:
+    start_or_skip(SCRIPT, limit=360)  # an install and a start, behind another test worker's start of the one-node cluster
+
+
+def job_state(job_id: str) -> str | None:
+    """JobState from the two-node cluster's scontrol, None once the controller has forgotten the job."""
+    result = on_two_nodes("scontrol", "show", "job", "-o", job_id, timeout=30)
+    match = re.search(r"\bJobState=(\S+)", result.stdout)
+    return match.group(1) if match else None
+
+
+def wait_for(job_id: str, limit: float) -> str | None:
+    deadline = time.monotonic() + limit
+    state = job_state(job_id)
+    while state not in DONE and state is not None and time.monotonic() < deadline:
+        time.sleep(0.5)
+        state = job_state(job_id)
+    return state
+
+
+def test_unknown_command_is_one_line_error():
+    result = two_nodes("strat")
+    assert result.returncode == 2
+    assert result.stderr.strip() == "two_nodes.sh: error: unknown command 'strat' (allowed: start, status, stop, --help)"
+
+
+def test_status_reports_both_nodes_usable(two_node_cluster):
+    result = two_nodes("status")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "two nodes: usable" in result.stdout
+    for node in NODES:
+        assert f"slurmd {node}: running" in result.stdout
+        assert f"namespace {node}: present" in result.stdout
+
+
+def test_start_again_is_quick(two_node_cluster):
+    begin = time.monotonic()
+    result = two_nodes("start")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert time.monotonic() - begin < 15
+
+
+def test_each_task_of_a_two_node_job_runs_on_its_own_node(two_node_cluster, tmp_path):
+    out = tmp_path / "out.txt"
+    submit = on_two_nodes("sbatch", "--parsable", "-N2", "--ntasks-per-node=1", "-o", str(out), "--wrap",
+                          "srun bash -c 'echo $SLURM_PROCID $(hostname) $(hostname -I)'", timeout=30, cwd=tmp_path)
+    assert submit.returncode == 0, submit.stderr
+    job_id = submit.stdout.strip().split(";")[0]
+    state = wait_for(job_id, 120)
+    assert state in ("COMPLETED", None), f"job {job_id} ended {state}: {out.read_text() if out.exists() else ''}"
+    lines = sorted(" ".join(line.split()) for line in out.read_text().splitlines())
+    # Each task sees its node's name and its node's address on the bridge, never the machine's own.
+    assert lines == ["0 rlmm-node1 198.18.0.11", "1 rlmm-node2 198.18.0.12"], lines
+
+
+def test_a_gloo_all_reduce_crosses_the_two_nodes(two_node_cluster, tmp_path):
+    """What a two-node rlmm run needs of the network: rank 1 on the second node reaches rank 0's store at the
+    first node's name (MASTER_ADDR from the node list), and a collective between them gives the right sum."""
+    script = tmp_path / "reduce.py"
+    script.write_text(
+        "import os, socket, torch, torch.distributed as dist\n"
+        "rank = int(os.environ['SLURM_PROCID'])\n"
+        "dist.init_process_group('gloo', init_method='tcp://rlmm-node1:29531', rank=rank, world_size=2)\n"
+        "x = torch.tensor([float(rank + 1)])\n"
+        "dist.all_reduce(x)\n"
+        "print(rank, socket.gethostname(), int(x.item()), flush=True)\n"
+        "dist.destroy_process_group()\n")
+    out = tmp_path / "out.txt"
+    submit = on_two_nodes("sbatch", "--parsable", "-N2", "--ntasks-per-node=1", "-o", str(out), "--wrap",
+                          f"srun {sys.executable} {script}", timeout=30, cwd=tmp_path)
+    assert submit.returncode == 0, submit.stderr
+    job_id = submit.stdout.strip().split(";")[0]
+    state = wait_for(job_id, 180)
+    text = out.read_text() if out.exists() else ""
+    assert state in ("COMPLETED", None), f"job {job_id} ended {state}: {text[-2000:]}"
+    results = sorted(line for line in text.splitlines() if line[:1].isdigit())
+    assert results == ["0 rlmm-node1 3", "1 rlmm-node2 3"], text[-2000:]
+
+
+def test_the_one_node_cluster_keeps_its_own_node(two_node_cluster):
+    """The two clusters stay apart: the default SLURM_CONF (cluster.sh's) knows none of the emulated nodes."""
+    if not Path("/etc/slurm/slurm.conf").exists():
+        pytest.skip("no one-node cluster configured here")
+    listed = subprocess.run(["scontrol", "show", "config"], capture_output=True, text=True, timeout=30,
+                            env={k: v for k, v in os.environ.items() if k != "SLURM_CONF"})
+    assert "rlmm-two-nodes" not in listed.stdout
+    ours = on_two_nodes("scontrol", "show", "config", timeout=30)
+    assert "ClusterName             = rlmm-two-nodes" in ours.stdout
+
+
+def test_stop_removes_what_start_made_and_start_brings_it_back(two_node_cluster, tmp_path):
+    """A job running at `stop` cannot outlive its nodes' network: it is cancelled, not left recorded as running."""
+    submit = on_two_nodes("sbatch", "--parsable", "-N2", "-o", str(tmp_path / "out.txt"), "--wrap", "srun sleep 300",
+                          timeout=30, cwd=tmp_path)
+    assert submit.returncode == 0, submit.stderr
+    job_id = submit.stdout.strip().split(";")[0]
+    deadline = time.monotonic() + 60
+    while job_state(job_id) != "RUNNING" and time.monotonic() < deadline:
+        time.sleep(0.5)
+    stopped = two_nodes("stop")
+    assert stopped.returncode == 0, stopped.stderr
+    try:
+        assert two_nodes("status").returncode == 1
+        names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        assert not any(node in names for node in NODES), names
+        assert subprocess.run(["ip", "link", "show", "rlmm-br0"], capture_output=True).returncode != 0
+        assert HOSTS_TAG not in Path("/etc/hosts").read_text()
+    finally:
+        started = two_nodes("start", timeout=120)
+    assert started.returncode == 0, started.stderr
+    assert two_nodes("status").returncode == 0
+    assert job_state(job_id) in ("CANCELLED", None)
+    left = subprocess.run(["pgrep", "-f", "sleep 300"], capture_output=True, text=True).stdout.split()
+    assert not [pid for pid in left if alive(pid)], "the job's processes outlived stop"
+
+
+def alive(pid: str) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"  # not a zombie
+    except (FileNotFoundError, ProcessLookupError):
+        return False
