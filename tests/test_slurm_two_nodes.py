@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_slurm_cluster import DONE, start_or_skip
+from tests.test_slurm_cluster import DONE, slurm_cluster, start_or_skip  # noqa: F401  (a fixture)
+from tests.test_sweeps import check_complete, job_dirs, job_log, sweep
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "slurm" / "two_nodes.sh"
@@ -124,6 +125,51 @@ def test_the_one_node_cluster_keeps_its_own_node(two_node_cluster):
     assert "rlmm-two-nodes" not in listed.stdout
     ours = on_two_nodes("scontrol", "show", "config", timeout=30)
     assert "ClusterName             = rlmm-two-nodes" in ours.stdout
+
+
+# ---- rlmm on two nodes ----------------------------------------------------------------------------
+
+def comparable(run_dir: Path) -> list[dict]:
+    """Every logged number of a run but its wall-clock timings."""
+    from rlmm.run.records import read_steps
+
+    return [{k: v for k, v in row.items() if not k.startswith("perf/")} for row in read_steps(run_dir)]
+
+
+def files_of(run_dir: Path, under: str) -> list[str]:
+    return sorted(str(p.relative_to(run_dir)) for p in (run_dir / under).rglob("*") if p.is_file())
+
+
+TWO_NODE_CASES = [pytest.param(["trainer=deepspeed", "trainer.zero_stage=2", "sampler=vllm"], id="deepspeed-zero2-vllm"),
+                  pytest.param(["trainer=deepspeed", "trainer.zero_stage=3", "sampler=hf"], id="deepspeed-zero3",
+                               marks=pytest.mark.slow),
+                  pytest.param(["trainer=fsdp", "sampler=hf"], id="fsdp", marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("arm", TWO_NODE_CASES)
+def test_a_two_node_run_equals_its_one_node_twin(two_node_cluster, slurm_cluster, small_model_path, tmp_path,  # noqa: F811
+                                                  arm):
+    """`hydra.launcher.nodes=2 tasks_per_node=1` on the emulated nodes against `tasks_per_node=2` on the one-node
+    cluster: the same world of two gloo ranks, rank 1 on the other node (MASTER_ADDR its first node's name), its
+    sampler engine started there. The same reductions in the same order, so every logged number is equal to the
+    bit; the record, the checkpoints and the W&B run are written once, by rank 0, as on one node."""
+    overrides = ["seed=0", *arm, "model=hf", f"model.path={small_model_path}", "logger=wandb",
+                 "train.checkpoint_every=1"]
+    one_node = sweep("slurm", tmp_path / "one-node", [*overrides, "hydra.launcher.tasks_per_node=2"])
+    assert one_node.returncode == 0, (one_node.stdout + one_node.stderr)[-4000:]
+    two = sweep("slurm", tmp_path / "two-nodes", [*overrides, "hydra.launcher.nodes=2",
+                                                   "hydra.launcher.tasks_per_node=1"], SLURM_CONF=CONF)
+    assert two.returncode == 0, (two.stdout + two.stderr)[-4000:]
+    twin, run = job_dirs(tmp_path / "one-node")[0], job_dirs(tmp_path / "two-nodes")[0]
+    for record in (twin, run):
+        check_complete(record, {"trainer": arm[0].split("=")[1]})
+        assert "rank 0 of 2" in job_log(record) and "rank 1 of 2" in job_log(record), job_log(record)[-3000:]
+    submitit_logs = "".join(p.read_text() for p in (tmp_path / "two-nodes" / ".submitit").rglob("*_log.out"))
+    for rank, node in enumerate(NODES):
+        assert f"hostname={node}, local_rank=0(1), node={rank}(2), global_rank={rank}(2)" in submitit_logs
+    assert comparable(run) == comparable(twin)
+    assert files_of(run, "checkpoints") == files_of(twin, "checkpoints") != []
+    assert len([p for p in (run / "wandb").iterdir() if p.name.startswith("offline-run-")]) == 1
 
 
 def test_stop_removes_what_start_made_and_start_brings_it_back(two_node_cluster, tmp_path):

@@ -59,22 +59,23 @@ def sweep_env(launcher: str, **env: str) -> dict[str, str]:
     return subprocess_env(**env)
 
 
-def cancel_jobs(sweep_dir: Path) -> None:
-    """Cancel any SLURM job of the sweep still queued or running (a failed or timed-out test leaves none)."""
+def cancel_jobs(sweep_dir: Path, env: dict[str, str] | None = None) -> None:
+    """Cancel any SLURM job of the sweep still queued or running (a failed or timed-out test leaves none), on the
+    cluster the sweep went to (env's SLURM_CONF)."""
     arrays = {p.name.split("_")[0] for p in (sweep_dir / ".submitit").glob("[0-9]*")}
     if arrays:
-        subprocess.run(["scancel", *sorted(arrays)], capture_output=True, timeout=30)
+        subprocess.run(["scancel", *sorted(arrays)], capture_output=True, timeout=30, env=env)
 
 
 def sweep(launcher: str, sweep_dir: Path, overrides: list[str], **env: str) -> subprocess.CompletedProcess:
     """Run a sweep from sweep_dir's parent to its end; on the way out, cancel any SLURM job of it."""
+    environment = sweep_env(launcher, **env)
     try:
         return subprocess.run(sweep_command(launcher, sweep_dir, overrides), capture_output=True, text=True,
-                              timeout=840, cwd=sweep_dir.parent, stdin=subprocess.DEVNULL,
-                              env=sweep_env(launcher, **env))
+                              timeout=840, cwd=sweep_dir.parent, stdin=subprocess.DEVNULL, env=environment)
     finally:
         if launcher == "slurm":
-            cancel_jobs(sweep_dir)
+            cancel_jobs(sweep_dir, environment)
 
 
 @contextmanager
@@ -316,6 +317,8 @@ def test_a_sweep_launched_again_runs_only_its_unfinished_jobs_and_says_how_many_
         num: {k: v for k, v in files.items() if k != "apps.log"} for num, files in both.items()}
 
 
+@pytest.mark.slow  # 32 s each on the AVX2 EPYC; by default the one-node twin of test_slurm_two_nodes.py runs such a
+# job (DeepSpeed, vLLM; its slow cases FSDP and ZeRO 3) and checks the same, and more
 @pytest.mark.parametrize("trainer", ["deepspeed", "fsdp"])
 def test_slurm_job_of_two_tasks_trains_as_two_ranks(slurm_cluster, small_model_path, tmp_path, trainer):  # noqa: F811
     """tasks_per_node=2: one job, two SLURM tasks, one DeepSpeed or FSDP world of two gloo ranks (each rank
