@@ -47,6 +47,8 @@ STEPS = {"token_path/frac_turns_drifted": "turns drifted", "token_path/frac_toke
          "conversation/tool_calls_mean": "tool calls", "rollout/reward_mean": "reward"}
 MULT_ERRORS = ("mismatch/token_mult_prob_error_boundary", "mismatch/token_mult_prob_error_generated")
 PATHS = ("tokens", "retokenize", "realign")
+# TIS at cap 2 weights a token min(r, 2), IcePop on [0.5, 5] r or 0 (conf/correction): the same on [0.5, 2]
+TIS_ICEPOP_SAME = (0.5, 2.0)
 CORRECTIONS = ("none", "tis", "icepop")
 
 
@@ -61,6 +63,9 @@ def runs_of(sweeps: list[str]) -> pd.DataFrame:
         rows.append({"token_path": overrides["token_path"], "correction": overrides["correction"],
                      "seed": int(overrides["seed"]), **{key: summary.get(key) for key in ACCURACY},
                      "late_reward": steps["rollout/reward_mean"].tail(10).mean(),
+                     # the extremes of every step's per-token ratio pi_trainer / pi_sampler: inside [0.5, 2], TIS
+                     # (weight min(r, 2)) and IcePop (r on [0.5, 5], else dropped) weight every token alike
+                     "ratio_min": steps["mismatch/ratio_min"].min(), "ratio_max": steps["mismatch/ratio_max"].max(),
                      **{key: steps[key].mean() if key in steps else float("nan") for key in STEPS}})
     runs = pd.concat([*saved, pd.DataFrame(rows)], ignore_index=True)
     return runs.drop_duplicates(["token_path", "correction", "seed"], keep="last")
@@ -146,6 +151,15 @@ def main(args: list[str]) -> None:
         means[key] -= 1
     print("## What each arm trained with (means over steps, then seeds)\n")
     print(means_table(means, STEPS, ".3g"), "\n")
+    print("## Every token's ratio pi_trainer / pi_sampler, over all runs and steps of each arm (runs)\n")
+    extremes = runs.groupby(["token_path", "correction"]).agg(runs=("seed", "size"), ratio_min=("ratio_min", "min"),
+                                                              ratio_max=("ratio_max", "max"))
+    print(markdown_table(["token path", "correction", "runs", "smallest ratio", "largest ratio"],
+                         [(p, c, int(r.runs), f"{r.ratio_min:.4f}", f"{r.ratio_max:.4f}") for (p, c), r in extremes.iterrows()]))
+    tis = runs[runs["correction"] == "tis"]
+    inside = ((tis["ratio_min"] >= TIS_ICEPOP_SAME[0]) & (tis["ratio_max"] <= TIS_ICEPOP_SAME[1])).sum()
+    print(f"\n{inside} of {len(tis)} tis runs keep every ratio inside {list(TIS_ICEPOP_SAME)}, where IcePop weights as "
+          f"TIS does: their icepop runs would be the same runs\n")
     print("## The outcomes (means over seeds): the last 10 steps' sampled reward, held-out greedy accuracy at the end\n")
     print(means_table(means, outcomes, ".4f"), "\n")
     for key, label in outcomes.items():
