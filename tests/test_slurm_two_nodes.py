@@ -94,7 +94,8 @@ def test_each_task_of_a_two_node_job_runs_on_its_own_node(two_node_cluster, tmp_
 
 def test_a_gloo_all_reduce_crosses_the_two_nodes(two_node_cluster, tmp_path):
     """What a two-node rlmm run needs of the network: rank 1 on the second node reaches rank 0's store at the
-    first node's name (MASTER_ADDR from the node list), and a collective between them gives the right sum."""
+    first node's name (MASTER_ADDR from the node list), a collective between them gives the right sum, and the
+    ranks' roster holds each node's name and address."""
     script = tmp_path / "reduce.py"
     script.write_text(
         "import os, socket, torch, torch.distributed as dist\n"
@@ -102,7 +103,9 @@ def test_a_gloo_all_reduce_crosses_the_two_nodes(two_node_cluster, tmp_path):
         "dist.init_process_group('gloo', init_method='tcp://rlmm-node1:29531', rank=rank, world_size=2)\n"
         "x = torch.tensor([float(rank + 1)])\n"
         "dist.all_reduce(x)\n"
-        "print(rank, socket.gethostname(), int(x.item()), flush=True)\n"
+        "from rlmm.runtime.roster import ROSTER, take_roster\n"
+        "take_roster()\n"
+        "print(rank, socket.gethostname(), int(x.item()), ROSTER, flush=True)\n"
         "dist.destroy_process_group()\n")
     out = tmp_path / "out.txt"
     submit = on_two_nodes("sbatch", "--parsable", "-N2", "--ntasks-per-node=1", "-o", str(out), "--wrap",
@@ -113,7 +116,9 @@ def test_a_gloo_all_reduce_crosses_the_two_nodes(two_node_cluster, tmp_path):
     text = out.read_text() if out.exists() else ""
     assert state in ("COMPLETED", None), f"job {job_id} ended {state}: {text[-2000:]}"
     results = sorted(line for line in text.splitlines() if line[:1].isdigit())
-    assert results == ["0 rlmm-node1 3", "1 rlmm-node2 3"], text[-2000:]
+    # and each rank's roster (rlmm/runtime/roster.py): the addresses a peer's gloo error would name
+    roster = "[('rlmm-node1', '198.18.0.11'), ('rlmm-node2', '198.18.0.12')]"
+    assert results == [f"0 rlmm-node1 3 {roster}", f"1 rlmm-node2 3 {roster}"], text[-2000:]
 
 
 def test_the_one_node_cluster_keeps_its_own_node(two_node_cluster):

@@ -47,7 +47,8 @@ def machine_fault(err: BaseException) -> str | None:
     """What failed, in a few words, when `err` (or an error it was raised from or while handling) is a fault of
     the machine: rlmm's `MachineFault` (a dead sampler process), an OSError of the disk (rlmm/runtime/disk.py's
     `DISK_FAULTS`; rlmm's writes name their file), or a collective's peer gone (torch's distributed errors, gloo's
-    "Connection reset by peer"): a rank died; None otherwise."""
+    "Connection reset by peer"): a rank died, named with its node where the error gives its address
+    (rlmm/runtime/roster.py); None otherwise."""
     seen = set()
     while err is not None and id(err) not in seen:
         seen.add(id(err))
@@ -61,7 +62,10 @@ def machine_fault(err: BaseException) -> str | None:
         if (any(kind.__name__ == "DistError" for kind in type(err).__mro__)
                 or ("/gloo/" in text and "peer" in text)):
             said = text.split("] ", 1)[-1].split(". ", 1)[0]  # without gloo's source line and its advice
-            return f"a rank of the run failed or is gone ({type(err).__name__}: {said})"
+            from rlmm.runtime.roster import who_is_at  # the peer's address in gloo's text -> its rank and node
+
+            who = who_is_at(said, int(os.environ.get("RANK", "0")))
+            return f"{who or 'a rank of the run'} failed or is gone ({type(err).__name__}: {said})"
         err = err.__cause__ or err.__context__
     return None
 

@@ -34,6 +34,7 @@ from rlmm.run.train_report import (TrainingHistory, plot_attribution_over_traini
                                summarize)
 from rlmm.runtime.collectives import mean_over_ranks
 from rlmm.runtime.errors import TrainingStopped
+from rlmm.runtime.roster import take_roster
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +91,7 @@ def run_train(cfg: DictConfig, run_dir: Path, choices: dict[str, str], logger) -
                                   sampler_factory=SamplerProcess if options.overlap else None)
     trainer, sampler = components.trainer, components.sampler
     rank, world = dist.get_rank(), dist.get_world_size()
+    take_roster()  # where each rank runs, to name the one that dies (rlmm/launch/apps.py::machine_fault)
     if rank == 0:
         checkpoint.remove_partial(run_dir)  # what a run killed while checkpointing left
     last = checkpoint.to_resume(run_dir) if options.resume else None
