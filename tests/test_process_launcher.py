@@ -116,7 +116,7 @@ def test_sweep_launcher_warning():
                        "of each vLLM engine is not freed between jobs; use hydra/launcher=process")
     assert sweep_launcher_warning(BASIC_LAUNCHER, cuda=True, config_name="probe") == warning
     assert sweep_launcher_warning(BASIC_LAUNCHER, cuda=False, config_name="train") is None  # CPU: nothing leaks
-    for target in (PROCESS_LAUNCHER, "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher"):
+    for target in (PROCESS_LAUNCHER, "hydra_plugins.rlmm_launcher.slurm_launcher.SlurmLauncher"):
         assert sweep_launcher_warning(target, cuda=True, config_name="train") is None
     assert sweep_launcher_warning(BASIC_LAUNCHER, cuda=True, config_name="no_engines") is None
 

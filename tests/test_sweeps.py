@@ -191,10 +191,11 @@ def compose_launcher(overrides: list[str]):
         GlobalHydra.instance().clear()
 
 
-@pytest.mark.parametrize("launcher,target", [("local", "LocalLauncher"), ("slurm", "SlurmLauncher")])
+@pytest.mark.parametrize("launcher,target", [("local", "hydra_submitit_launcher.submitit_launcher.LocalLauncher"),
+                                             ("slurm", "rlmm_launcher.slurm_launcher.SlurmLauncher")])
 def test_launcher_composes_with_submitit_folder_in_the_sweep_dir(launcher, target):
     hydra_cfg = compose_launcher([f"hydra/launcher={launcher}", "hydra.sweep.dir=/sweeps/a"])
-    assert hydra_cfg.launcher._target_ == f"hydra_plugins.hydra_submitit_launcher.submitit_launcher.{target}"
+    assert hydra_cfg.launcher._target_ == f"hydra_plugins.{target}"
     assert hydra_cfg.launcher.submitit_folder == "/sweeps/a/.submitit/%j"
     if launcher == "slurm":
         assert hydra_cfg.launcher.partition == "rlmm"  # the local cluster's (slurm/cluster.sh)
@@ -339,8 +340,8 @@ def test_slurm_sweep_with_a_failing_and_a_killed_job(slurm_cluster, small_model_
     """One sweep, model.path x train.steps: jobs 2 and 3 ask for a hub model that cannot be fetched (offline) and
     fail at run time, after the sweep was submitted; job 1 (many steps) is cancelled from outside (`scancel`, as
     an admin, a time limit or the OOM killer would) once it has recorded a step. A killed job writes no result,
-    so only SLURM can tell that it ended: through slurm/bin/sacct submitit sees it CANCELLED and the sweep
-    command exits non-zero in bounded time (without it: forever). Job 0 completes with an intact record, each
+    so only SLURM can tell that it ended: through slurm/bin/sacct submitit sees it CANCELLED, the sweep command
+    says so in one line, waits for the other jobs and exits non-zero in bounded time (without sacct: forever). Job 0 completes with an intact record, each
     failed job's log and submitit result say why, and `rlmm table` counts each and names the killed run."""
     import pickle
 
@@ -359,8 +360,13 @@ def test_slurm_sweep_with_a_failing_and_a_killed_job(slurm_cluster, small_model_
         waited = time.monotonic() - killed
     output = Path(f"{sweep_dir}.out").read_text()
     assert process.returncode == 1, output[-4000:]
-    assert re.search(rf"UncompletedJobError: Job {job} \(task: 0\) with path \S+\s+has not produced any output "
-                     rf"\(state: CANCELLED", output), output[-4000:]
+    # the killed job is one failed job, in one line, and the command goes on to the others' results
+    # (hydra_plugins/rlmm_launcher/slurm_launcher.py; before: submitit's 40-line UncompletedJobError, and the end)
+    assert re.search(rf"#1 failed: job 1 \(SLURM {job}\) ended CANCELLED without a result: its output is in "
+                     rf"\S+\n", output), output[-4000:]
+    for num in (2, 3):
+        assert f"#{num} failed: rlmm: error: model.path: cannot fetch hub model 'nobody/no-such-model'" in output
+    assert re.search(r"JobEndedWithoutResult: job 1 \(SLURM", output) and "UncompletedJobError" not in output
     print(f"sweep command returned {waited:.0f} s after the scancel")
     assert scontrol_job(job)["JobState"] == "CANCELLED"
     runs = job_dirs(sweep_dir)

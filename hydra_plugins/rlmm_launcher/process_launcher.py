@@ -37,6 +37,12 @@ class JobEndedWithoutResult(RuntimeError):
     """A job's process ended without writing its result: something outside the job stopped it."""
 
 
+def log_failed(num: int, result: JobReturn) -> None:
+    """One line for a failed job as soon as it is known (Hydra names only the first failed job, and only at the end)."""
+    err = result._return_value
+    log.error(f"\t#{num} failed: {(str(err).strip().splitlines() or [type(err).__name__])[0]}")
+
+
 class ProcessLauncher(BaseSubmititLauncher):
     """Run each job in its own process on this machine, the next one when the last has ended.
 
@@ -90,9 +96,8 @@ class ProcessLauncher(BaseSubmititLauncher):
             job = executor.submit(self, list(overrides), "hydra.sweep.dir", num, f"job_id_for_{num}",
                                   Singleton.get_state())
             result = self.job_result(job, num, overrides)
-            if result.status == JobStatus.FAILED:  # Hydra names only the first failed job, and only at the end
-                err = result._return_value
-                log.error(f"\t#{num} failed: {(str(err).strip().splitlines() or [type(err).__name__])[0]}")
+            if result.status == JobStatus.FAILED:
+                log_failed(num, result)
             results.append(result)
         return results
 
