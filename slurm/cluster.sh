@@ -93,7 +93,8 @@ cluster_usable() {
         running munged && runs slurmctld "$CTLD_PIDFILE" && runs slurmd "$SLURMD_PIDFILE" && usable_state "$(node_state "$NODE")"
     else
         command -v sinfo >/dev/null 2>&1 || return 1
-        timeout 10 sinfo -h -o %t 2>/dev/null | grep -qE '^(idle|mix|alloc)$'
+        # a variable, not `sinfo | grep -q`: under pipefail grep's early exit can fail sinfo with SIGPIPE
+        [[ "$(timeout 10 sinfo -h -o %t 2>/dev/null)" =~ (^|$'\n')(idle|mix|alloc)($'\n'|$) ]]
     fi
 }
 

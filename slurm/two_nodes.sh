@@ -115,7 +115,8 @@ network_up() {
         log "creating bridge $BRIDGE ($BRIDGE_ADDRESS/$PREFIX)"
         ip link add "$BRIDGE" type bridge
     fi
-    ip -o addr show dev "$BRIDGE" | grep -q " $BRIDGE_ADDRESS/" || ip addr add "$BRIDGE_ADDRESS/$PREFIX" dev "$BRIDGE"
+    # `ip ... | grep -q` would fail now and then under pipefail (grep exits at the match, ip gets SIGPIPE): a variable
+    [[ "$(ip -o addr show dev "$BRIDGE")" == *" $BRIDGE_ADDRESS/"* ]] || ip addr add "$BRIDGE_ADDRESS/$PREFIX" dev "$BRIDGE"
     ip link set "$BRIDGE" up
     for i in "${!NODES[@]}"; do
         node="${NODES[$i]}" ns="$(netns_of "${NODES[$i]}")" host_end="rlmm-veth$((i + 1))"
@@ -130,7 +131,8 @@ network_up() {
             ip -n "$ns" link set "$host_end-n" name eth0
         fi
         ip link set "$host_end" master "$BRIDGE" up
-        ip -n "$ns" -o addr show dev eth0 | grep -q " ${ADDRESSES[$i]}/" || ip -n "$ns" addr add "${ADDRESSES[$i]}/$PREFIX" dev eth0
+        [[ "$(ip -n "$ns" -o addr show dev eth0)" == *" ${ADDRESSES[$i]}/"* ]] ||
+            ip -n "$ns" addr add "${ADDRESSES[$i]}/$PREFIX" dev eth0
         ip -n "$ns" link set eth0 up
         ip -n "$ns" link set lo up
     done
