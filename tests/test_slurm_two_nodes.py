@@ -16,13 +16,15 @@ from pathlib import Path
 import pytest
 
 from tests.test_slurm_cluster import DONE, slurm_cluster, start_or_skip  # noqa: F401  (a fixture)
-from tests.test_sweeps import check_complete, job_dirs, job_log, sweep
+from tests.test_sweeps import (check_complete, job_dirs, job_log, slurm_sweep_started, steps_done, sweep,
+                               wait_for)
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "slurm" / "two_nodes.sh"
 CONF = "/etc/slurm/rlmm-two-nodes/slurm.conf"
 NODES = ("rlmm-node1", "rlmm-node2")
 HOSTS_TAG = "# rlmm slurm/two_nodes.sh"
+LOST_RANK_LIMIT = 60  # s from a rank's SIGKILL to its job's end (issue 61)
 
 
 def two_nodes(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
@@ -48,7 +50,7 @@ def job_state(job_id: str) -> str | None:
     return match.group(1) if match else None
 
 
-def wait_for(job_id: str, limit: float) -> str | None:
+def wait_for_job(job_id: str, limit: float) -> str | None:
     deadline = time.monotonic() + limit
     state = job_state(job_id)
     while state not in DONE and state is not None and time.monotonic() < deadline:
@@ -85,7 +87,7 @@ def test_each_task_of_a_two_node_job_runs_on_its_own_node(two_node_cluster, tmp_
                           "srun bash -c 'echo $SLURM_PROCID $(hostname) $(hostname -I)'", timeout=30, cwd=tmp_path)
     assert submit.returncode == 0, submit.stderr
     job_id = submit.stdout.strip().split(";")[0]
-    state = wait_for(job_id, 120)
+    state = wait_for_job(job_id, 120)
     assert state in ("COMPLETED", None), f"job {job_id} ended {state}: {out.read_text() if out.exists() else ''}"
     lines = sorted(" ".join(line.split()) for line in out.read_text().splitlines())
     # Each task sees its node's name and its node's address on the bridge, never the machine's own.
@@ -112,7 +114,7 @@ def test_a_gloo_all_reduce_crosses_the_two_nodes(two_node_cluster, tmp_path):
                           f"srun {sys.executable} {script}", timeout=30, cwd=tmp_path)
     assert submit.returncode == 0, submit.stderr
     job_id = submit.stdout.strip().split(";")[0]
-    state = wait_for(job_id, 180)
+    state = wait_for_job(job_id, 180)
     text = out.read_text() if out.exists() else ""
     assert state in ("COMPLETED", None), f"job {job_id} ended {state}: {text[-2000:]}"
     results = sorted(line for line in text.splitlines() if line[:1].isdigit())
@@ -175,6 +177,59 @@ def test_a_two_node_run_equals_its_one_node_twin(two_node_cluster, slurm_cluster
     assert comparable(run) == comparable(twin)
     assert files_of(run, "checkpoints") == files_of(twin, "checkpoints") != []
     assert len([p for p in (run / "wandb").iterdir() if p.name.startswith("offline-run-")]) == 1
+
+
+def job_processes_on(node: str) -> list[int]:
+    """The pids of a submitit job's Python on one emulated node (its task: one rank), found in the node's network
+    namespace; slurmd and slurmstepd left out."""
+    listed = subprocess.run(["ip", "netns", "pids", node], capture_output=True, text=True).stdout.split()
+    pids = []
+    for pid in listed:
+        try:
+            command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:  # ended since
+            continue
+        if "submitit.core._submit" in command:
+            pids.append(int(pid))
+    return pids
+
+
+@pytest.mark.slow  # three two-node runs: ~4 min under load (2026-12-07)
+def test_a_rank_killed_on_its_node_ends_the_job_in_one_line_and_the_run_resumes(two_node_cluster, small_model_path,
+                                                                                 tmp_path):
+    """Rank 1's process SIGKILLed on rlmm-node2 after step 2 (the OOM killer's way, or a node's power gone as far
+    as its sockets go): the job ends within LOST_RANK_LIMIT s, rank 0's line names the rank and its node, the
+    sweep command reports the job failed in that line, and the same sweep command again resumes the run from its
+    checkpoint to the records of a run never interrupted."""
+    import signal
+
+    overrides = ["seed=0", "trainer=deepspeed", "sampler=hf", "model=hf", f"model.path={small_model_path}",
+                 "train.steps=4", "train.checkpoint_every=1", "hydra.launcher.nodes=2", "hydra.launcher.tasks_per_node=1"]
+    straight = sweep("slurm", tmp_path / "straight", overrides, SLURM_CONF=CONF)
+    assert straight.returncode == 0, (straight.stdout + straight.stderr)[-4000:]
+
+    sweep_dir = tmp_path / "killed"
+    with slurm_sweep_started(sweep_dir, overrides, SLURM_CONF=CONF) as process:
+        wait_for("step 2 of the run", lambda: steps_done(sweep_dir / "0") >= 2, process)
+        victims = wait_for("rank 1's process on rlmm-node2", lambda: job_processes_on("rlmm-node2"), process)
+        for pid in victims:
+            os.kill(pid, signal.SIGKILL)
+        killed = time.monotonic()
+        job = next(p.name for p in (sweep_dir / ".submitit").iterdir() if p.name[0].isdigit())  # one job: no array
+        state = wait_for(f"job {job} ended", lambda: (s := job_state(job)) in DONE and s, None, LOST_RANK_LIMIT)
+        ended = time.monotonic() - killed
+        process.wait(timeout=300)
+    output = Path(f"{sweep_dir}.out").read_text()
+    print(f"job {job} ended {state} {ended:.1f} s after rank 1 was killed")
+    assert process.returncode == 1, output[-4000:]
+    line = re.search(r"#0 failed: rlmm: machine fault: rank 1 \(rlmm-node2\) failed or is gone \([^\n]*\n", output)
+    assert line, output[-4000:]
+    assert "UncompletedJobError" not in output
+    assert not (sweep_dir / "0" / "summary.json").exists()
+
+    again = sweep("slurm", sweep_dir, overrides, SLURM_CONF=CONF)
+    assert again.returncode == 0, (again.stdout + again.stderr)[-4000:]
+    assert comparable(sweep_dir / "0") == comparable(tmp_path / "straight" / "0")
 
 
 def test_stop_removes_what_start_made_and_start_brings_it_back(two_node_cluster, tmp_path):

@@ -82,17 +82,17 @@ def sweep(launcher: str, sweep_dir: Path, overrides: list[str], **env: str) -> s
 def slurm_sweep_started(sweep_dir: Path, overrides: list[str], **env: str) -> Iterator[subprocess.Popen]:
     """A SLURM sweep running in the background (output in <sweep dir>.out); on the way out, the sweep
     command is stopped and its jobs cancelled."""
+    environment = sweep_env("slurm", **env)
     with open(f"{sweep_dir}.out", "w") as out:
         process = subprocess.Popen(sweep_command("slurm", sweep_dir, overrides), stdout=out, stderr=subprocess.STDOUT,
-                                   text=True, cwd=sweep_dir.parent, stdin=subprocess.DEVNULL,
-                                   env=sweep_env("slurm", **env))
+                                   text=True, cwd=sweep_dir.parent, stdin=subprocess.DEVNULL, env=environment)
     try:
         yield process
     finally:
         if process.poll() is None:
             process.kill()
             process.wait()
-        cancel_jobs(sweep_dir)
+        cancel_jobs(sweep_dir, environment)
 
 
 def wait_for(what: str, condition, process: subprocess.Popen | None, timeout: float = 600):
