@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from tests.test_slurm_cluster import DONE, slurm_cluster, start_or_skip  # noqa: F401  (a fixture)
-from tests.test_sweeps import (check_complete, job_dirs, job_log, slurm_sweep_started, steps_done, sweep,
-                               wait_for)
+from tests.test_sweeps import (LOGLESS, check_complete, check_table, digests, job_dirs, job_log, slurm_sweep_started,
+                               steps_done, sweep, wait_for)
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "slurm" / "two_nodes.sh"
@@ -177,6 +177,32 @@ def test_a_two_node_run_equals_its_one_node_twin(two_node_cluster, slurm_cluster
     assert comparable(run) == comparable(twin)
     assert files_of(run, "checkpoints") == files_of(twin, "checkpoints") != []
     assert len([p for p in (run / "wandb").iterdir() if p.name.startswith("offline-run-")]) == 1
+
+
+@pytest.mark.slow  # two two-node runs and a relaunch: ~3 min under load (2026-12-07)
+def test_a_sweep_of_two_node_jobs_becomes_one_table_and_a_relaunch_runs_only_the_unfinished(
+        two_node_cluster, small_model_path, tmp_path):
+    """`seed=0,1` as two-node jobs: both complete, `rlmm table` reads them as one sweep, and with job 1's record cut
+    back as a kill would leave it, the same sweep command runs job 1 alone (job 0's files untouched)."""
+    sweep_dir = tmp_path / "sweep"
+    overrides = ["seed=0,1", "trainer=deepspeed", "sampler=hf", "model=hf", f"model.path={small_model_path}",
+                 "hydra.launcher.nodes=2", "hydra.launcher.tasks_per_node=1"]
+    first = sweep("slurm", sweep_dir, overrides, SLURM_CONF=CONF)
+    assert first.returncode == 0, (first.stdout + first.stderr)[-4000:]
+    runs = job_dirs(sweep_dir)
+    assert sorted(runs) == [0, 1]
+    for num in (0, 1):
+        check_complete(runs[num], {"seed": str(num)})
+    check_table(sweep_dir, {"complete": 2})
+    (runs[1] / "summary.json").unlink()
+    (runs[1] / "steps.jsonl").write_text("".join((runs[1] / "steps.jsonl").read_text().splitlines(True)[:-1]))
+    finished = digests(runs[0], LOGLESS)
+    again = sweep("slurm", sweep_dir, overrides, SLURM_CONF=CONF)
+    assert again.returncode == 0, (again.stdout + again.stderr)[-4000:]
+    assert "rlmm: 1 of 2 jobs of this sweep had finished already and did nothing (#0); 1 ran" in again.stdout
+    check_complete(runs[1], {"seed": "1"})
+    assert digests(runs[0], LOGLESS) == finished
+    check_table(sweep_dir, {"complete": 2})
 
 
 def job_processes_on(node: str) -> list[int]:
