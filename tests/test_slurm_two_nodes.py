@@ -258,6 +258,41 @@ def test_a_rank_killed_on_its_node_ends_the_job_in_one_line_and_the_run_resumes(
     assert comparable(sweep_dir / "0") == comparable(tmp_path / "straight" / "0")
 
 
+@pytest.mark.slow  # two two-node runs and SLURM's requeue delay: ~6 min under load (2026-12-07)
+def test_a_node_set_down_mid_job_requeues_it_and_the_run_resumes(two_node_cluster, small_model_path, tmp_path):
+    """`scontrol update nodename=rlmm-node2 state=down` after step 2 (what SLURM does to a node that stops
+    answering): SLURM requeues the job (submitit's jobs are requeueable), its ranks get SIGTERM and checkpoint at
+    the end of their step, the requeued job resumes from that checkpoint once the node is back (ReturnToService=2:
+    when its slurmd registers), and the sweep command ends 0 with the records of a run never interrupted."""
+    overrides = ["seed=0", "trainer=deepspeed", "sampler=hf", "model=hf", f"model.path={small_model_path}",
+                 "train.steps=5", "train.checkpoint_every=1", "hydra.launcher.nodes=2", "hydra.launcher.tasks_per_node=1"]
+    straight = sweep("slurm", tmp_path / "straight", overrides, SLURM_CONF=CONF)
+    assert straight.returncode == 0, (straight.stdout + straight.stderr)[-4000:]
+
+    sweep_dir = tmp_path / "down"
+    try:
+        with slurm_sweep_started(sweep_dir, overrides, SLURM_CONF=CONF) as process:
+            wait_for("step 2 of the run", lambda: steps_done(sweep_dir / "0") >= 2, process)
+            downed = on_two_nodes("scontrol", "update", "nodename=rlmm-node2", "state=down", "reason=rlmm-test",
+                                  timeout=30)
+            assert downed.returncode == 0, downed.stderr
+            down_at = time.monotonic()
+            stopped = wait_for("the ranks' stop at the end of their step",
+                               lambda: re.search(r"stop signal 15 at step (\d+)", job_log(sweep_dir / "0")), process,
+                               LOST_RANK_LIMIT)
+            print(f"the ranks stopped {time.monotonic() - down_at:.1f} s after the node went down, at step "
+                  f"{stopped.group(1)}")
+            process.wait(timeout=600)
+        output = Path(f"{sweep_dir}.out").read_text()
+        assert process.returncode == 0, output[-4000:]
+    finally:
+        on_two_nodes("scontrol", "update", "nodename=rlmm-node2", "state=resume", timeout=30)
+    job = next(p.name for p in (sweep_dir / ".submitit").iterdir() if p.name[0].isdigit())
+    assert re.search(r"\bRestarts=1\b", on_two_nodes("scontrol", "show", "job", "-o", job, timeout=30).stdout)
+    assert f"resuming from {sweep_dir / '0'}/checkpoints/step-{int(stopped.group(1)):06d}" in job_log(sweep_dir / "0")
+    assert comparable(sweep_dir / "0") == comparable(tmp_path / "straight" / "0")
+
+
 def test_stop_removes_what_start_made_and_start_brings_it_back(two_node_cluster, tmp_path):
     """A job running at `stop` cannot outlive its nodes' network: it is cancelled, not left recorded as running."""
     submit = on_two_nodes("sbatch", "--parsable", "-N2", "-o", str(tmp_path / "out.txt"), "--wrap", "srun sleep 300",
