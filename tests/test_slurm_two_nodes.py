@@ -293,6 +293,40 @@ def test_a_node_set_down_mid_job_requeues_it_and_the_run_resumes(two_node_cluste
     assert comparable(sweep_dir / "0") == comparable(tmp_path / "straight" / "0")
 
 
+@pytest.mark.slow  # two two-node runs: ~4 min under load (2026-12-07)
+def test_a_preempted_two_node_job_is_requeued_and_resumes(two_node_cluster, small_model_path, tmp_path):
+    """SIGUSR2 (SLURM's warning before pre-emption or the time limit, `scancel --signal=USR2`) reaches both ranks of
+    a two-node job after step 2: they checkpoint at the end of their step, submitit's handler on rank 0 requeues the
+    job (the same id, Restarts=1), the requeued job resumes on both nodes from the checkpoint, and the sweep command
+    ends 0 with the records of a run never interrupted. SLURM holds a requeued job ~2 min; the test releases it."""
+    overrides = ["seed=0", "trainer=deepspeed", "sampler=hf", "model=hf", f"model.path={small_model_path}",
+                 "train.steps=6", "train.checkpoint_every=0", "hydra.launcher.nodes=2", "hydra.launcher.tasks_per_node=1"]
+    straight = sweep("slurm", tmp_path / "straight", overrides, SLURM_CONF=CONF)
+    assert straight.returncode == 0, (straight.stdout + straight.stderr)[-4000:]
+
+    sweep_dir = tmp_path / "preempted"
+    with slurm_sweep_started(sweep_dir, overrides, SLURM_CONF=CONF) as process:
+        wait_for("step 2 of the run", lambda: steps_done(sweep_dir / "0") >= 2, process)
+        job = next(p.name for p in (sweep_dir / ".submitit").iterdir() if p.name[0].isdigit())
+        signalled = on_two_nodes("scancel", "--signal=USR2", job, timeout=30)
+        assert signalled.returncode == 0, signalled.stderr
+        deadline = time.monotonic() + 300
+        while process.poll() is None and time.monotonic() < deadline:  # release SLURM's hold on the requeued job
+            shown = on_two_nodes("scontrol", "show", "job", "-o", job, timeout=30).stdout
+            if "Restarts=1" in shown and "Reason=BeginTime" in shown:
+                on_two_nodes("scontrol", "update", f"JobId={job}", "StartTime=now", timeout=30)
+            time.sleep(1)
+        process.wait(timeout=600)
+        output = Path(f"{sweep_dir}.out").read_text()
+        assert process.returncode == 0, output[-4000:]
+    shown = on_two_nodes("scontrol", "show", "job", "-o", job, timeout=30).stdout
+    assert re.search(r"\bRestarts=1\b", shown), shown
+    log = job_log(sweep_dir / "0")
+    stopped = int(re.search(r"stop signal 12 at step (\d+): checkpoint in", log).group(1))
+    assert f"resuming from {sweep_dir / '0'}/checkpoints/step-{stopped:06d} at step {stopped + 1}" in log
+    assert comparable(sweep_dir / "0") == comparable(tmp_path / "straight" / "0")
+
+
 def test_stop_removes_what_start_made_and_start_brings_it_back(two_node_cluster, tmp_path):
     """A job running at `stop` cannot outlive its nodes' network: it is cancelled, not left recorded as running."""
     submit = on_two_nodes("sbatch", "--parsable", "-N2", "-o", str(tmp_path / "out.txt"), "--wrap", "srun sleep 300",
