@@ -98,16 +98,6 @@ cluster_usable() {
     fi
 }
 
-# `NAME: running (pid N)` or `NAME: not running` for the daemon of a pid file.
-daemon_line() {
-    local pid
-    if pid="$(pid_from_file "$1" "$2")"; then
-        echo "$1: running (pid $pid)"
-    else
-        echo "$1: not running"
-    fi
-}
-
 cmd_status() {
     if running munged; then echo "munged: running (pid $(pids_named munged | paste -sd,))"; else echo "munged: not running"; fi
     daemon_line slurmctld "$CTLD_PIDFILE"

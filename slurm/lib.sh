@@ -299,6 +299,16 @@ stop_daemon() {
 
 # ---- cluster state -----------------------------------------------------------------------------
 
+# `LABEL: running (pid N)` or `LABEL: not running` for the daemon NAME of a pid file (LABEL: NAME by default).
+daemon_line() {
+    local pid
+    if pid="$(pid_from_file "$1" "$2")"; then
+        echo "${3:-$1}: running (pid $pid)"
+    else
+        echo "${3:-$1}: not running"
+    fi
+}
+
 usable_state() { [[ "$1" =~ ^(idle|mix|mixed|alloc|allocated|comp|completing)$ ]]; }
 
 # The state of node $1 as sinfo prints it (idle, mix, alloc, down*, drain, unk*, ...), empty if the

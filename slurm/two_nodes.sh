@@ -250,15 +250,11 @@ cmd_start() {
 }
 
 cmd_status() {
-    local node pid
+    local node
     if running munged; then echo "munged: running"; else echo "munged: not running"; fi
-    if pid="$(pid_from_file slurmctld "$CTLD_PIDFILE")"; then echo "slurmctld: running (pid $pid)"; else echo "slurmctld: not running"; fi
+    daemon_line slurmctld "$CTLD_PIDFILE"
     for node in "${NODES[@]}"; do
-        if pid="$(pid_from_file slurmd "$(slurmd_pidfile "$node")")"; then
-            echo "slurmd $node: running (pid $pid)"
-        else
-            echo "slurmd $node: not running"
-        fi
+        daemon_line slurmd "$(slurmd_pidfile "$node")" "slurmd $node"
         if has_netns "$(netns_of "$node")"; then
             echo "namespace $(netns_of "$node"): present"
         else

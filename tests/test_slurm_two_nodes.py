@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from rlmm.run.records import read_steps
+from tests.test_reliability import comparable
 from tests.test_slurm_cluster import DONE, slurm_cluster, start_or_skip  # noqa: F401  (a fixture)
 from tests.test_sweeps import (LOGLESS, check_complete, check_table, digests, job_dirs, job_log, slurm_sweep_started,
                                steps_done, sweep, wait_for)
@@ -136,11 +138,9 @@ def test_the_one_node_cluster_keeps_its_own_node(two_node_cluster):
 
 # ---- rlmm on two nodes ----------------------------------------------------------------------------
 
-def comparable(run_dir: Path) -> list[dict]:
+def numbers(run_dir: Path) -> list[dict]:
     """Every logged number of a run but its wall-clock timings."""
-    from rlmm.run.records import read_steps
-
-    return [{k: v for k, v in row.items() if not k.startswith("perf/")} for row in read_steps(run_dir)]
+    return comparable(read_steps(run_dir))
 
 
 def files_of(run_dir: Path, under: str) -> list[str]:
@@ -174,7 +174,7 @@ def test_a_two_node_run_equals_its_one_node_twin(two_node_cluster, slurm_cluster
     submitit_logs = "".join(p.read_text() for p in (tmp_path / "two-nodes" / ".submitit").rglob("*_log.out"))
     for rank, node in enumerate(NODES):
         assert f"hostname={node}, local_rank=0(1), node={rank}(2), global_rank={rank}(2)" in submitit_logs
-    assert comparable(run) == comparable(twin)
+    assert numbers(run) == numbers(twin)
     assert files_of(run, "checkpoints") == files_of(twin, "checkpoints") != []
     assert len([p for p in (run / "wandb").iterdir() if p.name.startswith("offline-run-")]) == 1
 
@@ -205,6 +205,24 @@ def test_a_sweep_of_two_node_jobs_becomes_one_table_and_a_relaunch_runs_only_the
     check_table(sweep_dir, {"complete": 2})
 
 
+def fault_run_overrides(model_path: str, steps: int, checkpoint_every: int) -> list[str]:
+    """A two-node DeepSpeed run of the fault tests (the transformers sampler: the fault, not the engine, is tested)."""
+    return ["seed=0", "trainer=deepspeed", "sampler=hf", "model=hf", f"model.path={model_path}", f"train.steps={steps}",
+            f"train.checkpoint_every={checkpoint_every}", "hydra.launcher.nodes=2", "hydra.launcher.tasks_per_node=1"]
+
+
+def straight_run(tmp_path: Path, overrides: list[str]) -> Path:
+    """The run never interrupted that a fault test's resumed run must equal: its run directory."""
+    straight = sweep("slurm", tmp_path / "straight", overrides, SLURM_CONF=CONF)
+    assert straight.returncode == 0, (straight.stdout + straight.stderr)[-4000:]
+    return tmp_path / "straight" / "0"
+
+
+def only_job(sweep_dir: Path) -> str:
+    """The SLURM id of a one-job sweep (submitit submits a single job, not an array)."""
+    return next(p.name for p in (sweep_dir / ".submitit").iterdir() if p.name[0].isdigit())
+
+
 def job_processes_on(node: str) -> list[int]:
     """The pids of a submitit job's Python on one emulated node (its task: one rank), found in the node's network
     namespace; slurmd and slurmstepd left out."""
@@ -229,10 +247,8 @@ def test_a_rank_killed_on_its_node_ends_the_job_in_one_line_and_the_run_resumes(
     checkpoint to the records of a run never interrupted."""
     import signal
 
-    overrides = ["seed=0", "trainer=deepspeed", "sampler=hf", "model=hf", f"model.path={small_model_path}",
-                 "train.steps=4", "train.checkpoint_every=1", "hydra.launcher.nodes=2", "hydra.launcher.tasks_per_node=1"]
-    straight = sweep("slurm", tmp_path / "straight", overrides, SLURM_CONF=CONF)
-    assert straight.returncode == 0, (straight.stdout + straight.stderr)[-4000:]
+    overrides = fault_run_overrides(small_model_path, steps=4, checkpoint_every=1)
+    straight = straight_run(tmp_path, overrides)
 
     sweep_dir = tmp_path / "killed"
     with slurm_sweep_started(sweep_dir, overrides, SLURM_CONF=CONF) as process:
@@ -241,7 +257,7 @@ def test_a_rank_killed_on_its_node_ends_the_job_in_one_line_and_the_run_resumes(
         for pid in victims:
             os.kill(pid, signal.SIGKILL)
         killed = time.monotonic()
-        job = next(p.name for p in (sweep_dir / ".submitit").iterdir() if p.name[0].isdigit())  # one job: no array
+        job = only_job(sweep_dir)
         state = wait_for(f"job {job} ended", lambda: (s := job_state(job)) in DONE and s, None, LOST_RANK_LIMIT)
         ended = time.monotonic() - killed
         process.wait(timeout=300)
@@ -255,7 +271,7 @@ def test_a_rank_killed_on_its_node_ends_the_job_in_one_line_and_the_run_resumes(
 
     again = sweep("slurm", sweep_dir, overrides, SLURM_CONF=CONF)
     assert again.returncode == 0, (again.stdout + again.stderr)[-4000:]
-    assert comparable(sweep_dir / "0") == comparable(tmp_path / "straight" / "0")
+    assert numbers(sweep_dir / "0") == numbers(straight)
 
 
 @pytest.mark.slow  # two two-node runs and SLURM's requeue delay: ~6 min under load (2026-12-07)
@@ -264,10 +280,8 @@ def test_a_node_set_down_mid_job_requeues_it_and_the_run_resumes(two_node_cluste
     answering): SLURM requeues the job (submitit's jobs are requeueable), its ranks get SIGTERM and checkpoint at
     the end of their step, the requeued job resumes from that checkpoint once the node is back (ReturnToService=2:
     when its slurmd registers), and the sweep command ends 0 with the records of a run never interrupted."""
-    overrides = ["seed=0", "trainer=deepspeed", "sampler=hf", "model=hf", f"model.path={small_model_path}",
-                 "train.steps=5", "train.checkpoint_every=1", "hydra.launcher.nodes=2", "hydra.launcher.tasks_per_node=1"]
-    straight = sweep("slurm", tmp_path / "straight", overrides, SLURM_CONF=CONF)
-    assert straight.returncode == 0, (straight.stdout + straight.stderr)[-4000:]
+    overrides = fault_run_overrides(small_model_path, steps=5, checkpoint_every=1)
+    straight = straight_run(tmp_path, overrides)
 
     sweep_dir = tmp_path / "down"
     try:
@@ -287,10 +301,10 @@ def test_a_node_set_down_mid_job_requeues_it_and_the_run_resumes(two_node_cluste
         assert process.returncode == 0, output[-4000:]
     finally:
         on_two_nodes("scontrol", "update", "nodename=rlmm-node2", "state=resume", timeout=30)
-    job = next(p.name for p in (sweep_dir / ".submitit").iterdir() if p.name[0].isdigit())
+    job = only_job(sweep_dir)
     assert re.search(r"\bRestarts=1\b", on_two_nodes("scontrol", "show", "job", "-o", job, timeout=30).stdout)
     assert f"resuming from {sweep_dir / '0'}/checkpoints/step-{int(stopped.group(1)):06d}" in job_log(sweep_dir / "0")
-    assert comparable(sweep_dir / "0") == comparable(tmp_path / "straight" / "0")
+    assert numbers(sweep_dir / "0") == numbers(straight)
 
 
 @pytest.mark.slow  # two two-node runs: ~4 min under load (2026-12-07)
@@ -299,15 +313,13 @@ def test_a_preempted_two_node_job_is_requeued_and_resumes(two_node_cluster, smal
     a two-node job after step 2: they checkpoint at the end of their step, submitit's handler on rank 0 requeues the
     job (the same id, Restarts=1), the requeued job resumes on both nodes from the checkpoint, and the sweep command
     ends 0 with the records of a run never interrupted. SLURM holds a requeued job ~2 min; the test releases it."""
-    overrides = ["seed=0", "trainer=deepspeed", "sampler=hf", "model=hf", f"model.path={small_model_path}",
-                 "train.steps=6", "train.checkpoint_every=0", "hydra.launcher.nodes=2", "hydra.launcher.tasks_per_node=1"]
-    straight = sweep("slurm", tmp_path / "straight", overrides, SLURM_CONF=CONF)
-    assert straight.returncode == 0, (straight.stdout + straight.stderr)[-4000:]
+    overrides = fault_run_overrides(small_model_path, steps=6, checkpoint_every=0)
+    straight = straight_run(tmp_path, overrides)
 
     sweep_dir = tmp_path / "preempted"
     with slurm_sweep_started(sweep_dir, overrides, SLURM_CONF=CONF) as process:
         wait_for("step 2 of the run", lambda: steps_done(sweep_dir / "0") >= 2, process)
-        job = next(p.name for p in (sweep_dir / ".submitit").iterdir() if p.name[0].isdigit())
+        job = only_job(sweep_dir)
         signalled = on_two_nodes("scancel", "--signal=USR2", job, timeout=30)
         assert signalled.returncode == 0, signalled.stderr
         deadline = time.monotonic() + 300
@@ -324,7 +336,7 @@ def test_a_preempted_two_node_job_is_requeued_and_resumes(two_node_cluster, smal
     log = job_log(sweep_dir / "0")
     stopped = int(re.search(r"stop signal 12 at step (\d+): checkpoint in", log).group(1))
     assert f"resuming from {sweep_dir / '0'}/checkpoints/step-{stopped:06d} at step {stopped + 1}" in log
-    assert comparable(sweep_dir / "0") == comparable(tmp_path / "straight" / "0")
+    assert numbers(sweep_dir / "0") == numbers(straight)
 
 
 def test_stop_removes_what_start_made_and_start_brings_it_back(two_node_cluster, tmp_path):
