@@ -185,13 +185,11 @@ SHARES = {0: [30, 30, 30, 30, 5], 1: [30, 5]}  # tokens of each rank's rows
 BUDGETS = (65, 40)  # rank 0 needs 2 and rank 1 1 micro-batch; rank 0 needs 4, more than rank 1's 2 rows
 
 
-def _split_on_rank(rank: int, port: int, out: str) -> None:
-    import os
-
+def _split_on_rank(rank: int, out: str) -> None:
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    # a file rendezvous: a port picked free here could be taken by another test's process before rank 0 binds it
+    dist.init_process_group("gloo", init_method=f"file://{out}/rendezvous", rank=rank, world_size=2)
     try:
         lengths = SHARES[rank]
         splits = [MicroBatching(4, budget, False).split(lengths, list(range(len(lengths)))) for budget in BUDGETS]
@@ -204,14 +202,9 @@ def test_ranks_run_as_many_micro_batches_as_the_fewest_rows_allow(tmp_path):
     """Two gloo ranks agree on one count without an empty micro-batch: at 65 tokens rank 1 splits its one
     micro-batch in two to run rank 0's 2; at 40 tokens rank 0 needs 4 but rank 1 holds 2 rows, so both run
     2 and rank 0's exceed the budget (the one case that does, logged)."""
-    import socket
-
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_split_on_rank, args=(port, str(tmp_path)), nprocs=2)
+    mp.spawn(_split_on_rank, args=(str(tmp_path),), nprocs=2)
     results = {rank: json.loads((tmp_path / f"{rank}.json").read_text()) for rank in (0, 1)}
     for case, budget in enumerate(BUDGETS):
         splits = {rank: results[rank][case] for rank in (0, 1)}
