@@ -49,6 +49,7 @@ def check_overrides(config_name: str, overrides: list[str]) -> None:
                 from rlmm.samplers.quantize import check_sampler_options
 
                 check_sampler_options(cfg.sampler, built["quantization"], this_machine=not elsewhere)
+                check_model_options(cfg, built, this_machine=not elsewhere)
                 check_bitwise_arm(cfg, built["precision"], built["quantization"], sampling, instantiate(cfg.routing))
             if "trainer" in cfg:  # trainer.fake_quantize: a mode to share, and one the trainer's forward can hold
                 from rlmm.trainers.fake_quantization import check_trainer_options
@@ -75,6 +76,25 @@ def check_overrides(config_name: str, overrides: list[str]) -> None:
             fail(_named_where_built(err))
         except (HydraException, OmegaConfBaseException) as err:
             fail(_one_line(err) + _allowed_keys_hint(config_name, combination, err))
+
+
+def check_model_options(cfg, built: dict, this_machine: bool) -> None:
+    """What the sampler (on `this_machine`) and the trainer refuse of the model itself, from the config.json values
+    the model option knows before it is built or read (`known_config`; a hub id not fetched: checked when the
+    engines start): a hybrid's recurrent layers (rlmm/models/hybrid.py)."""
+    from hydra.utils import get_class
+
+    from rlmm.models.hybrid import padding_free_refusal
+
+    config = built["model"].known_config()
+    if config is None:
+        return
+    problem = get_class(cfg.sampler._target_).refused_model(config, built["precision"].sampler.dtype) \
+        if this_machine else None
+    if not problem and cfg.get("trainer") is not None and cfg.trainer.get("padding_free"):
+        problem = padding_free_refusal(config)
+    if problem:
+        raise ValueError(problem)
 
 
 def fail_on_unknown_options(parsed: list, app: str | None = None) -> None:

@@ -35,7 +35,7 @@ before the call, keeps gradient checkpointing right: transformers' recomputation
 the layer again with the same keyword arguments, so the recomputed forward replays the same experts.
 
 Supported routers: transformers' softmax-then-top-k routers whose forward returns (logits, gates, ids)
-(`ROUTERS`: Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral). Another MoE architecture is a one-line error naming its
+(`ROUTERS`: Qwen3-MoE, Qwen2-MoE, Qwen3-Next, OLMoE, Mixtral). Another MoE architecture is a one-line error naming its
 router class, not a model whose routing is silently left alone.
 """
 from __future__ import annotations
@@ -57,6 +57,7 @@ REPLAY_KWARG = "rlmm_routed_experts"
 ROUTERS = {
     "Qwen3MoeTopKRouter": ("norm_topk_prob", True),
     "Qwen2MoeTopKRouter": ("norm_topk_prob", True),
+    "Qwen3NextTopKRouter": ("norm_topk_prob", True),  # Qwen3-Next's sparse block (model=tiny_hybrid)
     "OlmoeTopKRouter": ("norm_topk_prob", True),
     "MixtralTopKRouter": (True, False),
 }

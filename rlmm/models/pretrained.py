@@ -30,6 +30,14 @@ class PretrainedModel:
 
         return checkpoint_vocab_size(self.path)
 
+    def known_config(self) -> dict | None:
+        """config.json's values where it is on disk (a hub id not fetched yet: None, checked when the engines start)."""
+        if not (Path(self.path) / "config.json").is_file():
+            return None
+        from rlmm.policy.quantization import text_config
+
+        return text_config(self.path)
+
     def resolve(self, task=None, task_config: dict | None = None) -> str:
         """The path or hub id to load; a hub id must be downloadable or already cached."""
         if not Path(self.path).exists():

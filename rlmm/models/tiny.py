@@ -217,6 +217,11 @@ class TinyModel:
         """The character tokenizer's vocabulary, the LM head's rows (`build_char_tokenizer`)."""
         return len(SPECIAL_TOKENS + CHARACTERS)
 
+    def known_config(self) -> dict:
+        """The config.json values the checks before a run read (rlmm/models/hybrid.py: which layers are recurrent),
+        known before the model is built: a dense decoder's, none of them."""
+        return {}
+
     def cache_key(self, task_config: dict) -> str:
         blob = json.dumps({"arch": self.arch, "seed": self.seed, "warm_start": self.warm_start,
                            "task": task_config, "version": BUILDER_VERSION}, sort_keys=True)

@@ -52,6 +52,13 @@ class Sampler(Protocol):
         ...
 
     @staticmethod
+    def refused_model(config: dict, dtype: torch.dtype) -> str | None:
+        """What of the model (its config.json values, `known_config` of the model option) this engine cannot sample
+        in `dtype` on this machine, in one line naming the value and what runs, or None: asked before a run starts
+        (a built-in model before it is built) and again when the engine starts."""
+        ...
+
+    @staticmethod
     def refused_here(quantization, kv_cache_dtype: str) -> str | None:
         """What of `quantization` (a rlmm/policy/quantization.py mode) and a KV cache of `kv_cache_dtype` ("auto":
         the sampler's dtype) this engine cannot run on this machine whatever the model, in one line naming the

@@ -175,6 +175,7 @@ class BitwiseSampler:
     # what transformers runs here, it runs (what the arm cannot keep bitwise is `check_bitwise_arm`'s)
     unsupported = staticmethod(HFSampler.unsupported)
     refused_here = staticmethod(HFSampler.refused_here)
+    refused_model = staticmethod(HFSampler.refused_model)
 
     def sleep(self) -> None:
         """Nothing to release: no cache is held between calls."""

@@ -197,6 +197,11 @@ class HFSampler:
         return None
 
     @staticmethod
+    def refused_model(config: dict, dtype: torch.dtype) -> str | None:
+        """None: transformers runs every layer it knows in any dtype."""
+        return None
+
+    @staticmethod
     def refused_here(quantization: QuantizationMode, kv_cache_dtype: str) -> str | None:
         """None: the quantization is emulated in transformers' forward, which runs on every machine."""
         return None

@@ -18,10 +18,11 @@ from contextlib import contextmanager
 import torch
 
 from rlmm.models.checkpoint_names import CheckpointNames
+from rlmm.models.hybrid import vllm_cpu_refusal
 from rlmm.models.loading import checkpoint_ties_head, checkpoint_vocab_size
 from rlmm.policy.kv_scales import check_kv_scales, describe_kv_scales, fp8_kv_scales
 from rlmm.policy.precision import SidePrecision, dtype_name
-from rlmm.policy.quantization import NoQuantization, QuantizationMode, quantized_modules
+from rlmm.policy.quantization import NoQuantization, QuantizationMode, quantized_modules, text_config
 from rlmm.policy.rollouts import KeptTokens, Rollouts, SamplingOptions
 from rlmm.runtime.devices import global_rank, select_device, vllm_executor_backend, world_size
 from rlmm.samplers.base import engine_seed, refuse_dropped_ties, request_seed, tied_aliases, truncate_at_eos
@@ -145,7 +146,8 @@ class VLLMSampler:
         if kv_scales == "calibrated" and not self.calibration_prompts:
             raise ValueError("sampler.kv_scales=calibrated: no calibration prompts were given (the apps give the "
                              "run's first sampler.kv_calibration_prompts prompts)")
-        refusal = vllm_refusal(quantization, kv_cache_dtype, model_path, cuda, is_moe(model_path))
+        refusal = vllm_refusal(quantization, kv_cache_dtype, model_path, cuda, is_moe(model_path)) or \
+            self.refused_model(text_config(model_path), precision.dtype)
         if refusal:
             raise ValueError(refusal)
         capture_routing = capture_routing and is_moe(model_path)  # a dense model has no routing to return
@@ -423,6 +425,13 @@ class VLLMSampler:
         """None: the dtypes rlmm offers all load here (vLLM itself refuses what this machine cannot run, in
         one line, when the engine starts)."""
         return None
+
+    @staticmethod
+    def refused_model(config: dict, dtype: torch.dtype) -> str | None:
+        """What of this model (config.json's values) vLLM cannot sample in `dtype` here: on a CPU, a hybrid's Gated
+        DeltaNet layers in another dtype than bf16 or with a head dim its kernels do not know (rlmm/models/hybrid.py
+        `vllm_cpu_refusal`); CUDA runs them (FLA's kernels)."""
+        return None if torch.cuda.is_available() else vllm_cpu_refusal(config, dtype)
 
     @staticmethod
     def refused_here(quantization: QuantizationMode, kv_cache_dtype: str) -> str | None:

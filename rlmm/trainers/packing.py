@@ -49,6 +49,7 @@ from typing import NamedTuple
 
 import torch
 
+from rlmm.models.hybrid import padding_free_refusal
 from rlmm.models.transformers_internals import attention_implementation
 from rlmm.policy.rollouts import NO_ROUTE, KeptTokens
 from rlmm.runtime.collectives import all_reduce_max
@@ -206,8 +207,13 @@ def use_varlen_attention(model: torch.nn.Module, device: torch.device, dtype: to
     """For the padding-free forward: flash-attention 2 (its varlen kernel, sequences from the position ids)
     on CUDA in 16 bits when the `flash_attn` package is installed; otherwise the model's attention as it is
     (sdpa on CPU: a block-diagonal causal mask built from the position ids). Returns the one in use.
-    Not run on this project's CPU machines (no GPU): the flash path is as transformers documents it."""
+    Not run on this project's CPU machines (no GPU): the flash path is as transformers documents it. A hybrid model's
+    recurrent layers cannot be packed: a one-line ValueError (rlmm/models/hybrid.py `padding_free_refusal`)."""
     from transformers.utils import is_flash_attn_2_available
+
+    refusal = padding_free_refusal(model.config)
+    if refusal:
+        raise ValueError(refusal)
 
     if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and is_flash_attn_2_available():
         model.set_attn_implementation("flash_attention_2")

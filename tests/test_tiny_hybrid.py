@@ -1,0 +1,181 @@
+"""The built-in hybrid (`model=tiny_hybrid`: Gated DeltaNet + full attention, Qwen3-Next's layout) and its
+plain-attention twin (`model=tiny_hybrid_twin`): their configs, the shipped models, which layers are recurrent, what
+the engines refuse of them, and a run on vLLM and DeepSpeed (issue 62).
+
+The shipped models are read, never rebuilt, here (a build takes most of an hour on 2 cores)."""
+import json
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from hydra.utils import instantiate
+from omegaconf import open_dict
+
+import rlmm.config.schema  # noqa: F401
+import rlmm.models.tiny as tiny
+from rlmm.config.options import CONF_DIR, to_container, validate
+from rlmm.models.hybrid import CPU_LINEAR_HEAD_DIMS, padding_free_refusal, recurrent_layers, vllm_cpu_refusal
+from rlmm.models.tiny import BUILTIN_DIR, shipped_digests, verify
+from rlmm.models.tiny_hybrid import TinyHybridModel
+
+
+def _compose(*overrides, model="tiny_hybrid"):
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("train", overrides=[f"model={model}", *overrides], return_hydra_config=True)
+    choices = dict(cfg.hydra.runtime.choices)
+    GlobalHydra.instance().clear()
+    with open_dict(cfg):
+        del cfg["hydra"]
+    return cfg, choices
+
+
+def _name(cfg) -> str:
+    return f"tiny_hybrid-{instantiate(cfg.model).cache_key(to_container(cfg.task))}"
+
+
+@pytest.fixture(scope="module", params=["tiny_hybrid", "tiny_hybrid_twin"])
+def shipped(request):
+    """The default configuration's shipped directory of the hybrid and of its twin."""
+    return BUILTIN_DIR / _name(_compose(model=request.param)[0])
+
+
+def test_both_configs_compose_validate_and_differ_only_in_the_linear_attention_layers():
+    hybrid, choices = _compose()
+    twin, twin_choices = _compose(model="tiny_hybrid_twin")
+    validate(hybrid, choices)
+    validate(twin, twin_choices)
+    built, built_twin = instantiate(hybrid.model), instantiate(twin.model)
+    assert isinstance(built, TinyHybridModel) and built.prefix == "tiny_hybrid"
+    assert built.layer_types() == ["linear_attention"] * 3 + ["full_attention"]
+    assert built_twin.layer_types() == ["full_attention"] * 4
+    assert {k: v for k, v in built.arch.items() if built_twin.arch[k] != v} == {"linear_attention_layers": [0, 1, 2]}
+    assert _name(hybrid) != _name(twin)
+    assert recurrent_layers(built.known_config()) == {0: "Gated DeltaNet", 1: "Gated DeltaNet", 2: "Gated DeltaNet"}
+    assert recurrent_layers(built_twin.known_config()) == {}
+
+
+def test_the_cache_key_follows_every_hybrid_value():
+    cfg, _ = _compose()
+    keys = {_name(cfg)}
+    for change in ("model.linear_attention_layers=[0,2]", "model.linear_num_key_heads=1", "model.linear_head_dim=128",
+                   "model.linear_conv_kernel_dim=2", "model.num_experts=2", "model.shared_expert_intermediate_size=128"):
+        keys.add(_name(_compose(change)[0]))
+    assert len(keys) == 7
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(linear_attention_layers=[0, 4]), r"model.linear_attention_layers: \[0, 4\] must be layer indices below "
+                                           r"num_layers=4 \(allowed: 0..3\)"),
+    (dict(linear_num_value_heads=3), "model: linear_num_value_heads=3 must be a multiple of linear_num_key_heads=2"),
+    (dict(num_experts_per_tok=2), "model: num_experts_per_tok=2 must be between 1 and num_experts=1"),
+    (dict(shared_expert_intermediate_size=0), "vLLM's Qwen3-Next loads no model without a shared expert"),
+])
+def test_bad_hybrid_values_are_one_line_errors(change, message):
+    values = dict(hidden_size=64, num_layers=4, num_heads=1, num_kv_heads=1, max_position=64,
+                  linear_attention_layers=[0, 1, 2], linear_num_key_heads=2, linear_num_value_heads=4,
+                  linear_head_dim=64, linear_conv_kernel_dim=4, num_experts=1, num_experts_per_tok=1,
+                  moe_intermediate_size=32, shared_expert_intermediate_size=32, seed=0, warm_start_steps=1,
+                  warm_start_lr=1e-3, warm_start_batch_size=1, cache_dir=None, rebuild=False)
+    with pytest.raises(ValueError, match=f"^{message}" if message.startswith("model") else message):
+        TinyHybridModel(**{**values, **change})
+
+
+def test_recurrent_layers_are_read_from_layer_types_of_each_family():
+    assert recurrent_layers({"layer_types": ["linear_attention", "full_attention"]}) == {0: "Gated DeltaNet"}
+    assert recurrent_layers({"text_config": {"layer_types": ["full_attention", "linear_attention"]}}) == \
+        {1: "Gated DeltaNet"}  # Qwen3.5's multimodal config
+    assert recurrent_layers({"layer_types": ["conv", "full_attention", "mamba"]}) == \
+        {0: "short convolution", 2: "Mamba"}  # LFM2, Granite 4
+    assert recurrent_layers({"layer_types": ["full_attention", "sliding_attention"]}) == {}
+    assert recurrent_layers({"hidden_size": 8}) == {} and padding_free_refusal({"hidden_size": 8}) is None
+
+
+def test_vllm_cpu_samples_gated_deltanet_in_bf16_with_the_head_dims_it_knows():
+    config = {"layer_types": ["linear_attention", "full_attention"], "linear_key_head_dim": 64,
+              "linear_value_head_dim": 64}
+    assert vllm_cpu_refusal(config, torch.bfloat16) is None
+    assert vllm_cpu_refusal({"layer_types": ["full_attention"]}, torch.float32) is None  # the twin: any dtype
+    assert vllm_cpu_refusal({"layer_types": ["mamba"]}, torch.float32) is None  # not a Gated DeltaNet kernel
+    for dtype, name in ((torch.float32, "fp32"), (torch.float16, "fp16")):
+        assert vllm_cpu_refusal(config, dtype).startswith(f"precision: sampler_dtype {name} on sampler=vllm: vLLM-CPU "
+                                                          "runs the Gated DeltaNet layers 0 of this model in bf16 only")
+    assert 64 in CPU_LINEAR_HEAD_DIMS and 32 not in CPU_LINEAR_HEAD_DIMS
+    assert vllm_cpu_refusal({**config, "linear_value_head_dim": 32}, torch.bfloat16).startswith(
+        "model: linear-attention head dim 32: vLLM-CPU's Gated DeltaNet kernels know only 64, 128")
+
+
+def test_a_trainer_refuses_to_pack_a_hybrid():
+    """The trainers' padding-free forward (rlmm/trainers/packing.py `use_varlen_attention`) on a transformers
+    Qwen3-Next: refused in one line; its twin (attention only) is packed as any model."""
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    from rlmm.trainers.packing import use_varlen_attention
+
+    def tiny_qwen3_next(layer_types):
+        return Qwen3NextForCausalLM(Qwen3NextConfig(
+            vocab_size=16, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+            head_dim=16, linear_num_key_heads=1, linear_num_value_heads=1, linear_key_head_dim=16,
+            linear_value_head_dim=16, num_experts=1, num_experts_per_tok=1, moe_intermediate_size=8,
+            shared_expert_intermediate_size=8, layer_types=layer_types))
+
+    with pytest.raises(ValueError, match=r"^trainer.padding_free=true: the Gated DeltaNet layers 1 of this model"):
+        use_varlen_attention(tiny_qwen3_next(["full_attention", "linear_attention"]), torch.device("cpu"), torch.float32)
+    assert use_varlen_attention(tiny_qwen3_next(["full_attention"] * 2), torch.device("cpu"), torch.float32) == "sdpa"
+
+
+# -- the shipped models ----------------------------------------------------------------------------------------------
+def test_the_shipped_models_match_their_manifest(shipped):
+    digests = shipped_digests().get(shipped.name)
+    assert digests is not None, f"{shipped.name} is not in {tiny.BUILTIN_SUMS}"
+    assert sorted(p.name for p in shipped.iterdir()) == sorted(digests)
+    verify(shipped, digests)
+
+
+def test_the_shipped_record_hashes_to_its_name_and_its_warm_start_learned(shipped):
+    """rlmm_model.json rebuilds the key the directory is named by (editing conf/model/tiny_hybrid.yaml or the task's
+    defaults fails here); config.json is Qwen3-Next with the configured layers."""
+    info = json.loads((shipped / "rlmm_model.json").read_text())
+    recorded = TinyHybridModel(**{k: v for k, v in info["arch"].items() if k != "intermediate_size"},
+                               seed=info["seed"], warm_start_steps=info["warm_start"]["steps"],
+                               warm_start_lr=info["warm_start"]["lr"],
+                               warm_start_batch_size=info["warm_start"]["batch_size"], cache_dir=None, rebuild=False)
+    assert f"tiny_hybrid-{recorded.cache_key(info['task'])}" == shipped.name
+    assert info["final_loss"] < 0.2 * info["initial_loss"]
+    config = json.loads((shipped / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3NextForCausalLM"] and config["layer_types"] == recorded.layer_types()
+
+
+def test_the_default_resolves_to_the_shipped_model_without_building(tmp_path, monkeypatch):
+    def build(*args, **kwargs):
+        raise AssertionError("the model was built instead of taken from rlmm/models/builtin/")
+    monkeypatch.setattr(tiny, "warm_start", build)
+    monkeypatch.setattr(TinyHybridModel, "_build", build)
+    cfg, _ = _compose(f"model.cache_dir={tmp_path}")
+    assert instantiate(cfg.model).resolve(instantiate(cfg.task), to_container(cfg.task)) == str(BUILTIN_DIR / _name(cfg))
+    assert not (tmp_path / "models").exists()
+
+
+def test_transformers_chunked_forward_and_recurrent_decode_are_one_function_in_fp32():
+    """The trainer's form (one chunked forward over the sequence) and the decoding form (the prompt's forward, then one
+    recurrent state update a token) of the shipped hybrid: the same log-probs in fp32 up to rounding; in bf16 the two
+    algorithms round apart by far more (the gap issue 62 measures between the engines)."""
+    from transformers import AutoModelForCausalLM
+
+    path = BUILTIN_DIR / _name(_compose()[0])
+    ids = torch.tensor([[1, 20, 21, 16, 22, 33, 19, 20, 21, 22, 23, 24, 25]])
+    gaps = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+        with torch.no_grad():
+            full = torch.log_softmax(model(ids, use_cache=False).logits.float(), -1)
+            out = model(ids[:, :4], use_cache=True)
+            stepped = [out.logits[:, -1]]
+            for t in range(4, ids.size(1)):
+                out = model(ids[:, t:t + 1], past_key_values=out.past_key_values, use_cache=True)
+                stepped.append(out.logits[:, -1])
+        stepped = torch.log_softmax(torch.stack(stepped, 1).float(), -1)
+        gaps[dtype] = (full[:, 3:] - stepped).abs().max().item()
+    assert gaps[torch.float32] < 1e-4, gaps
+    assert gaps[torch.bfloat16] > 100 * gaps[torch.float32], gaps
