@@ -133,3 +133,33 @@ def build_moe_model(path, seed: int = 0, layers: int = 2, experts: int = 8, top_
 @pytest.fixture(scope="session")
 def moe_model_path(tmp_path_factory) -> str:
     return build_moe_model(tmp_path_factory.mktemp("moe"))
+
+
+def build_hybrid_model(path, seed: int = 0) -> str:
+    """A random-init tiny Qwen3-Next (hidden 64: a Gated DeltaNet layer, heads of 64 as vLLM-CPU's kernels want, then
+    a full-attention layer; one expert per sparse block) with the built-in character tokenizer, saved to `path`: the
+    hybrid of the tests that need no warm start (seconds to build)."""
+    import torch
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    from rlmm.models.tiny import build_char_tokenizer
+
+    tokenizer = build_char_tokenizer()
+    torch.manual_seed(seed)
+    config = Qwen3NextConfig(vocab_size=len(tokenizer), hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                             num_key_value_heads=1, head_dim=32, layer_types=["linear_attention", "full_attention"],
+                             linear_num_key_heads=1, linear_num_value_heads=1, linear_key_head_dim=64,
+                             linear_value_head_dim=64, num_experts=1, num_experts_per_tok=1, moe_intermediate_size=64,
+                             shared_expert_intermediate_size=64, max_position_embeddings=128, tie_word_embeddings=False,
+                             bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                             pad_token_id=tokenizer.pad_token_id)
+    model = Qwen3NextForCausalLM(config)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def hybrid_model_path(tmp_path_factory) -> str:
+    return build_hybrid_model(tmp_path_factory.mktemp("hybrid"))

@@ -18,6 +18,7 @@ BF16, FP32 = torch.bfloat16, torch.float32
 # Which op class each parameter of the test models belongs to, written out by name (not from the code under
 # test): a plan that casts another module than its class's is caught here.
 PARAMETER_CLASSES = (
+    (r"linear_attn\.", "linear_attention"),  # the hybrid's Gated DeltaNet, its gated norm included
     (r"embed_tokens\.", "embeddings"), (r"lm_head\.", "lm_head"), (r"norm\.weight$|layernorm\.weight$", "rmsnorm"),
     (r"self_attn\.[qkvo]_proj\.", "attn_proj"), (r"mlp\.gate\.weight$", "router"), (r"mlp\.", "mlp"))
 
@@ -26,9 +27,9 @@ def expected_class(name: str) -> str:
     return next(op for pattern, op in PARAMETER_CLASSES if re.search(pattern, name))
 
 
-@pytest.fixture(scope="module", params=["dense", "moe"])
-def model_and_rollouts(request, small_model_path, moe_model_path, prompts):
-    path = small_model_path if request.param == "dense" else moe_model_path
+@pytest.fixture(scope="module", params=["dense", "moe", "hybrid"])
+def model_and_rollouts(request, small_model_path, moe_model_path, hybrid_model_path, prompts):
+    path = {"dense": small_model_path, "moe": moe_model_path, "hybrid": hybrid_model_path}[request.param]
     sampler = build_sampler("hf", path, SidePrecision("bf16", False), OPTIONS, seed=0)
     try:
         rollouts = sampler.generate(prompts, n=2)
@@ -75,7 +76,8 @@ def test_each_plan_casts_exactly_its_op_class(model_and_rollouts):
     trainer = build_trainer("torch", path, SidePrecision("fp32", False), OPTIONS)
     try:
         ops = OpPrecisions(trainer.model)
-        assert ops.classes == tuple(op for op in OP_CLASSES if op != "router" or kind == "moe")
+        present = {"dense": set(), "moe": {"router"}, "hybrid": {"router", "linear_attention"}}[kind]
+        assert ops.classes == tuple(op for op in OP_CLASSES if op not in ("router", "linear_attention") or op in present)
         for op in ops.classes:
             for plan, inside, outside in ((Plan(BF16, {op: FP32}), FP32, BF16), (Plan(FP32, {op: BF16}), BF16, FP32)):
                 with ops.precisions(plan):
@@ -83,7 +85,7 @@ def test_each_plan_casts_exactly_its_op_class(model_and_rollouts):
                         want = inside if expected_class(name) == op else outside
                         assert parameter.dtype == want, (op, name, parameter.dtype)
         model = trainer.model
-        layer = model.model.layers[0]
+        layer = next(layer for layer in model.model.layers if hasattr(layer, "self_attn"))  # the hybrid's 2nd
         seen = {}
 
         def record(name):
@@ -123,7 +125,7 @@ def test_each_plan_casts_exactly_its_op_class(model_and_rollouts):
             low = trainer.logprobs(rollouts)
         with ops.precisions(Plan(BF16, {"embeddings": FP32})):
             assert torch.equal(trainer.logprobs(rollouts), low)
-        for op in ("rope", "attention", "residual"):
+        for op in ("rope", "attention", "residual") + (("linear_attention",) if kind == "hybrid" else ()):
             with ops.precisions(Plan(BF16, {op: FP32})):
                 assert not torch.equal(trainer.logprobs(rollouts), low), op
     finally:

@@ -11,6 +11,9 @@ from rlmm.config.options import from_yaml, group_options
 from tests.conftest import subprocess_env
 
 CASES = [
+    (["model=tiny_hybrid", "probe.layers=true"], "probe.layers=true: the layer attribution captures each layer's "
+                                                 "attention block, and the Gated DeltaNet layers 0, 1, 2 of this model "
+                                                 "have none (allowed for a hybrid: probe.layers=false)"),
     (["task=calculator", "probe.layers=true"], "probe.layers=true with a multi-turn task: the sampler's hidden states "
                                                "are captured per generate call"),
     (["sampler=vlm"], "unknown sampler 'vlm' (allowed: bitwise, hf, vllm)"),
@@ -239,7 +242,7 @@ def test_train_bad_input_one_line_error(args, message, in_one_process):
 
 # The `rlmm` command itself, one process a case: the exit code and a stderr of one line with nothing before
 # it (no import's warning), for a case of each kind: a group, a sweep, a path, a key, a rule between keys.
-AS_A_COMMAND = [("probe", CASES[0]), ("probe", CASES[4]), ("probe", CASES[9]), ("train", TRAIN_CASES[8]),
+AS_A_COMMAND = [("probe", CASES[1]), ("probe", CASES[5]), ("probe", CASES[10]), ("train", TRAIN_CASES[8]),
                 ("train", TRAIN_CASES[24]), ("train", TRAIN_CASES[0])]
 
 

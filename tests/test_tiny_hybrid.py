@@ -82,22 +82,36 @@ def test_bad_hybrid_values_are_one_line_errors(change, message):
         TinyHybridModel(**{**values, **change})
 
 
-def test_recurrent_layers_are_read_from_layer_types_of_each_family():
-    assert recurrent_layers({"layer_types": ["linear_attention", "full_attention"]}) == {0: "Gated DeltaNet"}
-    assert recurrent_layers({"text_config": {"layer_types": ["full_attention", "linear_attention"]}}) == \
-        {1: "Gated DeltaNet"}  # Qwen3.5's multimodal config
-    assert recurrent_layers({"layer_types": ["conv", "full_attention", "mamba"]}) == \
-        {0: "short convolution", 2: "Mamba"}  # LFM2, Granite 4
-    assert recurrent_layers({"layer_types": ["full_attention", "sliding_attention"]}) == {}
-    assert recurrent_layers({"hidden_size": 8}) == {} and padding_free_refusal({"hidden_size": 8}) is None
+def test_recurrent_layers_are_read_from_the_config_of_each_family():
+    """Which layers carry a state, and what they are, from config.json's values or a transformers config: stored
+    (`layer_types`, `layers_block_type`) or computed (Jamba's attention period, Falcon-H1's every layer); transformers
+    calls a Mamba layer "linear_attention" in most hybrids, so the model type says which it is."""
+    from transformers import FalconH1Config, GraniteMoeHybridConfig, JambaConfig
+
+    qwen3_next = {"model_type": "qwen3_next", "layer_types": ["linear_attention", "full_attention"]}
+    assert recurrent_layers(qwen3_next) == {0: "Gated DeltaNet"}
+    assert recurrent_layers({"model_type": "qwen3_5", "text_config": {
+        "model_type": "qwen3_5_text", "layer_types": ["full_attention", "linear_attention"]}}) == {1: "Gated DeltaNet"}
+    assert recurrent_layers({"model_type": "lfm2", "layer_types": ["conv", "full_attention"]}) == {0: "short convolution"}
+    assert recurrent_layers({"model_type": "nemotron_h", "layers_block_type": ["linear_attention", "moe",
+                                                                             "full_attention"]}) == {0: "Mamba"}
+    granite = GraniteMoeHybridConfig(num_hidden_layers=3, layer_types=["mamba", "attention", "mamba"])
+    assert recurrent_layers(granite) == {0: "Mamba", 2: "Mamba"}
+    jamba = JambaConfig(num_hidden_layers=4, attn_layer_period=4, attn_layer_offset=2)
+    assert recurrent_layers(jamba) == recurrent_layers(jamba.to_dict()) == {0: "Mamba", 1: "Mamba", 3: "Mamba"}
+    assert recurrent_layers(FalconH1Config(num_hidden_layers=2).to_dict()) == {0: "attention + Mamba",
+                                                                                1: "attention + Mamba"}
+    assert recurrent_layers({"model_type": "mamba2", "num_hidden_layers": 2}) == {0: "Mamba", 1: "Mamba"}
+    assert recurrent_layers({"model_type": "qwen2", "hidden_size": 8}) == {} == recurrent_layers({})
+    assert padding_free_refusal({"model_type": "qwen2"}) is None
 
 
 def test_vllm_cpu_samples_gated_deltanet_in_bf16_with_the_head_dims_it_knows():
-    config = {"layer_types": ["linear_attention", "full_attention"], "linear_key_head_dim": 64,
+    config = {"model_type": "qwen3_next", "layer_types": ["linear_attention", "full_attention"], "linear_key_head_dim": 64,
               "linear_value_head_dim": 64}
     assert vllm_cpu_refusal(config, torch.bfloat16) is None
-    assert vllm_cpu_refusal({"layer_types": ["full_attention"]}, torch.float32) is None  # the twin: any dtype
-    assert vllm_cpu_refusal({"layer_types": ["mamba"]}, torch.float32) is None  # not a Gated DeltaNet kernel
+    assert vllm_cpu_refusal({**config, "layer_types": ["full_attention"]}, torch.float32) is None  # the twin
+    assert vllm_cpu_refusal({"model_type": "falcon_h1", "num_hidden_layers": 2}, torch.float32) is None  # Mamba
     for dtype, name in ((torch.float32, "fp32"), (torch.float16, "fp16")):
         assert vllm_cpu_refusal(config, dtype).startswith(f"precision: sampler_dtype {name} on sampler=vllm: vLLM-CPU "
                                                           "runs the Gated DeltaNet layers 0 of this model in bf16 only")
@@ -179,3 +193,47 @@ def test_transformers_chunked_forward_and_recurrent_decode_are_one_function_in_f
         gaps[dtype] = (full[:, 3:] - stepped).abs().max().item()
     assert gaps[torch.float32] < 1e-4, gaps
     assert gaps[torch.bfloat16] > 100 * gaps[torch.float32], gaps
+
+
+# -- the engines on it -----------------------------------------------------------------------------------------------
+def _rlmm(app: str, run_dir, *overrides: str):
+    import subprocess
+    import sys
+
+    from tests.conftest import subprocess_env
+
+    result = subprocess.run([sys.executable, "-m", "rlmm.cli", app, "model=tiny_hybrid", *overrides,
+                             f"hydra.run.dir={run_dir}"], capture_output=True, text=True, timeout=900,
+                            env=subprocess_env(), stdin=subprocess.DEVNULL)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    return result
+
+
+def test_the_hybrid_trains_on_vllm_and_deepspeed(tmp_path):
+    """The default engines on the hybrid: vLLM samples it in bf16 (its CPU Gated DeltaNet kernels: chunked prefill,
+    recurrent decode), DeepSpeed scores and trains it in fp32 (transformers' chunked form); the mismatch is logged and
+    the warm-started model answers held-out problems."""
+    _rlmm("train", tmp_path, "debug=train")
+    steps = [json.loads(line) for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in steps] == [0, 1, 2]
+    for step in steps[1:]:
+        assert 0 < step["mismatch/logprob_abs_diff_mean"] < 1 and step["train/skipped"] == 0
+    assert steps[0]["eval/accuracy"] > 0.2
+
+
+def test_the_probe_scores_the_hybrid_with_padded_layouts_only(tmp_path):
+    """`rlmm probe model=tiny_hybrid`: the sampler against the trainer, its decode against its own prefill (recurrent
+    against chunked on the sampler's side), and the trainer across layouts without the packed ones, which would
+    carry a Gated DeltaNet state from one sequence into the next (named in the record and the report)."""
+    from tests.test_probe import SMALL
+
+    result = _rlmm("probe", tmp_path, *SMALL)
+    record = json.loads((tmp_path / "probe.json").read_text())
+    assert record["precision"]["actual"]["sampler"]["dtype"] == "bf16"
+    assert 0 < record["sampler_vs_trainer"]["logprob_abs_diff_mean"] < 1
+    assert record["decode_vs_prefill"]["logprob_abs_diff_mean"] > 0
+    itself = record["trainer_vs_itself"]
+    assert not any(layout["padding_free"] for layout in itself["layouts"].values())
+    assert itself["layouts_left_out"]["layouts"] == ["padding_free", "budget_padding_free"]
+    assert "trainer layouts left out: padding_free, budget_padding_free (trainer.padding_free=true: the Gated " \
+           "DeltaNet layers 0, 1, 2" in " ".join(result.stdout.split())

@@ -84,7 +84,7 @@ def check_model_options(cfg, built: dict, this_machine: bool) -> None:
     engines start): a hybrid's recurrent layers (rlmm/models/hybrid.py)."""
     from hydra.utils import get_class
 
-    from rlmm.models.hybrid import padding_free_refusal
+    from rlmm.models.hybrid import layers_probe_refusal, padding_free_refusal
 
     config = built["model"].known_config()
     if config is None:
@@ -93,6 +93,8 @@ def check_model_options(cfg, built: dict, this_machine: bool) -> None:
         if this_machine else None
     if not problem and cfg.get("trainer") is not None and cfg.trainer.get("padding_free"):
         problem = padding_free_refusal(config)
+    if not problem and cfg.get("probe") is not None and cfg.probe.get("layers"):
+        problem = layers_probe_refusal(config)
     if problem:
         raise ValueError(problem)
 

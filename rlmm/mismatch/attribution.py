@@ -11,6 +11,9 @@ An op class (`OP_CLASSES`) is a set of modules or functions of the model that co
     attention    scores, softmax and the weighted sum of v (the model's attention function)
     mlp          the MLP (gate, up, act, down); of an MoE block, the experts and their combination
     router       an MoE block's router (its logits and softmax; the top-k choice is on its output)
+    linear_attention  a hybrid's recurrent layer (Gated DeltaNet: its projections, convolution, gates, the delta
+                 rule over its state and its gated norm), the whole layer in one dtype (transformers' torch delta rule
+                 itself runs in fp32 whatever it is given: the class moves its inputs' and weights' rounding)
     residual     the residual stream: the dtype the layers' sums and the hidden state between layers are in
     lm_head      the output projection (raised alone it is the trainer's fp32 LM head, bit for bit)
 
@@ -47,7 +50,10 @@ from rlmm.models.transformers_internals import (attention_replaced, has_rotary_f
                                                 rotary_replaced)
 from rlmm.policy.precision import dtype_name, to_dtype
 
-OP_CLASSES = ("embeddings", "rmsnorm", "attn_proj", "rope", "attention", "mlp", "router", "residual", "lm_head")
+OP_CLASSES = ("embeddings", "rmsnorm", "attn_proj", "rope", "attention", "mlp", "router", "linear_attention", "residual",
+              "lm_head")
+# The modules of a hybrid's recurrent layers (the decoder layer's attribute: Qwen3-Next's and Qwen3.5's Gated DeltaNet).
+LINEAR_ATTENTION_MODULES = ("linear_attn",)
 ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 # The attention function a plan runs the model's own through (transformers' AttentionInterface).
 ATTENTION_NAME = "rlmm_attribution"
@@ -109,8 +115,9 @@ class OpPrecisions:
         self.parameter_ops = self._parameter_ops()
         self.modeling = modeling_module(self._decoder_layers()[0])
         self.has_rope = has_rotary_function(self.modeling)
+        present = {s.op for s in self.sites}
         self.classes = tuple(op for op in OP_CLASSES
-                             if (op != "router" or any(s.op == "router" for s in self.sites))
+                             if (op not in ("router", "linear_attention") or op in present)
                              and (op != "rope" or self.has_rope))
 
     def _decoder_layers(self) -> list[nn.Module]:
@@ -133,6 +140,8 @@ class OpPrecisions:
                 sites.append(Site(module, "attn_proj", "residual" if leaf == "o_proj" else "base"))
             elif leaf == "mlp":
                 sites.append(Site(module, "mlp", "residual"))
+            elif leaf in LINEAR_ATTENTION_MODULES:
+                sites.append(Site(module, "linear_attention", "residual"))  # its output is added to the stream
             elif kind in ROUTERS:
                 sites.append(Site(module, "router", "mlp"))  # its gates weigh the experts' outputs
             elif kind.endswith("RotaryEmbedding"):

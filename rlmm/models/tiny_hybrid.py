@@ -87,7 +87,7 @@ class TinyHybridModel(TinyModel):
         return ["linear_attention" if layer in linear else "full_attention" for layer in range(self.arch["num_layers"])]
 
     def known_config(self) -> dict:
-        return {"layer_types": self.layer_types(), "linear_key_head_dim": self.arch["linear_head_dim"],
+        return {"model_type": "qwen3_next", "layer_types": self.layer_types(), "linear_key_head_dim": self.arch["linear_head_dim"],
                 "linear_value_head_dim": self.arch["linear_head_dim"]}
 
     def _new_model(self, tokenizer):

@@ -37,7 +37,8 @@ from rlmm.mismatch.attribution import attribute, plot_attribution
 from rlmm.mismatch.layer_attribution import compare_layers, plot_layers
 from rlmm.mismatch.metrics import (early_vs_late, entropy_profile, mismatch_metrics, position_profile,
                                   token_agreement)
-from rlmm.policy.quantization import NoQuantization
+from rlmm.models.hybrid import padding_free_refusal
+from rlmm.policy.quantization import NoQuantization, text_config
 from rlmm.policy.support import recorded as support_recorded
 from rlmm.policy.support import support_metrics
 from rlmm.probe.checks import check_finite, check_options
@@ -94,10 +95,16 @@ def run_probe(cfg: DictConfig, run_dir: Path, choices: dict[str, str]) -> dict:
     same_responses = ({} if early_late.response_tokens is None else
                       early_vs_late(train_logprobs, sampler_logprobs, mask, **early_late))
 
+    packing_refused = padding_free_refusal(text_config(model_path))
+    if packing_refused:  # a hybrid: packed layouts would score tokens the trainer never would (rlmm/models/hybrid.py)
+        left_out = [name for name, layout in layouts.items() if layout.padding_free]
+        layouts = {name: layout for name, layout in layouts.items() if not layout.padding_free}
     with timed(stage_seconds, "trainer_vs_itself"):
         trainer_vs_itself = trainer_against_itself(trainer, rollouts, options.trainer_micro_batch_sizes,
                                                    options.ratio_cap)
         trainer_vs_itself.update(trainer_across_layouts(trainer, rollouts, layouts, options.ratio_cap))
+        if packing_refused and left_out:
+            trainer_vs_itself["layouts_left_out"] = {"layouts": left_out, "why": packing_refused}
     with timed(stage_seconds, "routing"):
         routing_part = routing_decomposition(routing, trainer, rollouts, own_routing, train_logprobs,
                                              sampler_logprobs, mask, options.ratio_cap)

@@ -47,6 +47,8 @@ def print_probe(record: dict) -> None:
                 table.add_row(name, describe_layout(layout), format_number(itself[f"{name}/logprob_abs_diff_mean"]),
                               format_number(itself[f"{name}/logprob_abs_diff_max"]))
         console.print(table)
+    if left_out := itself.get("layouts_left_out"):
+        console.print(f"trainer layouts left out: {', '.join(left_out['layouts'])} ({left_out['why']})")
     if routing := record.get("routing"):
         print_routing(console, routing)
     if attribution := record.get("attribution"):
