@@ -91,9 +91,9 @@ def check_model_options(cfg, built: dict, this_machine: bool) -> None:
         return
     problem = get_class(cfg.sampler._target_).refused_model(config, built["precision"].sampler.dtype) \
         if this_machine else None
-    if not problem and cfg.get("trainer") is not None and cfg.trainer.get("padding_free"):
+    if not problem and cfg.trainer.padding_free:
         problem = padding_free_refusal(config)
-    if not problem and cfg.get("probe") is not None and cfg.probe.get("layers"):
+    if not problem and "probe" in cfg and cfg.probe.layers:
         problem = layers_probe_refusal(config)
     if problem:
         raise ValueError(problem)

@@ -45,6 +45,9 @@ class TinyHybridModel(TinyModel):
             dense in effect; vLLM needs the block, module docstring).
         moe_intermediate_size, shared_expert_intermediate_size: each routed expert's and the shared expert's
             SwiGLU width (352 + 352: the dense tiny's 704 per token).
+        router_aux_loss_coef: with num_experts > 1, the weight of the warm start's load-balancing loss
+            (model=tiny_moe's `balance_loss`); one expert has nothing to balance, and the value is then not part of
+            the model's name.
         seed, warm_start_steps, warm_start_lr, warm_start_batch_size, cache_dir, rebuild: as `TinyModel`.
     """
 
@@ -53,7 +56,8 @@ class TinyHybridModel(TinyModel):
     def __init__(self, hidden_size: int, num_layers: int, num_heads: int, num_kv_heads: int, max_position: int,
                  linear_attention_layers: list[int], linear_num_key_heads: int, linear_num_value_heads: int,
                  linear_head_dim: int, linear_conv_kernel_dim: int, num_experts: int, num_experts_per_tok: int,
-                 moe_intermediate_size: int, shared_expert_intermediate_size: int, seed: int, warm_start_steps: int,
+                 moe_intermediate_size: int, shared_expert_intermediate_size: int, router_aux_loss_coef: float,
+                 seed: int, warm_start_steps: int,
                  warm_start_lr: float, warm_start_batch_size: int, cache_dir: str | None, rebuild: bool):
         super().__init__(hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads,
                          num_kv_heads=num_kv_heads, intermediate_size=moe_intermediate_size + shared_expert_intermediate_size,
@@ -80,6 +84,8 @@ class TinyHybridModel(TinyModel):
                          linear_conv_kernel_dim=linear_conv_kernel_dim, num_experts=num_experts,
                          num_experts_per_tok=num_experts_per_tok, moe_intermediate_size=moe_intermediate_size,
                          shared_expert_intermediate_size=shared_expert_intermediate_size)
+        if num_experts > 1:
+            self.arch["router_aux_loss_coef"] = router_aux_loss_coef
 
     def layer_types(self) -> list[str]:
         """Qwen3-Next's `layer_types`: each layer's "linear_attention" (Gated DeltaNet) or "full_attention"."""
@@ -111,4 +117,4 @@ class TinyHybridModel(TinyModel):
             return lm_objective
         from rlmm.models.tiny_moe import BalancedLMObjective
 
-        return BalancedLMObjective(0.01, self.arch["num_experts_per_tok"])
+        return BalancedLMObjective(self.arch["router_aux_loss_coef"], self.arch["num_experts_per_tok"])
